@@ -1,0 +1,520 @@
+"""Token trees for speculative decoding: the batched tree object and two builders.
+
+Layout conventions (shared by every module in :mod:`vllm_easyspec.tree` and by the kernels)
+---------------------------------------------------------------------------------------------
+* A request's *root* is its last verified token (the previous step's bonus token). It is not a
+  tree node. Its position is ``prefix_len`` = the number of tokens whose K/V is already cached.
+* Draft nodes ``0 .. num_nodes-1`` are stored in a fixed topological order: ``parents[i] < i``.
+  ``parents[i] == -1`` means "child of the root". ``depth[i] >= 1`` (root children have depth 1).
+* The verify forward of the target feeds, per request, the root followed by the nodes in node
+  order: *query index* ``j = 0`` is the root, ``j = i + 1`` is node ``i``. This is exactly vLLM's
+  linear slot accounting: query ``j`` writes its K/V to logical slot ``prefix_len + j``.
+* Positions (RoPE) follow the tree, not the slots: node ``i`` sits at ``prefix_len + depth[i]``.
+* Target logits arrive in the same query order (row 0 = distribution after the root, row
+  ``i + 1`` = distribution after node ``i``), which is how vLLM orders ``logits_indices``.
+* After acceptance, the accepted nodes' K/V move from ``prefix_len + 1 + node`` to
+  ``prefix_len + depth`` (see :mod:`vllm_easyspec.tree.compaction`).
+
+How children were drawn is recorded in :class:`ChildDrawMode`; the sampler picks its verification
+rule from it and never guesses.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+# vLLM v1 caps speculative tokens per request at this value (vllm/v1/sample/rejection_sampler.py).
+MAX_TREE_NODES = 128
+
+Choice = tuple[int, ...]
+
+
+class ChildDrawMode(enum.StrEnum):
+    """How the proposer obtained the children of every tree node.
+
+    ``IID_FROM_DRAFT``: the children of a node are independent samples from the draft distribution
+    ``q(. | path to node)`` (duplicates allowed). Verification: SpecInfer multi-step speculative
+    sampling; the draft probabilities of every expanded node must be kept.
+
+    ``WITHOUT_REPLACEMENT``: the children of a node are distinct tokens that are a deterministic
+    function of the context (top-k by draft probability, Medusa/vLLM choice lists, EAGLE-2 dynamic
+    trees). Verification: recursive rejection sampling with one-hot ``q``; no draft
+    probabilities needed.
+    """
+
+    IID_FROM_DRAFT = "iid_from_draft"
+    WITHOUT_REPLACEMENT = "without_replacement"
+
+
+def _check_budget(num_nodes: int, what: str) -> None:
+    if num_nodes <= 0:
+        raise ValueError(f"{what}: the tree is empty (0 draft nodes); give at least one node.")
+    if num_nodes > MAX_TREE_NODES:
+        raise ValueError(
+            f"{what}: {num_nodes} draft nodes exceed vLLM's speculative limit MAX_SPEC_LEN="
+            f"{MAX_TREE_NODES}; reduce the number of nodes (budget / choices) to at most {MAX_TREE_NODES}."
+        )
+
+
+@dataclass
+class TokenTreeBatch:
+    """Per-request token trees of a batch, padded to ``N = max nodes`` columns.
+
+    Invariants (checked in ``__post_init__``):
+      * ``tokens``, ``parents``: ``[B, N]`` int64; nodes ``i >= num_nodes[b]`` are padding
+        (token -1, parent -1) and take part in nothing.
+      * ``-1 <= parents[b, i] < i`` for every real node (parents come first).
+      * ``draft_probs`` is ``[B, N + 1, V]`` in query order (row 0 = ``q`` after the root, row
+        ``i + 1`` = ``q`` after node ``i``) and is required iff ``draw_mode`` is
+        ``IID_FROM_DRAFT``. Rows of leaves are unused.
+
+    Derived tensors (computed once): ``depth`` ``[B, N]`` (0 for padding), ``ancestors``
+    ``[B, N, D]`` (root-to-node path of node indices, ``D = max depth``, -1 padded),
+    ``max_depth``.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    num_nodes: torch.Tensor
+    draw_mode: ChildDrawMode
+    draft_probs: torch.Tensor | None = None
+    depth: torch.Tensor = field(init=False)
+    ancestors: torch.Tensor = field(init=False)
+    max_depth: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.draw_mode = ChildDrawMode(self.draw_mode)
+        if self.tokens.ndim != 2 or self.parents.shape != self.tokens.shape:
+            raise ValueError(
+                f"tokens and parents must both be [batch, nodes]; got {tuple(self.tokens.shape)} and "
+                f"{tuple(self.parents.shape)}."
+            )
+        batch, width = self.tokens.shape
+        _check_budget(width, "TokenTreeBatch.tokens")
+        self.tokens = self.tokens.long()
+        self.parents = self.parents.long()
+        self.num_nodes = torch.as_tensor(self.num_nodes, device=self.tokens.device).long().reshape(-1)
+        if self.num_nodes.numel() != batch:
+            raise ValueError(f"num_nodes must have one entry per request ({batch}); got {self.num_nodes.numel()}.")
+        if bool(((self.num_nodes < 0) | (self.num_nodes > width)).any()):
+            raise ValueError(f"num_nodes must lie in [0, {width}] (the padded width); got {self.num_nodes.tolist()}.")
+        node_index = torch.arange(width, device=self.tokens.device)
+        real = node_index[None, :] < self.num_nodes[:, None]
+        bad = real & ((self.parents >= node_index[None, :]) | (self.parents < -1))
+        if bool(bad.any()):
+            b, i = (int(v) for v in bad.nonzero()[0])
+            raise ValueError(
+                f"parents[{b}, {i}] = {int(self.parents[b, i])}: a node's parent must come before it "
+                f"(-1 <= parent < node index). Reorder the nodes topologically (parents first)."
+            )
+        if bool((real & (self.tokens < 0)).any()):
+            raise ValueError("tokens: real nodes need a token id >= 0 (-1 is reserved for padding).")
+        self.tokens = torch.where(real, self.tokens, torch.full_like(self.tokens, -1))
+        self.parents = torch.where(real, self.parents, torch.full_like(self.parents, -1))
+        if self.draw_mode is ChildDrawMode.IID_FROM_DRAFT:
+            if self.draft_probs is None:
+                raise ValueError(
+                    "draft_probs is required for draw_mode=iid_from_draft (SpecInfer verification needs "
+                    "q at every expanded node); pass [batch, nodes + 1, vocab] probabilities."
+                )
+            if self.draft_probs.ndim != 3 or tuple(self.draft_probs.shape[:2]) != (batch, width + 1):
+                raise ValueError(
+                    f"draft_probs must be [batch, nodes + 1, vocab] = [{batch}, {width + 1}, V]; got "
+                    f"{tuple(self.draft_probs.shape)}."
+                )
+        self.depth, self.ancestors = _depth_and_paths(self.parents, real)
+        self.max_depth = int(self.depth.max())
+
+    # ------------------------------------------------------------------ basic views
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def width(self) -> int:
+        """Padded number of node columns ``N``."""
+        return self.tokens.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """``[B, N]`` bool: real (non-padding) nodes."""
+        return torch.arange(self.width, device=self.device)[None, :] < self.num_nodes[:, None]
+
+    def positions(self, prefix_lens: torch.Tensor) -> torch.Tensor:
+        """``[B, N]`` RoPE positions of the nodes: ``prefix_len + depth`` (-1 for padding)."""
+        pos = prefix_lens.to(self.device).long()[:, None] + self.depth
+        return torch.where(self.valid, pos, torch.full_like(pos, -1))
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """``[B, N, N]`` bool: ``mask[b, i, j]`` iff node ``j`` is node ``i`` or one of its ancestors."""
+        mask = torch.zeros(self.batch_size, self.width, self.width + 1, dtype=torch.bool, device=self.device)
+        mask.scatter_(2, self.ancestors + 1, True)  # -1 padding lands in column 0, dropped below
+        return mask[:, :, 1:]
+
+    def is_leaf(self) -> torch.Tensor:
+        """``[B, N]`` bool: real nodes without real children."""
+        has_child = torch.zeros(self.batch_size, self.width + 1, dtype=torch.bool, device=self.device)
+        has_child.scatter_(1, (self.parents + 1).masked_fill(~self.valid, 0), self.valid)
+        return self.valid & ~has_child[:, 1:]
+
+    def root_to_leaf_paths(self) -> torch.Tensor:
+        """``[B, L, D]`` node indices of every root-to-leaf path (leaves in node order), -1 padded."""
+        leaf = self.is_leaf()
+        num_leaves = int(leaf.sum(1).max()) if leaf.any() else 0
+        paths = torch.full((self.batch_size, max(num_leaves, 1), max(self.max_depth, 1)), -1,
+                           dtype=torch.long, device=self.device)
+        order = torch.argsort((~leaf).to(torch.int8), dim=1, stable=True)[:, :num_leaves]
+        picked = torch.gather(self.ancestors, 1, order[:, :, None].expand(-1, -1, self.ancestors.shape[2]))
+        keep = torch.gather(leaf, 1, order)
+        paths[:, :num_leaves, : self.ancestors.shape[2]] = torch.where(keep[:, :, None], picked, -1)
+        return paths
+
+    def children_table(self) -> torch.Tensor:
+        """``[B, N + 1, C]``: children of every query row (row 0 = root, row ``i + 1`` = node ``i``)
+        as node indices in node order, -1 padded; ``C`` = the largest branching factor."""
+        onehot = torch.zeros(self.batch_size, self.width, self.width + 1, dtype=torch.long, device=self.device)
+        onehot.scatter_(2, (self.parents + 1)[:, :, None], self.valid[:, :, None].long())
+        rank = (onehot.cumsum(1) * onehot).sum(2) - 1  # rank among siblings, -1 for padding
+        max_children = int(onehot.sum(1).max()) if self.valid.any() else 0
+        table = torch.full((self.batch_size, self.width + 1, max(max_children, 1)), -1,
+                           dtype=torch.long, device=self.device)
+        b_idx, i_idx = self.valid.nonzero(as_tuple=True)
+        table[b_idx, self.parents[b_idx, i_idx] + 1, rank[b_idx, i_idx]] = i_idx
+        return table
+
+    # ------------------------------------------------------------------ verify-forward layout
+    def verify_layout(self, prefix_lens: torch.Tensor) -> VerifyLayout:
+        """Flattened per-query layout of the target's verify forward (root + nodes per request)."""
+        prefix_lens = prefix_lens.to(self.device).long().reshape(-1)
+        queries_per_request = self.num_nodes + 1
+        cu = torch.zeros(self.batch_size + 1, dtype=torch.long, device=self.device)
+        cu[1:] = queries_per_request.cumsum(0)
+        width = self.width + 1
+        valid_q = torch.arange(width, device=self.device)[None, :] < queries_per_request[:, None]
+        parent_q = torch.cat([torch.full_like(self.parents[:, :1], -1), self.parents + 1], dim=1)
+        depth_q = torch.cat([torch.zeros_like(self.depth[:, :1]), self.depth], dim=1)
+        token_q_mask = torch.zeros(self.batch_size, width, width, dtype=torch.bool, device=self.device)
+        token_q_mask[:, :, 0] = True
+        token_q_mask[:, 1:, 1:] = self.ancestor_mask()
+        return VerifyLayout(
+            cu_query_lens=cu,
+            prefix_lens=prefix_lens,
+            parents=parent_q[valid_q],
+            positions=(prefix_lens[:, None] + depth_q)[valid_q],
+            ancestor_mask=token_q_mask[valid_q],
+            query_tokens_without_root=self.tokens[self.valid],
+        )
+
+
+@dataclass
+class VerifyLayout:
+    """Flattened query rows of one verify forward; ``T = sum(num_nodes + 1)``.
+
+    * ``cu_query_lens`` ``[B + 1]``: rows of request ``b`` are ``cu[b]:cu[b + 1]``; the first is the root.
+    * ``parents`` ``[T]``: request-local query index of the parent, -1 for the root.
+    * ``positions`` ``[T]``: ``prefix_len + depth`` (root depth 0).
+    * ``ancestor_mask`` ``[T, N + 1]`` bool: ``mask[t, j]`` iff request-local query ``j`` is an
+      ancestor of (or equal to) row ``t``; this is the mask the attention kernels take.
+    * slots are linear: row ``t`` of request ``b`` owns logical slot ``prefix_lens[b] + (t - cu[b])``.
+    """
+
+    cu_query_lens: torch.Tensor
+    prefix_lens: torch.Tensor
+    parents: torch.Tensor
+    positions: torch.Tensor
+    ancestor_mask: torch.Tensor
+    query_tokens_without_root: torch.Tensor
+
+
+def _depth_and_paths(parents: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depth (1-based, 0 for padding) and root-to-node ancestor paths ``[B, N, D]`` by pointer chasing."""
+    batch, width = parents.shape
+    node = torch.arange(width, device=parents.device).expand(batch, width)
+    chain = [torch.where(valid, node, torch.full_like(node, -1))]  # self, parent, grandparent, ...
+    cur = chain[0]
+    for _ in range(width):
+        nxt = torch.gather(parents, 1, cur.clamp(min=0))
+        nxt = torch.where(cur >= 0, nxt, torch.full_like(nxt, -1))
+        if not bool((nxt >= 0).any()):
+            break
+        chain.append(nxt)
+        cur = nxt
+    up = torch.stack(chain, dim=2)  # [B, N, D] self first
+    depth = (up >= 0).sum(2)
+    max_depth = up.shape[2]
+    k = torch.arange(max_depth, device=parents.device)
+    src = (depth[:, :, None] - 1 - k[None, None, :]).clamp(min=0)
+    down = torch.gather(up, 2, src)
+    down = torch.where(k[None, None, :] < depth[:, :, None], down, torch.full_like(down, -1))
+    return depth, down
+
+
+# ====================================================================== static trees (choice lists)
+@dataclass(frozen=True)
+class StaticTreeTemplate:
+    """Topology of a Medusa / vLLM style choice list such as ``[(0,), (1,), (0, 0), (0, 1)]``.
+
+    Choice ``(r1, ..., rd)`` is the node reached by taking child rank ``r1`` of the root, then rank
+    ``r2`` of that node, ... Node order = the order of the list (must be topological).
+    ``ranks[i]`` is the last element of choice ``i``: the draft-rank of the token (for
+    ``WITHOUT_REPLACEMENT``) or the index of the i.i.d. draw (for ``IID_FROM_DRAFT``).
+    """
+
+    choices: tuple[Choice, ...]
+    parents: tuple[int, ...]
+    ranks: tuple[int, ...]
+    depth: tuple[int, ...]
+
+    @classmethod
+    def from_choices(cls, choices: Sequence[Sequence[int]]) -> StaticTreeTemplate:
+        choices = [tuple(int(r) for r in c) for c in choices]
+        _check_budget(len(choices), "choices")
+        index: dict[Choice, int] = {}
+        parents, ranks = [], []
+        for i, choice in enumerate(choices):
+            if len(choice) == 0:
+                raise ValueError(f"choices[{i}] is empty; the root is implicit, list only draft nodes.")
+            if min(choice) < 0:
+                raise ValueError(f"choices[{i}] = {choice} has a negative rank; ranks are >= 0.")
+            if choice in index:
+                raise ValueError(f"choices[{i}] = {choice} is listed twice; each node must appear once.")
+            parent = choice[:-1]
+            if parent and parent not in index:
+                raise ValueError(
+                    f"choices[{i}] = {choice}: its parent {parent} does not come before it. List parents "
+                    f"before children (e.g. sorted(choices, key=lambda c: (len(c), c)))."
+                )
+            parents.append(index[parent] if parent else -1)
+            ranks.append(choice[-1])
+            index[choice] = i
+        return cls(tuple(choices), tuple(parents), tuple(ranks), tuple(len(c) for c in choices))
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.choices)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depth)
+
+    def expansion_levels(self) -> list[list[int]]:
+        """For each level ``d = 0 .. max_depth - 1``: the nodes at depth ``d`` that have children
+        (``-1`` stands for the root at level 0). The proposer runs its draft model on these."""
+        levels: list[list[int]] = [[] for _ in range(self.max_depth)]
+        seen: set[int] = set()
+        for i, p in enumerate(self.parents):
+            if p not in seen:
+                seen.add(p)
+                levels[self.depth[i] - 1].append(p)
+        for level in levels:
+            level.sort()
+        return levels
+
+
+class StaticTreeBuilder:
+    """Fills a :class:`StaticTreeTemplate` with tokens, one depth level at a time.
+
+    Protocol (per step ``d``): read ``nodes_to_expand()`` (node indices, -1 = root) and
+    ``partial_tokens`` (tokens known so far, -1 where not yet drawn), run the draft model on those
+    nodes, and pass their log-probabilities ``[B, len(nodes_to_expand()), V]`` to :meth:`expand`.
+    After ``template.max_depth`` steps call :meth:`build`.
+
+    ``WITHOUT_REPLACEMENT``: child of rank ``r`` = the ``r``-th most likely draft token (ties broken
+    by ``torch.topk``'s order); deterministic, no generator used.
+    ``IID_FROM_DRAFT``: child of rank ``r`` = an independent sample from ``softmax(logprobs)``; the
+    probabilities of every expanded node are kept for the sampler.
+    """
+
+    def __init__(
+        self,
+        template: StaticTreeTemplate | Sequence[Sequence[int]],
+        batch_size: int,
+        draw_mode: ChildDrawMode | str,
+        *,
+        device: torch.device | str = "cpu",
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.template = (
+            template if isinstance(template, StaticTreeTemplate) else StaticTreeTemplate.from_choices(template)
+        )
+        self.draw_mode = ChildDrawMode(draw_mode)
+        self.batch_size = batch_size
+        self.device = torch.device(device)
+        self.generator = generator
+        self._levels = self.template.expansion_levels()
+        self._step = 0
+        self.partial_tokens = torch.full((batch_size, self.template.num_nodes), -1, dtype=torch.long,
+                                         device=self.device)
+        self._draft_probs: torch.Tensor | None = None
+        self._children_of = {p: [i for i, q in enumerate(self.template.parents) if q == p]
+                             for level in self._levels for p in level}
+
+    @property
+    def done(self) -> bool:
+        return self._step >= len(self._levels)
+
+    def nodes_to_expand(self) -> list[int]:
+        if self.done:
+            raise RuntimeError("all levels are expanded; call build().")
+        return list(self._levels[self._step])
+
+    def expand(self, logprobs: torch.Tensor) -> None:
+        """Draw the children of ``nodes_to_expand()`` from their draft log-probs ``[B, F, V]``."""
+        nodes = self.nodes_to_expand()
+        if logprobs.ndim != 3 or tuple(logprobs.shape[:2]) != (self.batch_size, len(nodes)):
+            raise ValueError(
+                f"logprobs must be [batch, len(nodes_to_expand()), vocab] = [{self.batch_size}, {len(nodes)}, V];"
+                f" got {tuple(logprobs.shape)}."
+            )
+        vocab = logprobs.shape[2]
+        logprobs = logprobs.float()
+        if self.draw_mode is ChildDrawMode.IID_FROM_DRAFT and self._draft_probs is None:
+            self._draft_probs = torch.zeros(self.batch_size, self.template.num_nodes + 1, vocab,
+                                            device=self.device)
+        for f, parent in enumerate(nodes):
+            children = self._children_of[parent]
+            ranks = [self.template.ranks[c] for c in children]
+            if self.draw_mode is ChildDrawMode.WITHOUT_REPLACEMENT:
+                if max(ranks) >= vocab:
+                    raise ValueError(f"choice rank {max(ranks)} needs at least {max(ranks) + 1} vocab entries.")
+                top = torch.topk(logprobs[:, f], max(ranks) + 1, dim=-1).indices
+                self.partial_tokens[:, children] = top[:, ranks]
+            else:
+                probs = logprobs[:, f].softmax(-1)
+                self._draft_probs[:, parent + 1] = probs
+                draws = torch.multinomial(probs, len(children), replacement=True, generator=self.generator)
+                self.partial_tokens[:, children] = draws
+        self._step += 1
+
+    def build(self) -> TokenTreeBatch:
+        if not self.done:
+            raise RuntimeError(f"{len(self._levels) - self._step} expansion level(s) still missing.")
+        parents = torch.tensor(self.template.parents, dtype=torch.long, device=self.device)
+        return TokenTreeBatch(
+            tokens=self.partial_tokens.clone(),
+            parents=parents.expand(self.batch_size, -1).clone(),
+            num_nodes=torch.full((self.batch_size,), self.template.num_nodes, device=self.device),
+            draw_mode=self.draw_mode,
+            draft_probs=self._draft_probs,
+        )
+
+
+# ====================================================================== EAGLE-2 dynamic trees
+def _check_finite_or_neg_inf(logprobs: torch.Tensor, name: str) -> None:
+    if bool(torch.isnan(logprobs).any()) or bool((logprobs == float("inf")).any()):
+        raise ValueError(f"{name} contains NaN or +inf; pass log-probabilities (log_softmax output).")
+
+
+class DynamicTopKTreeBuilder:
+    """EAGLE-2 dynamic draft tree (Li et al. 2024), batched, deterministic (``WITHOUT_REPLACEMENT``).
+
+    * Depth 1: the ``top_k`` most likely root children; score = log q.
+    * Each further depth: every node of the *frontier* (the ``top_k`` best-scoring nodes of the
+      previous depth) gets its ``top_k`` most likely children as candidates, score = parent score
+      + log q(child). The ``top_k`` best candidates of the new depth become the next frontier.
+    * :meth:`build` reranks **all** candidates of all depths by score and keeps ``budget`` of them.
+      Scores never increase along a path, and ties are broken towards shallower / earlier nodes, so
+      the kept set is closed under taking parents (it is a tree).
+
+    Protocol: ``frontier_tokens`` / ``frontier`` give the nodes to run the draft on; call
+    :meth:`expand` with their log-probs ``[B, top_k, V]`` ``max_depth - 1`` times, then :meth:`build`.
+    ``candidate_parents`` / ``candidate_tokens`` describe the candidates so far (for the draft's own
+    tree attention over them).
+    """
+
+    def __init__(self, root_logprobs: torch.Tensor, *, top_k: int, max_depth: int, budget: int) -> None:
+        if root_logprobs.ndim != 2:
+            raise ValueError(f"root_logprobs must be [batch, vocab]; got {tuple(root_logprobs.shape)}.")
+        if top_k < 1 or top_k > root_logprobs.shape[1]:
+            raise ValueError(f"top_k must be in [1, vocab={root_logprobs.shape[1]}]; got {top_k}.")
+        if max_depth < 1:
+            raise ValueError(f"max_depth must be >= 1; got {max_depth}.")
+        _check_budget(budget, "budget")
+        total = top_k + (max_depth - 1) * top_k * top_k
+        if budget > total:
+            raise ValueError(
+                f"budget={budget} exceeds the {total} candidates that top_k={top_k}, max_depth={max_depth} "
+                f"produce; lower the budget or raise top_k / max_depth."
+            )
+        self.top_k, self.max_depth, self.budget = top_k, max_depth, budget
+        self.device = root_logprobs.device
+        batch = root_logprobs.shape[0]
+        _check_finite_or_neg_inf(root_logprobs, "root_logprobs")
+        scores, tokens = torch.topk(root_logprobs.float(), top_k, dim=-1)
+        self._tokens = [tokens]
+        self._scores = [scores]
+        self._parents = [torch.full_like(tokens, -1)]
+        self._num_candidates = top_k
+        self.frontier = torch.arange(top_k, device=self.device).expand(batch, top_k).clone()
+        self._depth_done = 1
+
+    @property
+    def done(self) -> bool:
+        return self._depth_done >= self.max_depth
+
+    @property
+    def candidate_tokens(self) -> torch.Tensor:
+        return torch.cat(self._tokens, dim=1)
+
+    @property
+    def candidate_scores(self) -> torch.Tensor:
+        return torch.cat(self._scores, dim=1)
+
+    @property
+    def candidate_parents(self) -> torch.Tensor:
+        return torch.cat(self._parents, dim=1)
+
+    @property
+    def frontier_tokens(self) -> torch.Tensor:
+        return torch.gather(self.candidate_tokens, 1, self.frontier)
+
+    def expand(self, frontier_logprobs: torch.Tensor) -> None:
+        batch, k = self.frontier.shape
+        if tuple(frontier_logprobs.shape[:2]) != (batch, k) or frontier_logprobs.ndim != 3:
+            raise ValueError(f"frontier_logprobs must be [batch, top_k, vocab] = [{batch}, {k}, V]; "
+                             f"got {tuple(frontier_logprobs.shape)}.")
+        if self.done:
+            raise RuntimeError(f"max_depth={self.max_depth} reached; call build().")
+        _check_finite_or_neg_inf(frontier_logprobs, "frontier_logprobs")
+        parent_scores = torch.gather(self.candidate_scores, 1, self.frontier)
+        child_lp, child_tok = torch.topk(frontier_logprobs.float(), self.top_k, dim=-1)  # [B, k, k]
+        cum = (parent_scores[:, :, None] + child_lp).reshape(batch, k * self.top_k)
+        parents = self.frontier[:, :, None].expand(-1, -1, self.top_k).reshape(batch, k * self.top_k)
+        self._tokens.append(child_tok.reshape(batch, k * self.top_k))
+        self._scores.append(cum)
+        self._parents.append(parents)
+        # keep the top_k of this depth (stable: earlier candidates win ties)
+        order = torch.sort(cum, dim=1, descending=True, stable=True).indices[:, : self.top_k]
+        self.frontier = order + self._num_candidates
+        self._num_candidates += k * self.top_k
+        self._depth_done += 1
+
+    def build(self) -> TokenTreeBatch:
+        """Rerank all candidates to ``budget`` nodes (topological order = candidate order)."""
+        if not self.done:
+            raise RuntimeError(f"{self.max_depth - self._depth_done} expansion(s) still missing.")
+        scores, tokens, parents = self.candidate_scores, self.candidate_tokens, self.candidate_parents
+        batch = scores.shape[0]
+        keep = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, : self.budget]
+        keep = torch.sort(keep, dim=1).values  # candidate order is topological
+        new_index = torch.full_like(scores, -1, dtype=torch.long)
+        new_index.scatter_(1, keep, torch.arange(self.budget, device=self.device).expand(batch, -1))
+        kept_parents = torch.gather(parents, 1, keep)
+        remapped = torch.where(kept_parents >= 0, torch.gather(new_index, 1, kept_parents.clamp(min=0)),
+                               kept_parents)
+        if bool(((kept_parents >= 0) & (remapped < 0)).any()):
+            raise RuntimeError("internal error: a kept EAGLE-2 node lost its parent (NaN log-probs?).")
+        return TokenTreeBatch(
+            tokens=torch.gather(tokens, 1, keep),
+            parents=remapped,
+            num_nodes=torch.full((batch,), self.budget, device=self.device),
+            draw_mode=ChildDrawMode.WITHOUT_REPLACEMENT,
+        )
