@@ -1,0 +1,70 @@
+"""Shared fixtures: tiny random models built once per test session, and a pool of vLLM engines shared by
+every test (engine start-up costs ~20 s on this machine, so a test asks the pool instead of building one).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+# Engine settings this 2-core CPU machine needs; set before vLLM is imported anywhere. Worker processes
+# inherit the environment, including PYTHONPATH so that functions from tests/ can run inside workers
+# through LLM.collective_rpc.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Lets tests send functions to workers with LLM.collective_rpc (test processes only).
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
+sys.path.insert(0, str(TESTS_DIR))
+
+import pytest  # noqa: E402
+from engine_pool import EnginePool  # noqa: E402
+from tiny_models import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny_models")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tiny_root: Path) -> Path:
+    return build_tiny_tokenizer(tiny_root / "tokenizer")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_root: Path, tiny_tokenizer_dir: Path) -> Path:
+    """Target: 4-layer Llama."""
+    return build_tiny_model(tiny_root / "llama", tiny_tokenizer_dir, "llama", num_layers=4, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_draft_dir(tiny_root: Path, tiny_tokenizer_dir: Path) -> Path:
+    """Draft for the tiny targets: an 8-layer Llama of the same family (so layer groups of 2-3 fit)."""
+    return build_tiny_model(
+        tiny_root / "llama_draft", tiny_tokenizer_dir, "llama", num_layers=8, seed=2, layer_scale=0.3
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tiny_root: Path, tiny_tokenizer_dir: Path) -> Path:
+    """A 6-layer Qwen2 (target or draft)."""
+    return build_tiny_model(tiny_root / "qwen2", tiny_tokenizer_dir, "qwen2", num_layers=6, seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tiny_root: Path, tiny_tokenizer_dir: Path) -> Path:
+    """A 2-layer Mixtral (4 experts, top-2) target."""
+    return build_tiny_model(tiny_root / "mixtral", tiny_tokenizer_dir, "mixtral", num_layers=2, seed=4)
+
+
+@pytest.fixture(scope="session")
+def llm_pool():
+    pool = EnginePool()
+    yield pool
+    pool.close()

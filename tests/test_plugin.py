@@ -1,0 +1,96 @@
+"""The plugin loads in every vLLM process, patches only vLLM 0.32.0, and validates its options."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from vllm_easyspec.config import EasySpecConfigError, parse_easyspec_config
+from vllm_easyspec.integration import UnsupportedVLLMVersionError, check_vllm_version
+
+
+def test_register_is_idempotent():
+    import vllm.v1.worker.gpu_model_runner as gpu_model_runner
+
+    from vllm_easyspec import plugin
+    from vllm_easyspec.integration.draft_proposer import EasySpecDraftProposer
+
+    plugin.register()
+    first = gpu_model_runner.DraftModelProposer
+    plugin.register()
+    assert gpu_model_runner.DraftModelProposer is first is EasySpecDraftProposer
+    assert EasySpecDraftProposer.__mro__[1].__module__ == "vllm.v1.spec_decode.draft_model"
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "0.32.1+cpu", "1.0.0"])
+def test_version_check_refuses_other_vllm(version):
+    with pytest.raises(UnsupportedVLLMVersionError, match="supports only vLLM 0.32.0"):
+        check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu"])
+def test_version_check_accepts_0_32_0(version):
+    check_vllm_version(version)
+
+
+def test_unknown_option_names_the_field_and_the_choices():
+    with pytest.raises(EasySpecConfigError, match=r"unknown option easyspec.group_size.*layer_parallel_size"):
+        parse_easyspec_config({"easyspec": {"group_size": 2}})
+
+
+def test_bad_calibration_value_names_the_field():
+    with pytest.raises(EasySpecConfigError, match=r"easyspec.calibration"):
+        parse_easyspec_config({"easyspec": {"calibration": "sometimes"}})
+
+
+def test_no_easyspec_key_means_plugin_inactive():
+    assert parse_easyspec_config({}) is None
+    assert parse_easyspec_config({"other_plugin": 1}) is None
+
+
+def _worker_plugin_state(worker) -> dict:
+    from vllm_easyspec.plugin import plugin_state
+
+    return plugin_state() | {"drafter": type(getattr(worker.model_runner, "drafter", None)).__name__}
+
+
+def test_plugin_is_loaded_in_worker_processes(llm_pool, tiny_llama_dir, tiny_llama_draft_dir):
+    """Observed from the front end: the worker (another process) reports the plugin registered, and its
+    runner built the plugin's proposer class for a draft_model config."""
+    llm = llm_pool.get(
+        tiny_llama_dir,
+        speculative_config={"method": "draft_model", "model": str(tiny_llama_draft_dir), "num_speculative_tokens": 3},
+        additional_config={"easyspec": {}},
+    )
+    states = llm.collective_rpc(_worker_plugin_state)
+    assert states, "no worker answered"
+    for state in states:
+        assert state["pid"] != os.getpid()
+        assert state["registered"] and state["patched"]
+        assert state["drafter"] == "EasySpecDraftProposer"
+
+
+def test_vocab_mismatch_error_names_the_fix(tiny_llama_dir, tiny_root, tiny_tokenizer_dir):
+    from tiny_models import build_tiny_model
+    from vllm import LLM
+
+    other_vocab = build_tiny_model(tiny_root / "llama_vocab96", tiny_tokenizer_dir, vocab_size=96, seed=9)
+    with pytest.raises(Exception, match=r'set "use_heterogeneous_vocab": true'):
+        LLM(
+            model=str(tiny_llama_dir),
+            speculative_config={"method": "draft_model", "model": str(other_vocab), "num_speculative_tokens": 2},
+            enforce_eager=True,
+            dtype="float32",
+        )
+
+
+def test_easyspec_options_without_draft_model_warn(tiny_llama_dir, caplog):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_easyspec.integration.config_checks import validate_engine_config
+
+    config = EngineArgs(
+        model=str(tiny_llama_dir), enforce_eager=True, additional_config={"easyspec": {"layer_parallel_size": 2}}
+    ).create_engine_config()
+    validate_engine_config(config)  # must not raise: a warning only
