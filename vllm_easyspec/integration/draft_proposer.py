@@ -1,23 +1,36 @@
-"""The EasySpec draft-model proposer: vLLM's ``DraftModelProposer`` plus the plugin's options.
+"""The EasySpec draft-model proposer: vLLM's ``DraftModelProposer`` plus fuzzy drafting and calibration.
 
-Invariant: without ``additional_config["easyspec"]`` every method behaves exactly as vLLM's.
+Invariants:
+- without ``additional_config["easyspec"]`` every method behaves exactly as vLLM's;
+- with it but N = 1 (no fuzzy group), the draft model and the forwards are vLLM's; only timing is added;
+- with fuzzy groups, the first draft forward of each step is exact or fuzzy as
+  :mod:`vllm_easyspec.calibration` decides, every later forward of the step is fuzzy, and vLLM's own
+  ``propose`` (inputs, KV slots, sampling, vocabulary mapping) is used unchanged.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
+from torch import nn
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
+from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
+from vllm_easyspec.calibration import CalibrationSchedule
 from vllm_easyspec.config import EasySpecConfig, parse_easyspec_config
+from vllm_easyspec.layer_grouping import LayerGrouping, resolve_layer_groups
 
 logger = init_logger(__name__)
 
 LOG_EVERY_STEPS = 200
+
+_PROPOSE_SIGNATURE = inspect.signature(SpecDecodeBaseProposer.propose)
 
 
 @dataclass
@@ -36,13 +49,79 @@ class DraftingStats:
 class EasySpecDraftProposer(DraftModelProposer):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
         super().__init__(vllm_config=vllm_config, device=device, runner=runner)
+        self.easyspec_runner = runner  # vLLM's base class does not keep it; used to find prefilling requests
         self.easyspec_config: EasySpecConfig | None = parse_easyspec_config(vllm_config.additional_config)
         self.drafting_stats = DraftingStats()
+        self.layer_grouping: LayerGrouping | None = None
+        self.calibration: CalibrationSchedule | None = None
+        self.fuzzy_controller = None
+        # Test/debug aid: when True, propose() remembers each request's draft block ids.
+        self.record_block_tables = False
+        self.last_block_tables: dict[str, list[int]] = {}
+        if self.easyspec_config is not None:
+            hf_config = self.speculative_config.draft_model_config.hf_text_config
+            self.layer_grouping = resolve_layer_groups(
+                self.easyspec_config,
+                num_layers=hf_config.num_hidden_layers,
+                tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
+            )
+            if self.layer_grouping.fuzzy_groups:
+                from vllm_easyspec.integration.fuzzy_models import check_fuzzy_architecture
 
-    def propose(self, *args, **kwargs) -> torch.Tensor:
+                check_fuzzy_architecture(
+                    self.speculative_config.draft_model_config.hf_config.architectures,
+                    hf_config,
+                )
+                self.calibration = CalibrationSchedule(self.easyspec_config.calibration)
+            logger.info(
+                "EasySpec drafting: %s; calibration: %s",
+                self.layer_grouping.describe(),
+                self.easyspec_config.calibration,
+            )
+
+    @property
+    def is_fuzzy(self) -> bool:
+        return self.calibration is not None
+
+    def _get_model(self) -> nn.Module:
+        if not self.is_fuzzy:
+            return super()._get_model()
+        from vllm_easyspec.integration.fuzzy_models import (
+            FuzzyDraftController,
+            keep_dense_weights,
+            replicated_tensor_parallel,
+        )
+
+        assert self.layer_grouping is not None and self.calibration is not None
+        if self.layer_grouping.mode == "tensor_parallel":
+            # Every rank holds the full draft (the paper's layer parallelism); see fuzzy_models.
+            with replicated_tensor_parallel():
+                model = super()._get_model()
+        else:
+            stacked = [f"layers.{i}.self_attn.qkv_proj" for g in self.layer_grouping.fuzzy_groups for i in g]
+            with keep_dense_weights(stacked):
+                model = super()._get_model()
+        self.fuzzy_controller = FuzzyDraftController(model, self.layer_grouping, self.calibration)
+        return model
+
+    def propose(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.easyspec_config is None:
             return super().propose(*args, **kwargs)
         start = time.perf_counter()
+        if self.is_fuzzy or self.record_block_tables:
+            bound = _PROPOSE_SIGNATURE.bind(self, *args, **kwargs)
+            cad = bound.arguments["common_attn_metadata"]
+            if self.record_block_tables:
+                self._record_block_tables(cad)
+            if self.is_fuzzy:
+                assert self.calibration is not None
+                rejected = bound.arguments.get("num_rejected_tokens_gpu")
+                batch = cad.batch_size()
+                all_accepted = rejected is None or not bool((rejected[:batch] != 0).any())
+                self.calibration.start_step(
+                    has_prompt_tokens=self._batch_has_prompt_tokens(batch),
+                    all_drafts_accepted=all_accepted,
+                )
         draft_token_ids = super().propose(*args, **kwargs)
         if draft_token_ids.is_cuda:
             torch.cuda.synchronize(draft_token_ids.device)
@@ -56,11 +135,51 @@ class EasySpecDraftProposer(DraftModelProposer):
             )
         return draft_token_ids
 
+    def _batch_has_prompt_tokens(self, batch: int) -> bool:
+        """True when some request of the batch still computes prompt tokens in this step."""
+        runner = self.easyspec_runner
+        if runner is None:
+            return True
+        input_batch = runner.input_batch
+        computed = input_batch.num_computed_tokens_cpu[:batch]
+        prompt = input_batch.num_prompt_tokens[:batch]
+        return bool((computed < prompt).any())
 
-def read_drafting_stats(worker) -> dict[str, float] | None:
+    def _record_block_tables(self, cad) -> None:
+        if self.easyspec_runner is None:
+            return
+        req_ids = list(self.easyspec_runner.input_batch.req_ids)
+        table = cad.block_table_tensor.cpu()
+        for row, req_id in enumerate(req_ids[: cad.batch_size()]):
+            self.last_block_tables[req_id] = [int(b) for b in table[row].tolist()]
+
+
+def read_drafting_stats(worker) -> dict[str, Any] | None:
     """Worker-side reader for ``LLM.collective_rpc``: this rank's drafting counters, or None."""
     drafter = getattr(worker.model_runner, "drafter", None)
     if not isinstance(drafter, EasySpecDraftProposer) or drafter.easyspec_config is None:
         return None
     stats = drafter.drafting_stats
-    return asdict(stats) | {"seconds_per_step": stats.seconds_per_step}
+    result: dict[str, Any] = asdict(stats) | {"seconds_per_step": stats.seconds_per_step}
+    if drafter.calibration is not None:
+        result["exact_first_forwards"] = drafter.calibration.exact_first_forwards
+        result["fuzzy_first_forwards"] = drafter.calibration.fuzzy_first_forwards
+    if drafter.fuzzy_controller is not None:
+        counts = drafter.fuzzy_controller.counts
+        result |= {
+            "exact_forwards": counts.exact,
+            "fuzzy_forwards": counts.fuzzy,
+            "fused_group_calls": counts.fused_groups,
+            "parallel_group_calls": counts.parallel_groups,
+        }
+    if drafter.layer_grouping is not None:
+        result["mode"] = drafter.layer_grouping.mode
+        result["groups"] = [list(g) for g in drafter.layer_grouping.groups]
+    return result
+
+
+def reset_drafting_stats(worker) -> None:
+    """Worker-side: zero this rank's drafting counters (benchmarks call it after warm-up)."""
+    drafter = getattr(worker.model_runner, "drafter", None)
+    if isinstance(drafter, EasySpecDraftProposer):
+        drafter.drafting_stats = DraftingStats()
