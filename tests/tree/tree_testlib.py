@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from scipy import stats
 
+from vllm_easyspec.tree.attention import ancestor_mask_from_parents
 from vllm_easyspec.tree.building import (
     ChildDrawMode,
     DynamicTopKTreeBuilder,
@@ -248,3 +249,39 @@ def chi_square(counts: np.ndarray, probs: np.ndarray) -> tuple[float, float, flo
     stat, pvalue = stats.chisquare(observed, expected)
     tv = 0.5 * np.abs(counts / n - probs).sum()
     return float(stat), float(pvalue), float(tv), len(observed) - 1
+
+
+# ---------------------------------------------------------------- paged attention fixtures
+def random_parents(num_queries: int, gen: torch.Generator, forest: bool = False) -> list[int]:
+    """Request-local parents; query 0 is the root unless ``forest`` (several -1 roots, as in a
+    drafter pass without the root token)."""
+    parents = [-1]
+    for j in range(1, num_queries):
+        low = -1 if forest else 0
+        parents.append(int(torch.randint(low, j, (1,), generator=gen)))
+    return parents
+
+
+def make_paged_batch(parents_per_request, prefix_lens, block_size, num_q_heads, num_kv_heads, head_dim,
+                     dtype, seed, device="cpu"):
+    """Random caches whose blocks are scattered over a shuffled pool; returns the kernel arguments."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-(p + len(par)) // block_size) for p, par in zip(prefix_lens, parents_per_request)]
+    pool = sum(needed) + 7
+    order = torch.randperm(pool, generator=gen)
+    max_blocks = max(needed) + 2
+    block_table = torch.zeros(len(needed), max_blocks, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(needed):
+        block_table[b, :n] = order[used: used + n].int()
+        used += n
+    key_cache = torch.randn(pool, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    value_cache = torch.randn(pool, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    lens = [len(p) for p in parents_per_request]
+    cu = torch.tensor([0] + lens).cumsum(0).int()
+    parents = torch.tensor([p for par in parents_per_request for p in par])
+    mask = ancestor_mask_from_parents(parents, cu)
+    query = torch.randn(int(cu[-1]), num_q_heads, head_dim, generator=gen).to(dtype)
+    args = dict(query=query, key_cache=key_cache, value_cache=value_cache, block_table=block_table,
+                prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32), cu_query_lens=cu, tree_mask=mask)
+    return {k: v.to(device) for k, v in args.items()}

@@ -1,0 +1,140 @@
+"""Tree attention over a paged KV cache: Triton kernel (interpreter on CPU) and CPU path against a
+plain float64 per-node reference, with random non-contiguous block tables, several trees per batch,
+ragged prefixes (including 0 and block-crossing ones), GQA, and block sizes 16 and 32."""
+
+from __future__ import annotations
+
+import math
+
+import kernel_cases
+import pytest
+import torch
+from tree_testlib import make_paged_batch, random_parents
+
+from vllm_easyspec.tree.attention import (
+    ancestor_mask_from_parents,
+    gather_positions,
+    tree_attention,
+    tree_attention_reference,
+)
+from vllm_easyspec.tree.building import TokenTreeBatch
+
+# error bounds against the float64 reference, on |out - ref| / max(1, |ref|) (absolute error for outputs
+# up to 1, relative above); vLLM's removed tree-attention test used 8e-3 for bf16
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 8e-3}
+
+
+def _max_error(args, result, scale):
+    ref = tree_attention_reference(**{k: v.cpu() for k, v in args.items()}, softmax_scale=scale,
+                                   out_dtype=torch.float32)
+    return ((result.cpu().float() - ref).abs() / ref.abs().clamp_min(1.0)).max().item()
+
+
+def test_ancestor_mask_from_parents_by_hand():
+    # request 0: root 0 -> 1 -> 3, root 0 -> 2 ; request 1: a forest 0, 1 -> 2
+    parents = torch.tensor([-1, 0, 0, 1, -1, -1, 1])
+    mask = ancestor_mask_from_parents(parents, torch.tensor([0, 4, 7]))
+    assert mask.int().tolist() == [
+        [1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1],
+        [1, 0, 0, 0], [0, 1, 0, 0], [0, 1, 1, 0],
+    ]
+    with pytest.raises(ValueError, match="parent must come before"):
+        ancestor_mask_from_parents(torch.tensor([-1, 2, 0]), torch.tensor([0, 3]))
+
+
+def test_verify_layout_mask_matches_parent_mask():
+    tree = TokenTreeBatch(torch.tensor([[5, 6, 7, 8, 0], [1, 2, 3, 0, 0]]),
+                          torch.tensor([[-1, -1, 0, 2, -1], [-1, 0, 0, -1, -1]]), torch.tensor([4, 3]),
+                          "without_replacement")
+    layout = tree.verify_layout(torch.tensor([30, 7]))
+    expected = ancestor_mask_from_parents(layout.parents, layout.cu_query_lens, width=tree.width + 1)
+    assert torch.equal(layout.ancestor_mask, expected)
+    assert layout.positions.tolist() == [30, 31, 31, 32, 33, 7, 8, 9, 9]
+
+
+def test_reference_is_causal_attention_over_each_branch():
+    """Independent check of the reference: for every root-to-leaf branch, causal SDPA of the branch's
+    queries over prefix + branch K/V gives each branch node's row."""
+    gen = torch.Generator().manual_seed(0)
+    parents = [random_parents(9, gen)]
+    args = make_paged_batch(parents, [21], 16, 4, 2, 16, torch.float32, seed=1)
+    scale = 0.3
+    ref = tree_attention_reference(**args, softmax_scale=scale)
+    par = parents[0]
+    leaves = [j for j in range(9) if j not in par]
+    for leaf in leaves:
+        branch = [leaf]
+        while par[branch[-1]] >= 0:
+            branch.append(par[branch[-1]])
+        branch = torch.tensor(branch[::-1])
+        positions = torch.cat([torch.arange(21), 21 + branch])
+        k = gather_positions(args["key_cache"], args["block_table"][0], positions).repeat_interleave(2, 1)
+        v = gather_positions(args["value_cache"], args["block_table"][0], positions).repeat_interleave(2, 1)
+        q = args["query"][branch]  # [n, H, D]
+        n, total = len(branch), len(positions)
+        causal = torch.ones(n, total, dtype=torch.bool).tril(diagonal=total - n)
+        sdpa = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=causal, scale=scale)
+        torch.testing.assert_close(ref[branch], sdpa.transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+BATCH_TREES = dict(sizes=[1, 6, 9, 5], prefix_lens=[0, 19, 45, 33])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2)])
+def test_cpu_path_matches_reference(dtype, block_size, heads):
+    gen = torch.Generator().manual_seed(block_size + heads[0])
+    parents = [random_parents(n, gen, forest=(i == 3)) for i, n in enumerate(BATCH_TREES["sizes"])]
+    args = make_paged_batch(parents, BATCH_TREES["prefix_lens"], block_size, *heads, 32, dtype, seed=7)
+    scale = 1 / math.sqrt(32)
+    out = tree_attention(**args, softmax_scale=scale, backend="cpu")
+    assert out.dtype == dtype and out.shape == args["query"].shape
+    assert _max_error(args, out, scale) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_triton_kernel_matches_reference(kernel_runner, dtype, block_size):
+    err = kernel_runner(kernel_cases.triton_attention_error, dtype, block_size, 4, 2, 32,
+                        BATCH_TREES["sizes"], BATCH_TREES["prefix_lens"], seed=block_size, scale=0.17,
+                        forest_request=3)
+    print(f"triton tree attention {dtype} block_size={block_size}: max abs error {err:.2e}")
+    assert err < TOLERANCE[kernel_cases.DTYPES[dtype]]
+
+
+def test_triton_kernel_without_gqa_and_single_node(kernel_runner):
+    err = kernel_runner(kernel_cases.triton_attention_error, "float32", 16, 3, 3, 16, [1, 2], [16, 31],
+                        seed=9, scale=0.25)
+    assert err < TOLERANCE[torch.float32]
+
+
+def test_dispatcher_routes_to_triton(kernel_runner):
+    assert kernel_runner(kernel_cases.dispatcher_uses_triton, seed=4) < 1e-5
+
+
+def test_dispatcher_rejects_unknown_backend():
+    gen = torch.Generator().manual_seed(4)
+    args = make_paged_batch([random_parents(4, gen)], [5], 16, 2, 1, 16, torch.float32, seed=4)
+    with pytest.raises(ValueError, match="backend"):
+        tree_attention(**args, backend="flash")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_triton_kernel_matches_reference_large(kernel_runner, dtype, block_size):
+    err = kernel_runner(kernel_cases.triton_attention_error, dtype, block_size, 8, 2, 128, [64, 17, 33],
+                        [300, 0, 129], seed=11, scale=128 ** -0.5)
+    assert err < TOLERANCE[kernel_cases.DTYPES[dtype]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cpu_path_matches_reference_large(dtype):
+    gen = torch.Generator().manual_seed(11)
+    parents = [random_parents(n, gen) for n in [64, 17, 33]]
+    args = make_paged_batch(parents, [300, 0, 129], 16, 8, 2, 128, dtype, seed=5)
+    out = tree_attention(**args, softmax_scale=128 ** -0.5, backend="cpu")
+    assert _max_error(args, out, 128 ** -0.5) < TOLERANCE[dtype]

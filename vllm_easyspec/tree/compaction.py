@@ -1,0 +1,99 @@
+"""KV compaction after tree verification.
+
+During the verify forward, query ``j`` of a request (``j = 0`` root, ``j = i + 1`` node ``i``) wrote
+its K/V to logical position ``prefix_len + j`` (linear slot accounting). vLLM's scheduler then keeps
+the first ``num_accepted`` speculative positions, so the accepted path must be made linear: the node
+accepted at depth ``k`` moves from ``prefix_len + 1 + node`` to ``prefix_len + k``. The root is
+already in place; the bonus token has no K/V yet.
+
+Because nodes are topologically ordered, ``node >= k - 1`` for the node at depth ``k``, so every move
+goes to a lower (or the same) slot, and a destination can be the old slot of an *earlier* accepted
+node. Both implementations read all sources of a request before writing.
+
+Compute the slot pairs once with :func:`tree_compaction_slots`, then apply them to every layer's key
+and value cache (target and draft) with :func:`compact_kv`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["compact_kv", "compact_kv_torch", "tree_compaction_slots"]
+
+
+def tree_compaction_slots(
+    block_table: torch.Tensor,
+    block_size: int,
+    prefix_lens: torch.Tensor,
+    accepted_nodes: torch.Tensor,
+    query_offset: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Physical slot moves for the accepted paths.
+
+    Args:
+        block_table: ``[B, max_blocks]`` physical block ids.
+        block_size: tokens per block.
+        prefix_lens: ``[B]`` position of each request's root (= tokens cached before the verify step).
+        accepted_nodes: ``[B, M]`` node indices of the accepted path, root side first, -1 padded
+            (``TreeSamplerOutput.accepted_nodes``).
+        query_offset: query index of node 0 in the verify forward (1: the root comes first; 0 for a
+            forward that has no root query, e.g. a drafter's tree pass).
+
+    Returns:
+        ``(src_slots, dst_slots)`` ``[B, M]`` int64; ``-1`` where there is nothing to move (padding,
+        or a node that is already in place).
+    """
+    nodes = accepted_nodes.long()
+    prefix = prefix_lens.to(nodes.device).long()[:, None]
+    depth = torch.arange(1, nodes.shape[1] + 1, device=nodes.device)[None, :]
+    src_pos = prefix + query_offset + nodes
+    dst_pos = prefix + query_offset - 1 + depth
+    move = (nodes >= 0) & (src_pos != dst_pos)
+    table = block_table.to(nodes.device).long()
+
+    def to_slot(pos: torch.Tensor) -> torch.Tensor:
+        safe = torch.where(move, pos, torch.zeros_like(pos))
+        block = table.gather(1, safe // block_size)
+        return torch.where(move, block * block_size + safe % block_size, torch.full_like(pos, -1))
+
+    return to_slot(src_pos), to_slot(dst_pos)
+
+
+def compact_kv_torch(caches: Sequence[torch.Tensor], src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """In-place torch version: gather every source row (a copy), then scatter to the destinations."""
+    valid = (src_slots >= 0) & (dst_slots >= 0)
+    src = src_slots[valid].long()
+    dst = dst_slots[valid].long()
+    if src.numel() == 0:
+        return
+    for cache in caches:
+        block_size = cache.shape[1]
+        rows = cache[src // block_size, src % block_size]  # advanced indexing copies: sources read first
+        cache[dst // block_size, dst % block_size] = rows
+
+
+def compact_kv(
+    caches: Sequence[torch.Tensor],
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+    backend: str = "auto",
+) -> None:
+    """Move cache rows ``src_slots -> dst_slots`` (``[B, M]``, -1 padded) in every cache, in place.
+
+    ``backend``: ``"triton"``, ``"torch"`` or ``"auto"`` (Triton for GPU caches, torch on CPU). Caches
+    are ``[num_blocks, block_size, Hkv, D]`` (vLLM's FlashAttention layout; pass ``kv_cache[0]`` and
+    ``kv_cache[1]`` of a ``[2, ...]`` layer cache). Not for vLLM-CPU's prepacked caches, whose rows
+    are ISA-specific: there, re-issue the official reshape-and-cache op with the linear slots.
+    """
+    if backend == "auto":
+        backend = "triton" if caches and caches[0].device.type != "cpu" else "torch"
+    if backend == "torch":
+        compact_kv_torch(caches, src_slots, dst_slots)
+    elif backend == "triton":
+        from vllm_easyspec.kernels.kv_compaction import compact_kv_triton
+
+        compact_kv_triton(list(caches), src_slots, dst_slots)
+    else:
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch'; got {backend!r}.")
