@@ -164,12 +164,16 @@ def tree_attention_triton(
     block_h = triton.next_power_of_2(group)
     block_q = max(1, 16 // block_h)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    upcast = query.dtype == torch.float32 or _is_interpreted(_tree_attention_kernel)
+    interpreted = _is_interpreted(_tree_attention_kernel)
+    upcast = query.dtype == torch.float32 or interpreted
+    # Triton's interpreter converts fp32 -> bf16 by truncation (GPUs round to nearest), which would
+    # double the output error; under the interpreter, write fp32 and round with torch instead.
+    kernel_out = torch.empty(out.shape, dtype=torch.float32) if interpreted and out.dtype == torch.bfloat16 else out
     grid = (batch, triton.cdiv(max_query_len, block_q), num_kv_heads)
     _tree_attention_kernel[grid](
-        out, query, key_cache, value_cache, block_table, prefix_lens, cu_query_lens, mask,
+        kernel_out, query, key_cache, value_cache, block_table, prefix_lens, cu_query_lens, mask,
         float(softmax_scale),
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        query.stride(0), query.stride(1), kernel_out.stride(0), kernel_out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0), mask.stride(0),
@@ -178,4 +182,6 @@ def tree_attention_triton(
         # fp32 inputs (and the upcast interpreter path) use exact fp32 products, not TF32
         DOT_PRECISION="ieee" if upcast else "tf32",
     )
+    if kernel_out is not out:
+        out.copy_(kernel_out)
     return out
