@@ -195,7 +195,7 @@ def tree_attention_cpu(
         if prefix > 0:
             k_pre = _prefix_rows(key_cache, block_table[b], prefix).transpose(0, 1)
             v_pre = _prefix_rows(value_cache, block_table[b], prefix).transpose(0, 1)
-            o_pre, lse_pre = _attention_with_lse(q.contiguous(), k_pre.contiguous(), v_pre.contiguous(),
+            o_pre, lse_pre = _attention_with_lse(q, k_pre, v_pre,
                                                  softmax_scale)
             top = torch.maximum(lse_pre, lse_tree)
             w_pre = torch.exp(lse_pre - top)[..., None]
