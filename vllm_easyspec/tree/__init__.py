@@ -1,12 +1,20 @@
 """Token-tree speculation components that need no running engine.
 
-* :mod:`.building`: the batched tree object (:class:`TokenTreeBatch`) and the static (choice list)
-  and EAGLE-2 dynamic builders.
-* :mod:`.sampling`: the lossless tree rejection sampler (chain-shaped output for vLLM).
-* :mod:`.attention`: tree attention over vLLM's paged KV cache (reference, CPU path, Triton).
+* :mod:`.building`: the batched tree object (:class:`TokenTreeBatch`), its verify-forward layout, and
+  the static (choice list) and EAGLE-2 dynamic builders.
+* :mod:`.sampling`: the lossless tree rejection sampler (vLLM chain-shaped output).
+* :mod:`.attention`: tree attention over vLLM's paged KV cache (reference, CPU path, Triton dispatch).
 * :mod:`.compaction`: moves accepted nodes' K/V to linear slots after verification.
+
+Layout conventions shared by all of them are in the :mod:`.building` module docstring.
 """
 
+from .attention import (
+    ancestor_mask_from_parents,
+    tree_attention,
+    tree_attention_cpu,
+    tree_attention_reference,
+)
 from .building import (
     MAX_TREE_NODES,
     ChildDrawMode,
@@ -16,6 +24,8 @@ from .building import (
     TokenTreeBatch,
     VerifyLayout,
 )
+from .compaction import compact_kv, tree_compaction_slots
+from .sampling import TreeSamplerOutput, apply_sampling_constraints, tree_rejection_sample
 
 __all__ = [
     "MAX_TREE_NODES",
@@ -24,5 +34,14 @@ __all__ = [
     "StaticTreeBuilder",
     "StaticTreeTemplate",
     "TokenTreeBatch",
+    "TreeSamplerOutput",
     "VerifyLayout",
+    "ancestor_mask_from_parents",
+    "apply_sampling_constraints",
+    "compact_kv",
+    "tree_attention",
+    "tree_attention_cpu",
+    "tree_attention_reference",
+    "tree_compaction_slots",
+    "tree_rejection_sample",
 ]

@@ -427,7 +427,8 @@ class DynamicTopKTreeBuilder:
     Protocol: ``frontier_tokens`` / ``frontier`` give the nodes to run the draft on; call
     :meth:`expand` with their log-probs ``[B, top_k, V]`` ``max_depth - 1`` times, then :meth:`build`.
     ``candidate_parents`` / ``candidate_tokens`` describe the candidates so far (for the draft's own
-    tree attention over them).
+    tree attention over them); after :meth:`build`, ``kept_candidates`` ``[B, budget]`` maps every tree
+    node to its candidate index.
     """
 
     def __init__(self, root_logprobs: torch.Tensor, *, top_k: int, max_depth: int, budget: int) -> None:
@@ -512,6 +513,9 @@ class DynamicTopKTreeBuilder:
                                kept_parents)
         if bool(((kept_parents >= 0) & (remapped < 0)).any()):
             raise RuntimeError("internal error: a kept EAGLE-2 node lost its parent (NaN log-probs?).")
+        # candidate index of every tree node: lets a proposer map tree nodes back to the draft
+        # forward passes (e.g. to keep or compact the drafter's own K/V of the kept candidates)
+        self.kept_candidates = keep
         return TokenTreeBatch(
             tokens=torch.gather(tokens, 1, keep),
             parents=remapped,
