@@ -1,0 +1,1 @@
+"""EAGLE draft heads: model, reference checkpoint formats, data, features, trainer."""

@@ -1,0 +1,491 @@
+"""``vllm-easyspec train-eagle``: train an EAGLE / EAGLE-3 head on a CPU box.
+
+Pipeline: data (self-distillation with vLLM + local text) -> target features
+(transformers, cached) -> training (tqdm, held-out agreement, checkpoint/resume)
+-> head in the reference format + ``eagle_manifest.json``.
+
+Losses:
+
+* ``eagle`` (EAGLE-1/2 paper): smooth-L1 regression of the next feature plus
+  0.1 x cross-entropy against the target's next-token distribution, with uniform
+  U(-0.1, 0.1) noise added to the input features.  One draft step by default
+  (``--ttt-steps`` unrolls more, as in EAGLE-3's training-time test).
+* ``eagle3`` (EAGLE-3 paper): training-time test over ``--ttt-steps`` steps (the
+  head consumes its own hidden states), forward-KL to the target's distribution
+  restricted to the draft vocabulary, step weights 0.8^(s-1); positions whose
+  target token is outside the draft vocabulary are masked.  The draft
+  vocabulary is the ``--draft-vocab-size`` most frequent target tokens.
+
+Held-out metric: teacher-forced top-1 agreement with the target at draft steps
+1..k, and the acceptance length a greedy chain of k drafts would get on the
+held-out sequences (``1 + sum_s P(steps 1..s all agree)``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import checkpoint as ckpt
+from .data import (default_text_dir, load_self_distill, self_distill, sha256_text, split_heldout,
+                   text_windows)
+from .errors import EagleTrainError, HiddenSizeMismatchError
+from .features import FeatureStore, extract, load_target_embed_and_head, load_target_tensor, target_config
+from .model import FORMATS, EagleHead, HeadConfig, head_config_from_target
+
+STATE = "train_state.pt"
+MANIFEST = "eagle_manifest.json"
+
+
+# --------------------------------------------------------------------------- CLI
+def add_train_eagle_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("target / output")
+    g.add_argument("--target", required=True, help="HF folder of a Llama or Qwen2 target")
+    g.add_argument("--out", required=True, help="output folder for the head")
+    g.add_argument("--format", choices=FORMATS, default="eagle3")
+    g.add_argument("--work-dir", default=None,
+                   help="cache for generated data and features (default ~/.cache/vllm-easyspec/eagle)")
+    g = p.add_argument_group("data")
+    g.add_argument("--num-prompts", type=int, default=None, help="use the first N project prompts")
+    g.add_argument("--prompts-file", default=None, help="JSON list or one-per-line prompts instead of the built-in set")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--no-self-distill", action="store_true")
+    g.add_argument("--text-dir", default=None, help="local text (default: the Python stdlib sources)")
+    g.add_argument("--text-tokens", type=int, default=60000, help="tokens of local text (0: none)")
+    g.add_argument("--seq-len", type=int, default=512)
+    g.add_argument("--val-fraction", type=float, default=0.05)
+    g.add_argument("--min-train-tokens", type=int, default=2000)
+    g.add_argument("--feature-dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    g.add_argument("--gen-dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    g = p.add_argument_group("head")
+    g.add_argument("--draft-vocab-size", type=int, default=16384, help="eagle3 reduced vocabulary")
+    g.add_argument("--aux-layers", default=None, help="eagle3 target layers, e.g. 2,12,21")
+    g = p.add_argument_group("training")
+    g.add_argument("--epochs", type=float, default=2.0)
+    g.add_argument("--max-steps", type=int, default=None)
+    g.add_argument("--batch-size", type=int, default=4)
+    g.add_argument("--lr", type=float, default=5e-4)
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--ttt-steps", type=int, default=None, help="default: 1 (eagle), 4 (eagle3)")
+    g.add_argument("--noise", type=float, default=0.2, help="eagle: uniform noise width (U(-w/2, w/2))")
+    g.add_argument("--ce-weight", type=float, default=0.1, help="eagle: weight of the token loss")
+    g.add_argument("--eval-steps", type=int, default=5, help="k for held-out agreement at steps 1..k")
+    g.add_argument("--eval-every", type=int, default=200)
+    g.add_argument("--save-every", type=int, default=200)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--threads", type=int, default=2)
+    g.add_argument("--amp", choices=("bf16", "none"), default="bf16")
+    g.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
+    g.add_argument("--init-from", default=None, help="start from an existing head folder")
+    g.add_argument("--quiet", action="store_true")
+
+
+def run_train_eagle(args: argparse.Namespace) -> int:
+    try:
+        res = train(args)
+    except EagleTrainError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"out": res["out"], "heldout": res["heldout"], "train_seconds": res["train_seconds"]}))
+    return 0
+
+
+# --------------------------------------------------------------------------- batches
+def make_batch(store: FeatureStore, idxs: list[int], fmt: str) -> dict:
+    items = [store.get(i) for i in idxs]
+    B, T = len(items), max(len(it["tokens"]) for it in items)
+    H = store.hidden_size
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    final = torch.zeros(B, T, H)
+    top1 = torch.zeros(B, T, dtype=torch.long)
+    valid = torch.zeros(B, T, dtype=torch.bool)  # position q carries a label
+    feats = torch.zeros(B, T, 3 * H) if fmt == "eagle3" else None
+    for r, it in enumerate(items):
+        n = len(it["tokens"])
+        tokens[r, :n] = it["tokens"]
+        final[r, :n] = it["final"].float()
+        top1[r, :n] = it["top1"]
+        valid[r, it["loss_start"]:n] = True
+        if feats is not None:
+            feats[r, :n] = it["aux"].float()
+    return {"tokens": tokens, "final": final, "top1": top1, "valid": valid, "feats": feats}
+
+
+def _chunked_soft_ce(pred_in: torch.Tensor, target_logits_fn, draft_logits_fn, chunk: int = 1024):
+    """sum over rows of -sum_v p_target(v) log p_draft(v), computed in row chunks with
+    activation checkpointing so full-vocab logits never all live at once."""
+    from torch.utils.checkpoint import checkpoint
+
+    def f(x, t_in):
+        with torch.no_grad():
+            pt = torch.softmax(target_logits_fn(t_in).float(), -1)
+        lq = torch.log_softmax(draft_logits_fn(x).float(), -1)
+        return -(pt * lq).sum()
+
+    x, t_in = pred_in
+    total = x.new_zeros((), dtype=torch.float32)
+    for a in range(0, x.shape[0], chunk):
+        total = total + checkpoint(f, x[a:a + chunk], t_in[a:a + chunk], use_reentrant=False)
+    return total
+
+
+class Trainer:
+    def __init__(self, head: EagleHead, embed_w: torch.Tensor, lm_head_w: torch.Tensor, args):
+        self.head = head
+        self.cfg = head.cfg
+        self.embed = torch.nn.Embedding.from_pretrained(embed_w, freeze=True)
+        self.lm_head_w = lm_head_w  # [V, h] frozen
+        self.args = args
+        self.fmt = head.cfg.format
+        self.ttt = args.ttt_steps or (4 if self.fmt == "eagle3" else 1)
+        if self.fmt == "eagle3":
+            self.draft_lm_w = lm_head_w[head.draft_ids()].contiguous()
+
+    def _autocast(self):
+        if self.args.amp == "bf16":
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        import contextlib
+        return contextlib.nullcontext()
+
+    def loss(self, batch: dict, step: int) -> tuple[torch.Tensor, dict]:
+        a = self.args
+        tokens, final, valid = batch["tokens"], batch["final"], batch["valid"]
+        noise = None
+        if self.fmt == "eagle":
+            inp = final
+            if a.noise > 0:
+                g = torch.Generator().manual_seed(a.seed * 1_000_003 + step)
+                noise = (torch.rand(final.shape, generator=g) - 0.5) * a.noise
+        else:
+            inp = batch["feats"]
+        with self._autocast():
+            outs = self.head.forward_steps(self.embed, tokens, inp, self.ttt, noise=noise)
+        total = final.new_zeros(())
+        logs = {}
+        for s, out in enumerate(outs, start=1):
+            n = out.shape[1]
+            q = slice(s, s + n)
+            m = valid[:, q]
+            if self.fmt == "eagle3":
+                m = m & self.head.t2d[batch["top1"][:, q]]
+            cnt = m.sum()
+            if cnt == 0:
+                continue
+            x = out[m].float()
+            t_in = final[:, q][m]
+            if self.fmt == "eagle":
+                reg = F.smooth_l1_loss(x, t_in, reduction="none").mean(-1).sum() / cnt
+                ce = _chunked_soft_ce((x, t_in), lambda h: F.linear(h, self.lm_head_w),
+                                      lambda h: F.linear(h, self.lm_head_w)) / cnt
+                ls = reg + a.ce_weight * ce
+                logs[f"reg{s}"] = float(reg.detach())
+                logs[f"ce{s}"] = float(ce.detach())
+            else:
+                ce = _chunked_soft_ce((x, t_in), lambda h: F.linear(h, self.draft_lm_w),
+                                      lambda h: self.head.lm_head(h)) / cnt
+                ls = ce
+                logs[f"ce{s}"] = float(ce.detach())
+            total = total + (0.8 ** (s - 1)) * ls
+        return total, logs
+
+    @torch.no_grad()
+    def evaluate(self, store: FeatureStore, idxs: list[int], k: int, bs: int = 4) -> dict:
+        self.head.eval()
+        agree = torch.zeros(k)
+        count = torch.zeros(k)
+        chain_sum = torch.zeros(k)  # P(steps 1..s all agree), over anchors with all k labels
+        chain_n = 0
+        for i in range(0, len(idxs), bs):
+            b = make_batch(store, idxs[i:i + bs], self.fmt)
+            inp = b["final"] if self.fmt == "eagle" else b["feats"]
+            with self._autocast():
+                outs = self.head.forward_steps(self.embed, b["tokens"], inp, k)
+            T = b["tokens"].shape[1]
+            corr_all = []
+            for s, out in enumerate(outs, start=1):
+                n = out.shape[1]
+                logits = self.head.logits(out.float(), self.lm_head_w)
+                pred = logits.argmax(-1)
+                if self.fmt == "eagle3":
+                    pred = self.head.draft_ids()[pred]
+                lab = b["top1"][:, s:s + n]
+                m = b["valid"][:, s:s + n]
+                c = (pred == lab) & m
+                agree[s - 1] += c.sum()
+                count[s - 1] += m.sum()
+                corr_all.append((c, m))
+            if len(outs) == k:
+                n = T - k
+                if n > 0:
+                    ok = torch.ones_like(corr_all[0][0][:, :n])
+                    allm = torch.ones_like(ok)
+                    for s in range(k):
+                        c, m = corr_all[s]
+                        allm &= m[:, :n]
+                    for s in range(k):
+                        c, _ = corr_all[s]
+                        ok = ok & c[:, :n]
+                        chain_sum[s] += (ok & allm).sum()
+                    chain_n += int(allm.sum())
+        self.head.train()
+        acc = (agree / count.clamp(min=1)).tolist()
+        chain = (chain_sum / max(chain_n, 1)).tolist()
+        return {"agreement": [round(x, 4) for x in acc],
+                "chain_prefix": [round(x, 4) for x in chain],
+                "accept_length_k": round(1 + sum(chain), 3),
+                "n_positions": int(count[0])}
+
+
+def lr_at(step: int, total: int, base: float) -> float:
+    warm = max(1, min(100, total // 20))
+    if step < warm:
+        return base * (step + 1) / warm
+    t = (step - warm) / max(1, total - warm)
+    return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def choose_draft_vocab(store: FeatureStore, idxs: list[int], size: int, vocab: int) -> tuple[torch.Tensor, dict]:
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for i in idxs:
+        it = store.get(i)
+        lab = it["top1"][it["loss_start"]:]
+        counts += torch.bincount(lab, minlength=vocab)
+    # also count the input tokens so the vocabulary is never tiny on small data
+    order = sorted(range(vocab), key=lambda t: (-int(counts[t]), t))
+    chosen = torch.tensor(sorted(order[:size]), dtype=torch.long)
+    tot = int(counts.sum())
+    cov = int(counts[chosen].sum()) / max(tot, 1)
+    return chosen, {"draft_vocab_size": size, "label_coverage_train": round(cov, 4),
+                    "distinct_labels_train": int((counts > 0).sum())}
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(__file__)).stdout.strip() or None
+    except OSError:
+        return None
+
+
+def _command_line(args) -> str:
+    argv = getattr(args, "_argv", None)
+    if argv is None:
+        argv = sys.argv[1:]
+        if argv and argv[0] == "train-eagle":
+            argv = argv[1:]
+    return "vllm-easyspec train-eagle " + " ".join(shlex.quote(a) for a in argv)
+
+
+def _read_prompts(args) -> tuple[list[str], str]:
+    from .prompts import train_prompts
+
+    if args.prompts_file:
+        text = Path(args.prompts_file).read_text()
+        try:
+            prompts = json.loads(text)
+        except json.JSONDecodeError:
+            prompts = [l.strip() for l in text.splitlines() if l.strip()]
+        name = f"file:{args.prompts_file}"
+    else:
+        prompts = train_prompts()
+        name = "vllm_easyspec.eagle.prompts.train_prompts"
+    if args.num_prompts is not None:
+        prompts = prompts[: args.num_prompts]
+    return prompts, name
+
+
+# --------------------------------------------------------------------------- main
+def train(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(max(1, args.threads))
+    torch.manual_seed(args.seed)
+    log = (lambda *a, **k: None) if args.quiet else (lambda *a, **k: print(*a, **k, file=sys.stderr, flush=True))
+    target = str(Path(args.target).resolve())
+    out = Path(args.out)
+    tcfg = target_config(target)
+    aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
+    hcfg = head_config_from_target(tcfg, args.format, args.draft_vocab_size, aux)
+    work = Path(args.work_dir or Path.home() / ".cache" / "vllm-easyspec" / "eagle")
+    work.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+
+    # ---- data
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target)
+    seqs: list[dict] = []
+    provenance: dict = {"sources": []}
+    if not args.no_self_distill:
+        prompts, pname = _read_prompts(args)
+        jl, info = self_distill(target, prompts, work, args.max_new_tokens, args.seed, args.gen_dtype, log)
+        sd = load_self_distill(jl, args.seq_len)
+        seqs += sd
+        provenance["sources"].append({
+            "kind": "self-distillation", "prompt_set": pname, "n_prompts": len(prompts),
+            "prompts_sha256": sha256_text(json.dumps(prompts)), "generator": "vLLM, target itself",
+            "sampling": {"temperature": 0.0, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+                         "dtype": args.gen_dtype},
+            "n_sequences": len(sd), "n_tokens": sum(len(s["tokens"]) for s in sd),
+            "n_response_tokens": sum(len(s["tokens"]) - s["loss_start"] - 1 for s in sd),
+            "generation_info": info})
+    if args.text_tokens > 0:
+        tdir = args.text_dir or default_text_dir()
+        tw, tinfo = text_windows(tok, tdir, args.text_tokens, args.seq_len, args.seed)
+        seqs += tw
+        provenance["sources"].append({"kind": "local-text", "python": platform.python_version(), **tinfo})
+    train_seqs, val_seqs = split_heldout(seqs, args.val_fraction, args.seed, args.min_train_tokens)
+    all_seqs = train_seqs + val_seqs
+    tr_idx = list(range(len(train_seqs)))
+    va_idx = list(range(len(train_seqs), len(all_seqs)))
+    log(f"[eagle] data: {len(train_seqs)} train / {len(val_seqs)} held-out sequences, "
+        f"{sum(len(s['tokens']) for s in all_seqs)} tokens")
+
+    # ---- features
+    t_feat = time.time()
+    store = extract(target, all_seqs, work, hcfg.aux_layer_ids, args.feature_dtype, log=log)
+    feat_s = time.time() - t_feat
+    if store.hidden_size != hcfg.hidden_size:
+        raise HiddenSizeMismatchError(f"features have hidden size {store.hidden_size}, target {hcfg.hidden_size}")
+    embed_w, lm_w = load_target_embed_and_head(target)
+    if embed_w.shape[1] != hcfg.hidden_size or lm_w.shape[1] != hcfg.hidden_size:
+        raise HiddenSizeMismatchError(
+            f"target embeddings are {tuple(embed_w.shape)}, config hidden_size is {hcfg.hidden_size}")
+
+    # ---- head
+    vocab_info = {}
+    if hcfg.format == "eagle3":
+        n_distinct = int(torch.unique(torch.cat([store.get(i)["top1"] for i in tr_idx])).numel())
+        if hcfg.draft_vocab_size > hcfg.vocab_size:
+            hcfg.draft_vocab_size = hcfg.vocab_size
+        draft_ids, vocab_info = choose_draft_vocab(store, tr_idx, hcfg.draft_vocab_size, hcfg.vocab_size)
+        vocab_info["distinct_target_tokens_train"] = n_distinct
+    torch.manual_seed(args.seed)
+    head = EagleHead(hcfg)
+    if hcfg.format == "eagle3":
+        head.set_draft_vocab(draft_ids)
+        # Start from the target's own output map: lm_head rows of the draft vocabulary and
+        # the target's final norm, so the head only has to learn the last residual stream.
+        with torch.no_grad():
+            head.lm_head.weight.copy_(lm_w[draft_ids])
+            tn = load_target_tensor(target, "model.norm.weight")
+            if tn is not None and tn.shape == head.norm.weight.shape:
+                head.norm.weight.copy_(tn)
+    if args.init_from:
+        src = ckpt.load_head(args.init_from)
+        if src.cfg.hidden_size != hcfg.hidden_size or src.cfg.format != hcfg.format:
+            raise HiddenSizeMismatchError(
+                f"--init-from head has format {src.cfg.format}, hidden size {src.cfg.hidden_size}; "
+                f"target needs {hcfg.format}, {hcfg.hidden_size}")
+        head.load_state_dict(src.state_dict())
+    opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    trainer = Trainer(head, embed_w, lm_w, args)
+
+    steps_per_epoch = math.ceil(len(tr_idx) / args.batch_size)
+    total = args.max_steps or max(1, int(round(args.epochs * steps_per_epoch)))
+    step = 0
+    history: list = []
+    train_s_prev = 0.0
+    out.mkdir(parents=True, exist_ok=True)
+    if args.resume and (out / STATE).exists():
+        st = torch.load(out / STATE, weights_only=False)
+        if st["head_config"]["hidden_size"] != hcfg.hidden_size or st["head_config"]["format"] != hcfg.format:
+            raise HiddenSizeMismatchError(
+                f"resume state in {out} is for format {st['head_config']['format']} / hidden size "
+                f"{st['head_config']['hidden_size']}, target needs {hcfg.format} / {hcfg.hidden_size}")
+        head.load_state_dict(st["head"])
+        opt.load_state_dict(st["opt"])
+        step, history, train_s_prev = st["step"], st["history"], st.get("train_seconds", 0.0)
+        log(f"[eagle] resumed at step {step}/{total}")
+
+    def save_state():
+        torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "history": history,
+                    "head_config": hcfg.to_dict(), "train_seconds": train_s_prev + (time.time() - t_train)},
+                   out / (STATE + ".tmp"))
+        os.replace(out / (STATE + ".tmp"), out / STATE)
+
+    from tqdm.auto import tqdm
+
+    t_train = time.time()
+    head.train()
+    bar = tqdm(total=total, initial=step, desc=f"train {hcfg.format}", unit="step", disable=args.quiet,
+               mininterval=2)
+    last_eval = history[-1]["heldout"] if history else None
+    while step < total:
+        epoch, within = divmod(step, steps_per_epoch)
+        perm = torch.randperm(len(tr_idx), generator=torch.Generator().manual_seed(args.seed + 7919 * epoch))
+        bidx = [tr_idx[int(j)] for j in perm[within * args.batch_size:(within + 1) * args.batch_size]]
+        batch = make_batch(store, bidx, hcfg.format)
+        for gp in opt.param_groups:
+            gp["lr"] = lr_at(step, total, args.lr)
+        loss, logs = trainer.loss(batch, step)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
+        opt.step()
+        step += 1
+        post = {"loss": f"{float(loss):.3f}"}
+        if last_eval:
+            post["agree@1"] = last_eval["agreement"][0]
+        bar.set_postfix(post)
+        bar.update(1)
+        if step % args.eval_every == 0 or step == total:
+            last_eval = trainer.evaluate(store, va_idx, args.eval_steps)
+            history.append({"step": step, "loss": float(loss), **logs, "heldout": last_eval})
+            log(f"\n[eagle] step {step}: loss {float(loss):.4f} held-out agreement@1..{args.eval_steps} "
+                f"{last_eval['agreement']} accept_len(k={args.eval_steps}) {last_eval['accept_length_k']}")
+        if step % args.save_every == 0 or step == total:
+            save_state()
+    bar.close()
+    train_s = train_s_prev + (time.time() - t_train)
+    if last_eval is None:
+        last_eval = trainer.evaluate(store, va_idx, args.eval_steps)
+
+    # ---- write head + manifest
+    manifest = {
+        "format": hcfg.format,
+        "target": {"path": target, "architectures": tcfg.get("architectures"),
+                   "config_sha256": sha256_text((Path(target) / "config.json").read_text()),
+                   "hidden_size": hcfg.hidden_size, "num_layers": hcfg.target_num_layers},
+        "head_config": hcfg.to_dict(),
+        "draft_vocab": vocab_info,
+        "data": {**provenance, "train_sequences": len(train_seqs), "heldout_sequences": len(val_seqs),
+                 "train_tokens": sum(len(s["tokens"]) for s in train_seqs),
+                 "heldout_tokens": sum(len(s["tokens"]) for s in val_seqs),
+                 "feature_dtype": args.feature_dtype, "feature_cache": str(store.path)},
+        "training": {"steps": step, "batch_size": args.batch_size, "lr": args.lr, "ttt_steps": trainer.ttt,
+                     "noise": args.noise if hcfg.format == "eagle" else None,
+                     "ce_weight": args.ce_weight if hcfg.format == "eagle" else None,
+                     "seed": args.seed, "amp": args.amp, "threads": args.threads,
+                     "train_seconds": round(train_s, 1), "feature_seconds": round(feat_s, 1),
+                     "total_seconds": round(time.time() - t_start, 1),
+                     "cpu": platform.processor() or platform.machine(), "torch": torch.__version__},
+        "heldout": last_eval,
+        "history": history,
+        "command": _command_line(args),
+        "git_commit": _git_commit(),
+    }
+    ckpt.save_head(head, out, torch.bfloat16, {MANIFEST: json.dumps(manifest, indent=2) + "\n"})
+    return {"out": str(out), "heldout": last_eval, "train_seconds": round(train_s, 1), "manifest": manifest}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="vllm-easyspec train-eagle", description=__doc__.split("\n")[0])
+    add_train_eagle_arguments(p)
+    argv = sys.argv[1:] if argv is None else argv
+    args = p.parse_args(argv)
+    args._argv = argv
+    return run_train_eagle(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
