@@ -88,6 +88,8 @@ def add_train_eagle_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--amp", choices=("bf16", "none"), default="bf16")
     g.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
     g.add_argument("--init-from", default=None, help="start from an existing head folder")
+    g.add_argument("--stop-after", type=int, default=None,
+                   help="stop (saving the resume state) after this step, as if interrupted")
     g.add_argument("--quiet", action="store_true")
 
 
@@ -320,9 +322,12 @@ def train(args: argparse.Namespace) -> dict:
     t_start = time.time()
 
     # ---- data
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     tok = AutoTokenizer.from_pretrained(target)
+    if (Path(target) / "tokenizer.json").exists() and not tok("def f(x): return x", add_special_tokens=False)["input_ids"]:
+        # a model-type tokenizer class that ignores this tokenizer.json (seen with word-level test vocabularies)
+        tok = PreTrainedTokenizerFast.from_pretrained(target)
     seqs: list[dict] = []
     provenance: dict = {"sources": []}
     if not args.no_self_distill:
@@ -433,18 +438,24 @@ def train(args: argparse.Namespace) -> dict:
         torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
         opt.step()
         step += 1
-        post = {"loss": f"{float(loss):.3f}"}
+        post = {"loss": f"{float(loss.detach()):.3f}"}
         if last_eval:
             post["agree@1"] = last_eval["agreement"][0]
         bar.set_postfix(post)
         bar.update(1)
         if step % args.eval_every == 0 or step == total:
             last_eval = trainer.evaluate(store, va_idx, args.eval_steps)
-            history.append({"step": step, "loss": float(loss), **logs, "heldout": last_eval})
-            log(f"\n[eagle] step {step}: loss {float(loss):.4f} held-out agreement@1..{args.eval_steps} "
+            history.append({"step": step, "loss": float(loss.detach()), **logs, "heldout": last_eval})
+            log(f"\n[eagle] step {step}: loss {float(loss.detach()):.4f} held-out agreement@1..{args.eval_steps} "
                 f"{last_eval['agreement']} accept_len(k={args.eval_steps}) {last_eval['accept_length_k']}")
         if step % args.save_every == 0 or step == total:
             save_state()
+        if args.stop_after is not None and step >= args.stop_after and step < total:
+            save_state()
+            bar.close()
+            log(f"[eagle] stopped after step {step}; continue with --resume")
+            return {"out": str(out), "heldout": last_eval, "train_seconds": round(time.time() - t_train, 1),
+                    "manifest": None, "stopped": step}
     bar.close()
     train_s = train_s_prev + (time.time() - t_train)
     if last_eval is None:

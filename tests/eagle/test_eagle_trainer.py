@@ -1,0 +1,107 @@
+"""EAGLE trainer unit tests on tiny random targets (no vLLM engine needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from eagle_helpers import train_args
+from safetensors.torch import load_file
+
+from vllm_easyspec.eagle import checkpoint as ckpt
+from vllm_easyspec.eagle.errors import HiddenSizeMismatchError, NotEnoughDataError, UnsupportedTargetError
+from vllm_easyspec.eagle.trainer import run_train_eagle, train
+
+
+def _weights(d):
+    return load_file(str(d / "model.safetensors"))
+
+
+@pytest.mark.parametrize("fmt", ["eagle", "eagle3"])
+def test_train_writes_reference_layout_and_manifest(tmp_path, tiny_llama_dir, tiny_text_dir, fmt):
+    extra = ["--draft-vocab-size", "40"] if fmt == "eagle3" else []
+    res = train(train_args(tiny_llama_dir, tmp_path / "h", tmp_path / "w", tiny_text_dir, fmt, extra))
+    out = tmp_path / "h"
+    w = _weights(out)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1
+    if fmt == "eagle":
+        assert w["fc.weight"].shape == (128, 256)
+        assert "layers.0.self_attn.q_proj.weight" in w and not any(k.startswith("midlayer.") for k in w)
+        assert "lm_head.weight" not in w and "embed_tokens.weight" not in w
+    else:
+        assert w["fc.weight"].shape == (128, 384)
+        assert w["midlayer.self_attn.q_proj.weight"].shape[1] == 256
+        assert w["lm_head.weight"].shape == (40, 128) and cfg["draft_vocab_size"] == 40
+        ids = torch.arange(40) + w["d2t"]
+        assert torch.equal(w["t2d"].nonzero().flatten(), ids)
+        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert all(v.dtype == torch.bfloat16 for k, v in w.items() if k not in ("d2t", "t2d"))
+    man = json.loads((out / "eagle_manifest.json").read_text())
+    assert man["command"].startswith("vllm-easyspec train-eagle --target")
+    assert man["data"]["sources"][0]["kind"] == "local-text"
+    assert len(man["heldout"]["agreement"]) == 3 and man["training"]["steps"] == 6
+    # the reader gets back the same tensors
+    head = ckpt.load_head(out)
+    again = ckpt.state_dict_reference(head)
+    assert set(again) == set(w) and all(torch.equal(again[k], w[k]) for k in w)
+
+
+def test_seed_determinism(tmp_path, tiny_llama_dir, tiny_text_dir):
+    for run in ("a", "b"):
+        train(train_args(tiny_llama_dir, tmp_path / run, tmp_path / "w", tiny_text_dir, "eagle3",
+                         ["--draft-vocab-size", "40"]))
+    a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    train(train_args(tiny_llama_dir, tmp_path / "c", tmp_path / "w", tiny_text_dir, "eagle3",
+                     ["--draft-vocab-size", "40", "--seed", "1"]))
+    c = _weights(tmp_path / "c")
+    assert not torch.equal(a["fc.weight"], c["fc.weight"])
+
+
+def test_resume_equals_uninterrupted(tmp_path, tiny_qwen2_dir, tiny_text_dir):
+    train(train_args(tiny_qwen2_dir, tmp_path / "full", tmp_path / "w", tiny_text_dir, "eagle"))
+    res = train(train_args(tiny_qwen2_dir, tmp_path / "int", tmp_path / "w", tiny_text_dir, "eagle",
+                           ["--stop-after", "2"]))
+    assert res["stopped"] == 2 and not (tmp_path / "int" / "model.safetensors").exists()
+    assert torch.load(tmp_path / "int" / "train_state.pt", weights_only=False)["step"] == 2
+    train(train_args(tiny_qwen2_dir, tmp_path / "int", tmp_path / "w", tiny_text_dir, "eagle", ["--resume"]))
+    a, b = _weights(tmp_path / "full"), _weights(tmp_path / "int")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_eagle_learns_on_tiny_target(tmp_path, tiny_llama_dir, tiny_text_dir):
+    res = train(train_args(tiny_llama_dir, tmp_path / "h", tmp_path / "w", tiny_text_dir, "eagle",
+                           ["--max-steps", "30", "--eval-every", "30", "--lr", "2e-3"]))
+    man = res["manifest"]
+    first, last = man["history"][0]["heldout"], man["history"][-1]["heldout"]
+    assert last["agreement"][0] > 0.5, last
+    assert last["accept_length_k"] > 1.5
+
+
+def test_unsupported_architecture(tmp_path, tiny_moe_dir, tiny_text_dir, capsys):
+    with pytest.raises(UnsupportedTargetError, match="MixtralForCausalLM"):
+        train(train_args(tiny_moe_dir, tmp_path / "h", tmp_path / "w", tiny_text_dir))
+    assert run_train_eagle(train_args(tiny_moe_dir, tmp_path / "h", tmp_path / "w", tiny_text_dir)) == 2
+    assert "not supported" in capsys.readouterr().err
+
+
+def test_too_little_data(tmp_path, tiny_llama_dir, tiny_text_dir):
+    with pytest.raises(NotEnoughDataError, match="too little training data"):
+        train(train_args(tiny_llama_dir, tmp_path / "h", tmp_path / "w", tiny_text_dir, "eagle",
+                         ["--text-tokens", "100"]))
+
+
+def test_hidden_size_mismatch(tmp_path, tiny_llama_dir, tiny_text_dir):
+    from dataclasses import replace
+
+    from vllm_easyspec.eagle.model import EagleHead, head_config_from_target
+
+    tcfg = json.loads((tiny_llama_dir / "config.json").read_text())
+    narrow = replace(head_config_from_target(tcfg, "eagle"), hidden_size=64, intermediate_size=128,
+                     num_attention_heads=2, num_key_value_heads=1)
+    ckpt.save_head(EagleHead(narrow), tmp_path / "h64")
+    with pytest.raises(HiddenSizeMismatchError, match="hidden size 64"):
+        train(train_args(tiny_llama_dir, tmp_path / "h", tmp_path / "w", tiny_text_dir, "eagle",
+                         ["--init-from", str(tmp_path / "h64"), "--max-steps", "1"]))
