@@ -14,7 +14,7 @@ On acceptance the walk moves into the child and uses the target distribution at 
 every child is rejected (or the node is a leaf) one token is drawn from the current ``p`` (the
 residual, or the unmodified target at a leaf): that is the bonus token. Either rule makes each
 emitted token exactly ``p``-distributed given the tokens before it, so the output is distributed
-as sequential sampling from the target (``tests/tree/test_sampling_lossless.py`` checks this).
+as sequential sampling from the target (``tests/tree/test_tree_sampling_lossless.py`` checks this).
 
 Greedy requests (temperature <= 1e-5 or no temperature) take the longest path whose every token is
 the argmax of the raw target logits at its parent, ties to the smaller node index, then the
