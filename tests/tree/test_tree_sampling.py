@@ -191,3 +191,17 @@ def test_sampling_constraints_match_vllm():
     theirs = topk_topp.apply_top_k_top_p_pytorch(logits / temperature[:, None], k, p)
     assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
     torch.testing.assert_close(ours[~torch.isinf(ours)], theirs[~torch.isinf(theirs)])
+
+
+def test_request_without_drafts_only_samples_the_bonus():
+    # vLLM can schedule a request with no draft tokens next to others: it gets just a bonus token.
+    tree = _tree([[1, 2], [0, 0]], [[-1, 0], [-1, -1]], num_nodes=[2, 0])
+    logits = torch.full((2, 3, 4), NEG)
+    logits[0, 0, 1] = logits[0, 1, 2] = logits[0, 2, 3] = 0.0  # request 0: accept both, bonus 3
+    logits[1, 0, 2] = 0.0  # request 1: root row only; the bonus must be 2
+    for temperature in (None, torch.tensor([1.0, 1.0])):
+        out = tree_rejection_sample(tree, logits, temperature=temperature, generator=torch.Generator().manual_seed(0))
+        assert out.output_token_ids.tolist() == [[1, 2, 3], [2, -1, -1]]
+        assert out.num_accepted.tolist() == [2, 0]
+    layout = tree.verify_layout(torch.tensor([4, 9]))
+    assert layout.cu_query_lens.tolist() == [0, 3, 4] and layout.positions.tolist() == [4, 5, 6, 9]
