@@ -1,0 +1,1 @@
+"""Offline analyses of fuzzy drafting on transformers models (EasySpec Table 4)."""
