@@ -45,9 +45,10 @@ def install() -> None:
     if _installed:
         return
     check_vllm_version()
-    from vllm_easyspec.integration import config_checks, proposer_swap
+    from vllm_easyspec.integration import config_checks, cpu_sampler_fix, proposer_swap
 
     config_checks.install()
+    cpu_sampler_fix.install()
     proposer_swap.install()
     _installed = True
 

