@@ -1,0 +1,33 @@
+# Two commands do everything on a fresh machine (2-core x86 CPU, Python 3.11):
+#   make demo   set up, fetch the default models, run the main job (vanilla vs vLLM draft_model vs plugin)
+#   make test   set up, run the default test suite (what CI runs)
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.easyspec-installed
+
+.PHONY: setup demo test test-slow lint
+
+$(STAMP): pyproject.toml setup.py
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --disable-pip-version-check -q --upgrade pip
+	$(BIN)/pip install --disable-pip-version-check -q torch==2.13.0+cpu
+	$(BIN)/pip install --disable-pip-version-check -q -e ".[cpu,dev]"
+	# Their registry builds need CUDA and break `import transformers`; vLLM does not need them.
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(BIN)/python -c "import transformers, vllm, vllm_easyspec.plugin"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m benchmarks.main_job
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
+
+lint: $(STAMP)
+	$(BIN)/ruff check .

