@@ -65,7 +65,8 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
 
 
 def head_config_from_target(target_cfg: dict, fmt: str, draft_vocab_size: int | None = None,
-                            aux_layer_ids: list[int] | None = None) -> HeadConfig:
+                            aux_layer_ids: list[int] | None = None,
+                            intermediate_size: int | None = None) -> HeadConfig:
     """Build the head's config from the target's HF ``config.json`` dict."""
     from .errors import UnsupportedTargetError
 
@@ -99,7 +100,7 @@ def head_config_from_target(target_cfg: dict, fmt: str, draft_vocab_size: int | 
     else:
         aux, dv = [], None
     return HeadConfig(
-        format=fmt, hidden_size=h, intermediate_size=int(target_cfg["intermediate_size"]),
+        format=fmt, hidden_size=h, intermediate_size=int(intermediate_size or target_cfg["intermediate_size"]),
         num_attention_heads=nh, num_key_value_heads=int(target_cfg.get("num_key_value_heads", nh)),
         head_dim=head_dim, rms_norm_eps=float(target_cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta, vocab_size=vocab,

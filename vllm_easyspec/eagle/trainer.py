@@ -70,6 +70,8 @@ def add_train_eagle_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gen-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     g = p.add_argument_group("head")
     g.add_argument("--draft-vocab-size", type=int, default=16384, help="eagle3 reduced vocabulary")
+    g.add_argument("--head-intermediate-size", type=int, default=None,
+                   help="MLP width of the head (default: the target's)")
     g.add_argument("--aux-layers", default=None, help="eagle3 target layers, e.g. 2,12,21")
     g = p.add_argument_group("training")
     g.add_argument("--epochs", type=float, default=2.0)
@@ -316,7 +318,7 @@ def train(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     tcfg = target_config(target)
     aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
-    hcfg = head_config_from_target(tcfg, args.format, args.draft_vocab_size, aux)
+    hcfg = head_config_from_target(tcfg, args.format, args.draft_vocab_size, aux, args.head_intermediate_size)
     work = Path(args.work_dir or Path.home() / ".cache" / "vllm-easyspec" / "eagle")
     work.mkdir(parents=True, exist_ok=True)
     t_start = time.time()

@@ -1,0 +1,126 @@
+"""EAGLE heads vs the other drafts on Qwen2.5-Coder-0.5B-Instruct, through the shared harness.
+
+    python -m benchmarks.eagle_bench speed [--batch 1 4] [--ks 2 3 4 5 6] [--max-tokens 96]
+    python -m benchmarks.eagle_bench distribution      # T=0.7 engine-level chi-square with EAGLE drafts (tiny target)
+
+Setups (one fresh engine each, same held-out prompts, greedy): vanilla; vLLM ngram (k=4, lookup
+2..4); vLLM draft_model with SmolLM2-135M across vocabularies (k=3); vLLM eagle3 with our head
+``heads/qwen2.5-coder-0.5b-instruct-eagle3`` at k = 2..6; and, for drafting cost only, an untrained
+EAGLE-1 head (full-vocabulary lm_head) at k=3.  The prompts are
+``vllm_easyspec.eagle.prompts.HELDOUT_PROMPTS``: tasks that appear in no training prompt.
+Results: ``benchmarks/results/eagle_speed_b{B}.{json,md,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from benchmarks.harness import RESULTS_DIR, Setup, Workload, run_setups, write_results
+from vllm_easyspec.eagle.prompts import HELDOUT_PROMPTS
+from vllm_easyspec.models import fetch_model
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAD3 = ROOT / "heads" / "qwen2.5-coder-0.5b-instruct-eagle3"
+QWEN = "qwen2.5-coder-0.5b-instruct"
+SMOL = "smollm2-135m-instruct"
+
+
+def _untrained_eagle1(target: str) -> Path:
+    """A random EAGLE-1 head in the reference layout (drafting-cost measurement only)."""
+    import torch
+
+    from vllm_easyspec.eagle.checkpoint import save_head
+    from vllm_easyspec.eagle.model import EagleHead, head_config_from_target
+
+    out = RESULTS_DIR / "eagle1_untrained_head"
+    if not (out / "model.safetensors").exists():
+        cfg = json.loads((Path(target) / "config.json").read_text())
+        torch.manual_seed(0)
+        save_head(EagleHead(head_config_from_target(cfg, "eagle", intermediate_size=2432)), out)
+    return out
+
+
+def speed(batches: list[int], ks: list[int], max_tokens: int, num_prompts: int, eagle1: bool) -> None:
+    target = str(fetch_model(QWEN))
+    smol = str(fetch_model(SMOL))
+    command = "python -m benchmarks.eagle_bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    for b in batches:
+        setups = [
+            Setup("vanilla", "no speculation"),
+            Setup("ngram-k4", "vLLM ngram, lookup 2..4",
+                  {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}),
+            Setup("smollm2-k3", "vLLM draft_model SmolLM2-135M, heterogeneous vocab",
+                  {"method": "draft_model", "model": smol, "num_speculative_tokens": 3,
+                   "use_heterogeneous_vocab": True}),
+        ]
+        for k in ks:
+            setups.append(Setup(f"eagle3-k{k}", "vLLM eagle3, our head",
+                                {"method": "eagle3", "model": str(HEAD3), "num_speculative_tokens": k}))
+        if eagle1 and b == 1:
+            setups.append(Setup("eagle1-untrained-k3", "vLLM eagle, random head: drafting cost only",
+                                {"method": "eagle", "model": str(_untrained_eagle1(target)),
+                                 "num_speculative_tokens": 3}))
+        prompts = HELDOUT_PROMPTS[: max(num_prompts, b)]
+        wl = Workload(target=target, prompts=prompts, max_tokens=max_tokens, batch_size=b)
+        rows = run_setups(setups, wl)
+        paths = write_results(rows, f"eagle_speed_b{b}",
+                              f"EAGLE on Qwen2.5-Coder-0.5B, batch {b}, greedy, {len(prompts)} held-out prompts",
+                              command)
+        print(paths["md"].read_text())
+
+
+def distribution(num_samples: int) -> None:
+    """Engine-level chi-square at T=0.7 with EAGLE / EAGLE-3 drafts on the tiny test target."""
+    import os
+    import tempfile
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "eagle"))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    from distribution import run_distribution_test
+    from reference_checkpoint import build_reference_checkpoint
+    from tiny_models import build_tiny_model, build_tiny_tokenizer
+    from vllm import LLM
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        tok = build_tiny_tokenizer(tmp / "tok")
+        target = build_tiny_model(tmp / "llama", tok, "llama", num_layers=4, seed=1)
+        for fmt in ("eagle", "eagle3"):
+            head = build_reference_checkpoint(target, tmp / fmt, fmt, aux_layer_ids=[1, 2, 3] if fmt == "eagle3" else None,
+                                              draft_vocab_size=48 if fmt == "eagle3" else None)
+            llm = LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
+                      max_num_seqs=64, speculative_config={"method": fmt, "model": str(head), "num_speculative_tokens": 3})
+            res = run_distribution_test(llm, target, temperature=0.7, num_samples=num_samples)
+            rows.append({"method": fmt, "statistic": res.statistic, "dof": res.degrees_of_freedom,
+                         "p_value": res.p_value, "num_samples": res.num_samples, "passes": res.passes})
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+    out = RESULTS_DIR / "eagle_distribution.json"
+    out.write_text(json.dumps({"temperature": 0.7, "rows": rows}, indent=2) + "\n")
+    print(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("speed")
+    s.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    s.add_argument("--ks", type=int, nargs="+", default=[2, 3, 4, 5, 6])
+    s.add_argument("--max-tokens", type=int, default=96)
+    s.add_argument("--num-prompts", type=int, default=4)
+    s.add_argument("--no-eagle1", action="store_true")
+    d = sub.add_parser("distribution")
+    d.add_argument("--num-samples", type=int, default=2000)
+    a = ap.parse_args()
+    if a.cmd == "speed":
+        speed(a.batch, a.ks, a.max_tokens, a.num_prompts, not a.no_eagle1)
+    else:
+        distribution(a.num_samples)
