@@ -74,8 +74,10 @@ def speed(batches: list[int], ks: list[int], max_tokens: int, num_prompts: int, 
 
 
 def distribution(num_samples: int) -> None:
-    """Engine-level chi-square at T=0.7 with EAGLE / EAGLE-3 drafts on the tiny test target."""
+    """Engine-level chi-square at T=0.7 with trained EAGLE / EAGLE-3 drafts on the tiny test target
+    (the foundation's helper ``tests/distribution.py``: exact two-token law vs seeded samples)."""
     import os
+    import random
     import tempfile
 
     sys.path.insert(0, str(ROOT / "tests"))
@@ -84,27 +86,46 @@ def distribution(num_samples: int) -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     from distribution import run_distribution_test
-    from reference_checkpoint import build_reference_checkpoint
+    from eagle_helpers import train_args
     from tiny_models import build_tiny_model, build_tiny_tokenizer
     from vllm import LLM
+
+    from vllm_easyspec.eagle.trainer import train
+    from vllm_easyspec.metrics import read_spec_decode_counters
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         tok = build_tiny_tokenizer(tmp / "tok")
         target = build_tiny_model(tmp / "llama", tok, "llama", num_layers=4, seed=1)
+        text = tmp / "text"
+        text.mkdir()
+        rng = random.Random(0)
+        for i in range(24):
+            (text / f"f{i}.py").write_text(" ".join(f"w{rng.randrange(3, 64)}" for _ in range(200)))
         for fmt in ("eagle", "eagle3"):
-            head = build_reference_checkpoint(target, tmp / fmt, fmt, aux_layer_ids=[1, 2, 3] if fmt == "eagle3" else None,
-                                              draft_vocab_size=48 if fmt == "eagle3" else None)
+            extra = ["--max-steps", "40", "--eval-every", "40", "--save-every", "40", "--lr", "3e-3"]
+            if fmt == "eagle3":
+                extra += ["--draft-vocab-size", "48"]
+            res = train(train_args(target, tmp / f"head_{fmt}", tmp / "work", text, fmt, extra))
             llm = LLM(model=str(target), dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
-                      max_num_seqs=64, speculative_config={"method": fmt, "model": str(head), "num_speculative_tokens": 3})
-            res = run_distribution_test(llm, target, temperature=0.7, num_samples=num_samples)
-            rows.append({"method": fmt, "statistic": res.statistic, "dof": res.degrees_of_freedom,
-                         "p_value": res.p_value, "num_samples": res.num_samples, "passes": res.passes})
+                      max_num_seqs=64, disable_log_stats=False,
+                      speculative_config={"method": fmt, "model": str(tmp / f"head_{fmt}"),
+                                          "num_speculative_tokens": 3})
+            before = read_spec_decode_counters(llm)
+            chi = run_distribution_test(llm, target, temperature=0.7, num_samples=num_samples)
+            c = read_spec_decode_counters(llm) - before
+            rows.append({"method": fmt, "statistic": chi.statistic, "dof": chi.degrees_of_freedom,
+                         "p_value": chi.p_value, "num_samples": chi.num_samples, "passes": chi.passes,
+                         "heldout_agreement": res["heldout"]["agreement"],
+                         "acceptance_rate": c.acceptance_rate,
+                         "per_position_acceptance": c.per_position_acceptance})
             llm.llm_engine.engine_core.shutdown()
             del llm
     out = RESULTS_DIR / "eagle_distribution.json"
-    out.write_text(json.dumps({"temperature": 0.7, "rows": rows}, indent=2) + "\n")
+    out.write_text(json.dumps({"temperature": 0.7, "target": "tiny llama (tests/tiny_models.py)",
+                               "command": "python -m benchmarks.eagle_bench distribution", "rows": rows},
+                              indent=2) + "\n")
     print(json.dumps(rows, indent=2))
 
 

@@ -40,7 +40,7 @@ def _generate(llm, prompts):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-@pytest.mark.parametrize("target_name,fmt", [("tiny_llama_dir", "eagle"), ("tiny_qwen2_dir", "eagle3")])
+@pytest.mark.parametrize("target_name,fmt", [("tiny_qwen2_dir", "eagle"), ("tiny_qwen2_dir", "eagle3")])
 def test_reference_layout_loads_in_vllm(request, tmp_path, llm_pool, target_name, fmt):
     target = request.getfixturevalue(target_name)
     n_layers = 4 if "llama" in target_name else 6
@@ -56,7 +56,9 @@ def test_reference_layout_loads_in_vllm(request, tmp_path, llm_pool, target_name
     assert h.cfg.format == fmt
 
 
-@pytest.mark.parametrize("target_name,fmt", [("tiny_llama_dir", "eagle3"), ("tiny_qwen2_dir", "eagle")])
+# The tiny Llama is close to a bigram model, so a head learns it within a few dozen steps and
+# accepts often enough for the replay comparison to mean something.
+@pytest.mark.parametrize("target_name,fmt", [("tiny_llama_dir", "eagle"), ("tiny_llama_dir", "eagle3")])
 def test_trained_head_runs_in_vllm_as_replayed(request, tmp_path, llm_pool, tiny_text_dir, target_name, fmt):
     target = request.getfixturevalue(target_name)
     extra = ["--max-steps", "40", "--eval-every", "40", "--save-every", "40", "--lr", "3e-3"]

@@ -380,13 +380,11 @@ def train(args: argparse.Namespace) -> dict:
     head = EagleHead(hcfg)
     if hcfg.format == "eagle3":
         head.set_draft_vocab(draft_ids)
-        # Start from the target's own output map: lm_head rows of the draft vocabulary and
-        # the target's final norm, so the head only has to learn the last residual stream.
+        # Start from the target's own output map (its lm_head rows of the draft vocabulary).
+        # The final norm starts at 1, not at the target's (Qwen2.5's is ~7 on average, which
+        # makes the first logits so large that training stalls).
         with torch.no_grad():
             head.lm_head.weight.copy_(lm_w[draft_ids])
-            tn = load_target_tensor(target, "model.norm.weight")
-            if tn is not None and tn.shape == head.norm.weight.shape:
-                head.norm.weight.copy_(tn)
     if args.init_from:
         src = ckpt.load_head(args.init_from)
         if src.cfg.hidden_size != hcfg.hidden_size or src.cfg.format != hcfg.format:
