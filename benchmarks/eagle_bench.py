@@ -44,7 +44,8 @@ def _untrained_eagle1(target: str) -> Path:
     return out
 
 
-def speed(batches: list[int], ks: list[int], max_tokens: int, num_prompts: int, eagle1: bool) -> None:
+def speed(batches: list[int], ks: list[int], max_tokens: int, num_prompts: int, eagle1: bool,
+          ks_batched: list[int] | None = None) -> None:
     target = str(fetch_model(QWEN))
     smol = str(fetch_model(SMOL))
     command = "python -m benchmarks.eagle_bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -57,7 +58,7 @@ def speed(batches: list[int], ks: list[int], max_tokens: int, num_prompts: int, 
                   {"method": "draft_model", "model": smol, "num_speculative_tokens": 3,
                    "use_heterogeneous_vocab": True}),
         ]
-        for k in ks:
+        for k in (ks if b == 1 or not ks_batched else ks_batched):
             setups.append(Setup(f"eagle3-k{k}", "vLLM eagle3, our head",
                                 {"method": "eagle3", "model": str(HEAD3), "num_speculative_tokens": k}))
         if eagle1 and b == 1:
@@ -137,11 +138,12 @@ if __name__ == "__main__":
     s.add_argument("--ks", type=int, nargs="+", default=[2, 3, 4, 5, 6])
     s.add_argument("--max-tokens", type=int, default=96)
     s.add_argument("--num-prompts", type=int, default=4)
+    s.add_argument("--ks-batched", type=int, nargs="+", default=None, help="k values for batch > 1")
     s.add_argument("--no-eagle1", action="store_true")
     d = sub.add_parser("distribution")
     d.add_argument("--num-samples", type=int, default=2000)
     a = ap.parse_args()
     if a.cmd == "speed":
-        speed(a.batch, a.ks, a.max_tokens, a.num_prompts, not a.no_eagle1)
+        speed(a.batch, a.ks, a.max_tokens, a.num_prompts, not a.no_eagle1, a.ks_batched)
     else:
         distribution(a.num_samples)
