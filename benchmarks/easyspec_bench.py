@@ -39,10 +39,13 @@ def _spec(draft: str, hetero: bool) -> dict[str, Any]:
 
 def _easyspec_setup(name: str, draft: str, hetero: bool, tp: int = 1, **options: Any) -> Setup:
     described = ", ".join(f"{k}={v}" for k, v in options.items()) or "exact drafting (N=1)"
+    spec = _spec(draft, hetero)
+    if tp > 1 and options.get("mode") == "tensor_parallel":
+        spec["draft_tensor_parallel_size"] = 1  # the draft is replicated on every rank (SmolLM2: 9 heads)
     return Setup(
         name=name,
         description=f"EasySpec {described}",
-        speculative_config=_spec(draft, hetero),
+        speculative_config=spec,
         additional_config={"easyspec": options},
         tensor_parallel_size=tp,
     )

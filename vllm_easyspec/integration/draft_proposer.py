@@ -79,6 +79,23 @@ class EasySpecDraftProposer(DraftModelProposer):
                 self.easyspec_config.calibration,
             )
 
+    def _raise_if_draft_tp_mismatch(self) -> None:
+        """vLLM requires draft TP == target TP; the tensor_parallel mode replicates the whole draft on every
+        rank, so there it also accepts ``draft_tensor_parallel_size: 1`` (needed for drafts whose head count
+        the TP size does not divide, e.g. SmolLM2's 9 heads on 2 ranks)."""
+        spec = self.speculative_config
+        easyspec = parse_easyspec_config(self.vllm_config.additional_config)
+        target_tp = spec.target_parallel_config.tensor_parallel_size
+        if easyspec is not None and spec.draft_parallel_config.tensor_parallel_size == 1 and target_tp > 1:
+            grouping = resolve_layer_groups(
+                easyspec,
+                num_layers=spec.draft_model_config.hf_text_config.num_hidden_layers,
+                tensor_parallel_size=target_tp,
+            )
+            if grouping.mode == "tensor_parallel" and grouping.fuzzy_groups:
+                return
+        super()._raise_if_draft_tp_mismatch()
+
     @property
     def is_fuzzy(self) -> bool:
         return self.calibration is not None
