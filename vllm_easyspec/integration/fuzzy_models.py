@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -160,11 +160,12 @@ class _FusedGroup:
 
 @dataclass
 class FuzzyForwardCounts:
+    """Per-worker counters: exact/fuzzy draft forwards and group-attention calls of each kind."""
+
     exact: int = 0
     fuzzy: int = 0
     fused_groups: int = 0
     parallel_groups: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 class FuzzyDraftController:
