@@ -118,8 +118,8 @@ def _run_in_child(setup: Setup, workload: Workload) -> dict[str, Any]:
         request.write_text(json.dumps({"setup": asdict(setup), "workload": asdict(workload)}))
         env = os.environ | engine_env(setup.tensor_parallel_size) | setup.env
         env["VLLM_CPU_KVCACHE_SPACE"] = str(workload.kv_cache_gib)
-        log_path = RESULTS_DIR / f"{setup.name}.log"
-        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        log_path = RESULTS_DIR / "logs" / f"{os.getpid()}-{setup.name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("w") as log:
             completed = subprocess.run(
                 [sys.executable, "-m", "benchmarks.harness", "--child", str(request), str(result)],

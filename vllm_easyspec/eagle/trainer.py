@@ -38,11 +38,10 @@ import torch
 import torch.nn.functional as F
 
 from . import checkpoint as ckpt
-from .data import (default_text_dir, load_self_distill, self_distill, sha256_text, split_heldout,
-                   text_windows)
+from .data import default_text_dir, load_self_distill, self_distill, sha256_text, split_heldout, text_windows
 from .errors import EagleTrainError, HiddenSizeMismatchError
-from .features import FeatureStore, extract, load_target_embed_and_head, load_target_tensor, target_config
-from .model import FORMATS, EagleHead, HeadConfig, head_config_from_target
+from .features import FeatureStore, extract, load_target_embed_and_head, target_config
+from .model import FORMATS, EagleHead, head_config_from_target
 
 STATE = "train_state.pt"
 MANIFEST = "eagle_manifest.json"
@@ -299,7 +298,7 @@ def _read_prompts(args) -> tuple[list[str], str]:
         try:
             prompts = json.loads(text)
         except json.JSONDecodeError:
-            prompts = [l.strip() for l in text.splitlines() if l.strip()]
+            prompts = [line.strip() for line in text.splitlines() if line.strip()]
         name = f"file:{args.prompts_file}"
     else:
         prompts = train_prompts()

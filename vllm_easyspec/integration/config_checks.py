@@ -52,11 +52,15 @@ def validate_engine_config(vllm_config) -> None:
         return
     from vllm_easyspec.layer_grouping import resolve_layer_groups
 
-    resolve_layer_groups(
+    grouping = resolve_layer_groups(
         easyspec,
         num_layers=spec.draft_model_config.hf_text_config.num_hidden_layers,
         tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
     )
+    if grouping.fuzzy_groups:
+        from vllm_easyspec.integration.fuzzy_models import check_fuzzy_architecture
+
+        check_fuzzy_architecture(spec.draft_model_config.hf_config.architectures, spec.draft_model_config.hf_text_config)
 
 
 def _verify_equal_vocab_size(self) -> None:
