@@ -14,9 +14,12 @@ from pathlib import Path
 from benchmarks.harness import Setup, Workload, load_prompts, markdown_table, run_setups, write_results
 from vllm_easyspec.models import DEFAULT_DRAFT, DEFAULT_TARGET, MODELS, ModelFetchError, fetch_model
 
-# The plugin setup the main job runs; later issues change this to their best measured configuration.
-PLUGIN_ADDITIONAL_CONFIG: dict = {"easyspec": {"layer_parallel_size": 1}}
-PLUGIN_DESCRIPTION = "vllm-easyspec drafter (exact drafting, N=1) with the same draft"
+# The plugin's drafter as the main job runs it: EasySpec fused fuzzy drafting, groups of 2, calibrated.
+PLUGIN_ADDITIONAL_CONFIG: dict = {"easyspec": {"layer_parallel_size": 2, "mode": "fused"}}
+PLUGIN_DESCRIPTION = "vllm-easyspec EasySpec drafter (fused, N=2, every_round calibration), same draft"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+EAGLE3_HEAD = REPO_ROOT / "heads" / "qwen2.5-coder-0.5b-instruct-eagle3"
+EAGLE3_K = 2
 
 
 def resolve_model(name_or_path: str) -> str:
@@ -32,18 +35,22 @@ def resolve_model(name_or_path: str) -> str:
     return str(path)
 
 
-def main_setups(draft: str, k: int) -> list[Setup]:
+def main_setups(draft: str, k: int, target_is_default: bool) -> list[Setup]:
     speculative = {
         "method": "draft_model",
         "model": draft,
         "num_speculative_tokens": k,
         "use_heterogeneous_vocab": True,
     }
-    return [
+    setups = [
         Setup("vanilla", "vLLM without speculation"),
         Setup("vllm-draft_model", f"vLLM built-in draft_model, k={k}", speculative_config=speculative),
         Setup("easyspec", PLUGIN_DESCRIPTION, speculative_config=speculative, additional_config=PLUGIN_ADDITIONAL_CONFIG),
     ]
+    if target_is_default and (EAGLE3_HEAD / "config.json").is_file():
+        eagle3 = {"method": "eagle3", "model": str(EAGLE3_HEAD), "num_speculative_tokens": EAGLE3_K}
+        setups.append(Setup("eagle3-head", f"vLLM eagle3 with this project's head, k={EAGLE3_K}", eagle3))
+    return setups
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         batch_size=args.batch_size,
         dtype=args.dtype,
     )
-    rows = run_setups(main_setups(draft, args.num_speculative_tokens), workload)
+    setups = main_setups(draft, args.num_speculative_tokens, target_is_default=args.target == DEFAULT_TARGET)
+    rows = run_setups(setups, workload)
     command = "python -m benchmarks.main_job " + shlex.join(argv if argv is not None else sys.argv[1:])
     title = (
         f"{Path(target).name} with draft {Path(draft).name}: {len(workload.prompts)} prompts, "
@@ -80,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{title}\n\n{markdown_table(rows)}\n")
     identical = all(r["outputs_identical_to_vanilla"] for r in rows)
     print(f"all outputs identical to vanilla: {'yes' if identical else 'NO'}")
+    best = max(rows, key=lambda r: r["decode_tok_per_s"] or 0.0)
+    print(f"fastest setup in this run: {best['setup']} ({best['description']}), {best['speedup_vs_vanilla']:.2f}x vanilla")
     print("results: " + ", ".join(str(p) for p in paths.values()))
     return 0
 
