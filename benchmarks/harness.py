@@ -285,6 +285,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         if per_pos:
             accept_ax.plot(range(1, len(per_pos) + 1), per_pos, marker="o", label=row["setup"])
     accept_ax.set_xlabel("draft position")
+    accept_ax.xaxis.get_major_locator().set_params(integer=True)
     accept_ax.set_ylabel("acceptance rate (accepted / drafts)")
     accept_ax.set_ylim(0, 1)
     if accept_ax.lines:
