@@ -206,6 +206,8 @@ class FuzzyDraftController:
         # The fuzzy forward is eager: a traced graph (DYNAMO_TRACE_ONCE drops guards) could not switch
         # between the exact and the fuzzy path.
         inner.do_not_compile = True
+        # Replaces, on this draft instance only, vllm.model_executor.models.llama.LlamaModel.forward
+        # (Qwen2: vllm.model_executor.models.qwen2.Qwen2Model.forward); exact forwards call the original.
         inner.forward = self.forward
 
     # ----------------------------------------------------------------------------------------------
