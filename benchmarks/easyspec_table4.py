@@ -20,6 +20,7 @@ import torch
 
 from benchmarks.harness import RESULTS_DIR, load_prompts
 from vllm_easyspec.analysis.cosine import QUANTITIES, table4_for_model
+from vllm_easyspec.models import prompt_token_ids
 
 MODELS = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma3-270m")
 
@@ -27,13 +28,7 @@ MODELS = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma3-270m")
 def _sequences(model, tokenizer, prompts: list[str], continuation: int) -> list[torch.Tensor]:
     sequences = []
     for text in prompts:
-        if tokenizer.chat_template:
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
-            )
-            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        else:
-            ids = tokenizer(text, return_tensors="pt").input_ids
+        ids = torch.tensor([prompt_token_ids(tokenizer, text)])
         if continuation:
             with torch.no_grad():
                 ids = model.generate(ids, max_new_tokens=continuation, do_sample=False)

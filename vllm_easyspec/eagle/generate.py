@@ -13,6 +13,8 @@ import os
 import sys
 import time
 
+from vllm_easyspec.models import prompt_token_ids
+
 
 def _set_cpu_env() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -29,16 +31,7 @@ def generate(target: str, prompts: list[str], out_path: str, max_tokens: int,
     llm = LLM(model=target, dtype=dtype, enforce_eager=True, seed=seed,
               max_model_len=2048, max_num_seqs=max_num_seqs)
     tok = llm.get_tokenizer()
-    prompt_ids = []
-    for p in prompts:
-        if getattr(tok, "chat_template", None):
-            ids = tok.apply_chat_template([{"role": "user", "content": p}],
-                                          add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-        else:
-            ids = tok(p)["input_ids"]
-        prompt_ids.append(list(ids))
+    prompt_ids = [prompt_token_ids(tok, p) for p in prompts]
     sp = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
     t0 = time.time()
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sp)

@@ -2,6 +2,7 @@
 
 from vllm_easyspec.models.catalog import DEFAULT_DRAFT, DEFAULT_TARGET, MODELS, ModelFetchError, get_spec
 from vllm_easyspec.models.fetch import cache_root, fetch_model, is_fetched, list_models, model_dir
+from vllm_easyspec.models.prompts import prompt_token_ids
 
 __all__ = [
     "DEFAULT_DRAFT",
@@ -14,4 +15,5 @@ __all__ = [
     "is_fetched",
     "list_models",
     "model_dir",
+    "prompt_token_ids",
 ]
