@@ -61,5 +61,9 @@ class SpecDecodeCounters:
 
 
 def read_spec_decode_counters(llm: Any) -> SpecDecodeCounters:
-    """Snapshot of an ``LLM``'s counters; the engine must be built with ``disable_log_stats=False``."""
+    """Snapshot of an ``LLM``'s counters; the engine must be built with ``disable_log_stats=False``.
+
+    vLLM reads these from the process-wide Prometheus registry, and each new engine unregisters the
+    collectors of the engines built before it: in a process with several engines, only the newest one's
+    counters are readable."""
     return SpecDecodeCounters.from_metrics(llm.get_metrics())
