@@ -66,9 +66,13 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_qwen2_dir, tiny_text_dir):
                            ["--stop-after", "2"]))
     assert res["stopped"] == 2 and not (tmp_path / "int" / "model.safetensors").exists()
     assert torch.load(tmp_path / "int" / "train_state.pt", weights_only=False)["step"] == 2
-    train(train_args(tiny_qwen2_dir, tmp_path / "int", tmp_path / "w", tiny_text_dir, "eagle", ["--resume"]))
+    res = train(train_args(tiny_qwen2_dir, tmp_path / "int", tmp_path / "w", tiny_text_dir, "eagle", ["--resume"]))
     a, b = _weights(tmp_path / "full"), _weights(tmp_path / "int")
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # the manifest records both commands and the steps each ran
+    stages = res["manifest"]["stages"]
+    assert [(s["from_step"], s["to_step"]) for s in stages] == [(0, 2), (2, 6)]
+    assert "--stop-after 2" in stages[0]["command"] and "--resume" in stages[1]["command"]
 
 
 def test_eagle_learns_on_tiny_target(tmp_path, tiny_llama_dir, tiny_text_dir):

@@ -5,17 +5,22 @@
   equals vanilla.
 * A head trained by our trainer runs in vLLM exactly as we train it: vLLM's per-position
   accepted-token counts equal an offline replay of the chain with our torch module.
+* At temperature 0.7 the output law with that head's drafts is the target's (chi-square).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from distribution import ALPHA, run_distribution_test
 from eagle_helpers import train_args
 from reference_checkpoint import build_reference_checkpoint
 
 from vllm_easyspec.eagle.checkpoint import load_head
 from vllm_easyspec.eagle.simulate import replay_acceptance
 from vllm_easyspec.eagle.trainer import train
+from vllm_easyspec.metrics import read_spec_decode_counters
 
 PROMPTS = [[1, 17, 42, 5, 33, 9], [1, 4, 8, 15, 16, 23, 42, 7]]
 MAX_TOKENS = 32
@@ -57,17 +62,28 @@ def test_reference_layout_loads_in_vllm(request, tmp_path, llm_pool, target_name
 
 
 # The tiny Llama is close to a bigram model, so a head learns it within a few dozen steps and
-# accepts often enough for the replay comparison to mean something.
-@pytest.mark.parametrize("target_name,fmt", [("tiny_llama_dir", "eagle"), ("tiny_llama_dir", "eagle3")])
-def test_trained_head_runs_in_vllm_as_replayed(request, tmp_path, llm_pool, tiny_text_dir, target_name, fmt):
-    target = request.getfixturevalue(target_name)
+# accepts often enough for the replay comparison and the distribution test to mean something.
+@pytest.fixture(scope="module", params=["eagle", "eagle3"])
+def trained_tiny_head(request, tmp_path_factory, tiny_llama_dir, tiny_text_dir) -> tuple[str, Path]:
+    fmt = request.param
+    tmp = tmp_path_factory.mktemp(f"trained_{fmt}")
     extra = ["--max-steps", "40", "--eval-every", "40", "--save-every", "40", "--lr", "3e-3"]
     if fmt == "eagle3":
         extra += ["--draft-vocab-size", "48"]
-    train(train_args(target, tmp_path / "head", tmp_path / "w", tiny_text_dir, fmt, extra))
+    train(train_args(tiny_llama_dir, tmp / "head", tmp / "w", tiny_text_dir, fmt, extra))
+    return fmt, tmp / "head"
+
+
+def _eagle_engine(llm_pool, target, fmt: str, head: Path):
+    return llm_pool.get(model=target, speculative_config={"method": fmt, "model": str(head),
+                                                          "num_speculative_tokens": K})
+
+
+def test_trained_head_runs_in_vllm_as_replayed(llm_pool, tiny_llama_dir, trained_tiny_head):
+    fmt, head_dir = trained_tiny_head
+    target = tiny_llama_dir
     vanilla = _generate(llm_pool.get(model=target), PROMPTS)
-    llm = llm_pool.get(model=target, speculative_config={"method": fmt, "model": str(tmp_path / "head"),
-                                                         "num_speculative_tokens": K})
+    llm = _eagle_engine(llm_pool, target, fmt, head_dir)
     before = _spec_counters(llm)
     spec = []
     for p in PROMPTS:  # one request at a time: the replay models a single sequence
@@ -76,7 +92,7 @@ def test_trained_head_runs_in_vllm_as_replayed(request, tmp_path, llm_pool, tiny
     assert spec == vanilla
     key = "vllm:spec_decode_num_accepted_tokens_per_pos"
     vllm_per_pos = [a - b for a, b in zip(after[key], before.get(key, [0] * K))]
-    head = load_head(tmp_path / "head")
+    head = load_head(head_dir)
     replay = [0] * K
     for p, out in zip(PROMPTS, vanilla):
         r = replay_acceptance(head, str(target), p, out, K)
@@ -87,3 +103,16 @@ def test_trained_head_runs_in_vllm_as_replayed(request, tmp_path, llm_pool, tiny
     # (wrong feature layer, wrong token shift, wrong d2t map) changes these counts by far more.
     for position, (got, expected) in enumerate(zip(vllm_per_pos, replay)):
         assert abs(got - expected) <= max(2, 0.15 * expected), (position, vllm_per_pos, replay)
+
+
+def test_distribution_with_eagle_drafts_matches_target(llm_pool, tiny_llama_dir, trained_tiny_head):
+    """T=0.7: the two-token law sampled through vLLM's rejection sampler with our head's drafts
+    equals the target's exact law (the foundation's chi-square test, which rejects a biased verifier)."""
+    fmt, head_dir = trained_tiny_head
+    llm = _eagle_engine(llm_pool, tiny_llama_dir, fmt, head_dir)
+    before = read_spec_decode_counters(llm)
+    result = run_distribution_test(llm, tiny_llama_dir, temperature=0.7)
+    assert (read_spec_decode_counters(llm) - before).num_accepted_tokens > 0, "no draft was accepted"
+    assert result.p_value >= ALPHA, (
+        f"{fmt}: chi2={result.statistic:.1f} dof={result.degrees_of_freedom} p={result.p_value:.2e}"
+    )

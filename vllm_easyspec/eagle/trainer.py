@@ -398,6 +398,7 @@ def train(args: argparse.Namespace) -> dict:
     total = args.max_steps or max(1, int(round(args.epochs * steps_per_epoch)))
     step = 0
     history: list = []
+    stages: list = []  # every command that trained this head, with the steps it ran
     train_s_prev = 0.0
     out.mkdir(parents=True, exist_ok=True)
     if args.resume and (out / STATE).exists():
@@ -409,10 +410,15 @@ def train(args: argparse.Namespace) -> dict:
         head.load_state_dict(st["head"])
         opt.load_state_dict(st["opt"])
         step, history, train_s_prev = st["step"], st["history"], st.get("train_seconds", 0.0)
+        stages = st.get("stages", [])
         log(f"[eagle] resumed at step {step}/{total}")
 
+    stages.append({"command": _command_line(args), "from_step": step, "to_step": step})
+
     def save_state():
+        stages[-1]["to_step"] = step
         torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "history": history,
+                    "stages": stages,
                     "head_config": hcfg.to_dict(), "train_seconds": train_s_prev + (time.time() - t_train)},
                    out / (STATE + ".tmp"))
         os.replace(out / (STATE + ".tmp"), out / STATE)
@@ -456,6 +462,7 @@ def train(args: argparse.Namespace) -> dict:
             return {"out": str(out), "heldout": last_eval, "train_seconds": round(time.time() - t_train, 1),
                     "manifest": None, "stopped": step}
     bar.close()
+    stages[-1]["to_step"] = step
     train_s = train_s_prev + (time.time() - t_train)
     if last_eval is None:
         last_eval = trainer.evaluate(store, va_idx, args.eval_steps)
@@ -482,6 +489,7 @@ def train(args: argparse.Namespace) -> dict:
         "heldout": last_eval,
         "history": history,
         "command": _command_line(args),
+        "stages": stages,
         "git_commit": _git_commit(),
     }
     ckpt.save_head(head, out, torch.bfloat16, {MANIFEST: json.dumps(manifest, indent=2) + "\n"})
