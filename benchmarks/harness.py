@@ -162,6 +162,8 @@ def _child_main(request_path: Path, result_path: Path) -> None:
         seed=0,
     )
     engine_start = time.perf_counter() - started
+    if setup.speculative_config:
+        llm.collective_rpc("easyspec_time_drafter")  # drafting time for vLLM's own proposers too
     params = SamplingParams(temperature=workload.temperature, max_tokens=workload.max_tokens, seed=0)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
@@ -247,17 +249,19 @@ def _fmt(value: Any, spec: str = ".2f") -> str:
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     header = (
         "| setup | method | k | batch | TP | decode tok/s | vs vanilla | mean acc. len | per-position acceptance "
-        "| draft ms/step | identical |\n|---|---|---|---|---|---|---|---|---|---|---|"
+        "| draft ms/step | draft share | identical |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [header]
     for r in rows:
         per_pos = " / ".join(f"{100 * a:.0f}%" for a in r["per_position_acceptance"] or []) or "–"
         ms = None if r["drafting_seconds_per_step"] is None else 1e3 * r["drafting_seconds_per_step"]
+        share = None if r["drafting_share_of_decode"] is None else 100 * r["drafting_share_of_decode"]
         lines.append(
             f"| {r['setup']} | {r['method']} | {_fmt(r['num_speculative_tokens'])} | {r['batch_size']} "
             f"| {r['tensor_parallel_size']} | {_fmt(r['decode_tok_per_s'], '.1f')} "
             f"| {_fmt(r['speedup_vs_vanilla'])}x | {_fmt(r['mean_acceptance_length'])} | {per_pos} "
-            f"| {_fmt(ms, '.1f')} | {_fmt(r['outputs_identical_to_vanilla'])} |"
+            f"| {_fmt(ms, '.1f')} | {_fmt(share, '.0f')}{'%' if share is not None else ''} "
+            f"| {_fmt(r['outputs_identical_to_vanilla'])} |"
         )
     return "\n".join(lines)
 

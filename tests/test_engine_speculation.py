@@ -32,6 +32,24 @@ def _spec(draft_dir, **extra) -> dict:
     return {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": K} | extra
 
 
+
+def test_drafting_timer_times_vllm_builtin_drafter(llm_pool, tiny_llama_dir, tiny_llama_draft_dir):
+    """Benchmarks time vLLM's own proposers at the same boundary as the plugin's (one ``propose`` per step)."""
+    from vllm_easyspec.integration.draft_proposer import read_drafting_stats
+    from vllm_easyspec.integration.drafting_timer import read_timed_drafting_stats, time_drafter
+
+    llm = llm_pool.get(tiny_llama_dir, speculative_config=_spec(tiny_llama_draft_dir), additional_config={})
+    assert llm.collective_rpc(read_drafting_stats) == [None]  # the built-in drafter does not time itself
+    assert llm.collective_rpc(time_drafter) == [True]
+    assert llm.collective_rpc(time_drafter) == [True]  # idempotent: one wrapper, not two
+    before = read_spec_decode_counters(llm)
+    _greedy(llm)
+    drafts = (read_spec_decode_counters(llm) - before).num_drafts
+    stats = llm.collective_rpc(read_timed_drafting_stats)[0]
+    assert stats["steps"] > 0 and stats["drafting_seconds"] > 0
+    assert stats["drafted_requests"] >= drafts > 0
+
+
 @pytest.fixture(scope="module")
 def vanilla_llama_tokens(llm_pool, tiny_llama_dir):
     return _greedy(llm_pool.get(tiny_llama_dir))

@@ -1,5 +1,6 @@
 """A worker extension (``worker_extension_cls``) that lets the front end read the plugin's per-worker
-counters through ``LLM.collective_rpc("easyspec_drafting_stats")`` without sending code to workers."""
+counters through ``LLM.collective_rpc("easyspec_drafting_stats")`` without sending code to workers, and
+time the drafting stage of any speculative method (``LLM.collective_rpc("easyspec_time_drafter")``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,14 @@ WORKER_EXTENSION_CLS = "vllm_easyspec.integration.worker_extension.EasySpecWorke
 
 class EasySpecWorkerExtension:
     def easyspec_drafting_stats(self) -> dict[str, float] | None:
+        """This rank's drafting counters: the plugin drafter's own, else those of ``easyspec_time_drafter``."""
         from vllm_easyspec.integration.draft_proposer import read_drafting_stats
+        from vllm_easyspec.integration.drafting_timer import read_timed_drafting_stats
 
-        return read_drafting_stats(self)
+        return read_drafting_stats(self) or read_timed_drafting_stats(self)
+
+    def easyspec_time_drafter(self) -> bool:
+        """Time every ``drafter.propose`` call of this rank, whatever the speculative method."""
+        from vllm_easyspec.integration.drafting_timer import time_drafter
+
+        return time_drafter(self)
