@@ -1,6 +1,6 @@
 """EAGLE heads vs the other drafts on Qwen2.5-Coder-0.5B-Instruct, through the shared harness.
 
-    python -m benchmarks.eagle_bench speed [--batch 1 4] [--ks 2 3 4 5 6] [--max-tokens 96]
+    python -m benchmarks.eagle_bench speed [--batch 1 4] [--ks 2 3 4 5 6] [--max-tokens 96] [--dtype float32]
     python -m benchmarks.eagle_bench distribution      # T=0.7 engine-level chi-square with EAGLE drafts (tiny target)
 
 Setups (one fresh engine each, same held-out prompts, greedy): vanilla; vLLM ngram (k=4, lookup
@@ -45,7 +45,7 @@ def _untrained_eagle1(target: str) -> Path:
 
 
 def speed(batches: list[int], ks: list[int], max_tokens: int, num_prompts: int, eagle1: bool,
-          ks_batched: list[int] | None = None) -> None:
+          ks_batched: list[int] | None = None, dtype: str = "bfloat16") -> None:
     target = str(fetch_model(QWEN))
     smol = str(fetch_model(SMOL))
     command = "python -m benchmarks.eagle_bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -66,10 +66,11 @@ def speed(batches: list[int], ks: list[int], max_tokens: int, num_prompts: int, 
                                 {"method": "eagle", "model": str(_untrained_eagle1(target)),
                                  "num_speculative_tokens": 3}))
         prompts = HELDOUT_PROMPTS[: max(num_prompts, b)]
-        wl = Workload(target=target, prompts=prompts, max_tokens=max_tokens, batch_size=b)
+        wl = Workload(target=target, prompts=prompts, max_tokens=max_tokens, batch_size=b, dtype=dtype)
         rows = run_setups(setups, wl)
-        paths = write_results(rows, f"eagle_speed_b{b}",
-                              f"EAGLE on Qwen2.5-Coder-0.5B, batch {b}, greedy, {len(prompts)} held-out prompts",
+        stem = f"eagle_speed_b{b}" + ("" if dtype == "bfloat16" else f"_{dtype}")
+        paths = write_results(rows, stem,
+                              f"EAGLE on Qwen2.5-Coder-0.5B, batch {b}, {dtype}, greedy, {len(prompts)} held-out prompts",
                               command)
         print(paths["md"].read_text())
 
@@ -140,10 +141,12 @@ if __name__ == "__main__":
     s.add_argument("--num-prompts", type=int, default=4)
     s.add_argument("--ks-batched", type=int, nargs="+", default=None, help="k values for batch > 1")
     s.add_argument("--no-eagle1", action="store_true")
+    s.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="float32 makes output identity with vanilla exact at batch > 1")
     d = sub.add_parser("distribution")
     d.add_argument("--num-samples", type=int, default=2000)
     a = ap.parse_args()
     if a.cmd == "speed":
-        speed(a.batch, a.ks, a.max_tokens, a.num_prompts, not a.no_eagle1, a.ks_batched)
+        speed(a.batch, a.ks, a.max_tokens, a.num_prompts, not a.no_eagle1, a.ks_batched, a.dtype)
     else:
         distribution(a.num_samples)

@@ -1,5 +1,6 @@
 """The main job on built-in defaults: fetch the default pair and compare, side by side in one run,
-vanilla vLLM, vLLM's built-in ``draft_model`` and the plugin's drafter with the same draft.
+vanilla vLLM, vLLM's built-in ``draft_model`` and the plugin's drafter with the same draft, and (for the
+default target) vLLM's ``eagle3`` with this project's committed head, the best configuration measured.
 
 Run from the repository root: ``python -m benchmarks.main_job`` (the README's first command does this).
 """
@@ -19,7 +20,8 @@ PLUGIN_ADDITIONAL_CONFIG: dict = {"easyspec": {"layer_parallel_size": 2, "mode":
 PLUGIN_DESCRIPTION = "vllm-easyspec EasySpec drafter (fused, N=2, every_round calibration), same draft"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EAGLE3_HEAD = REPO_ROOT / "heads" / "qwen2.5-coder-0.5b-instruct-eagle3"
-EAGLE3_K = 2
+# The fastest k at batch 1 in benchmarks/results/eagle_speed_b1.md (python -m benchmarks.eagle_bench speed).
+EAGLE3_K = 3
 
 
 def resolve_model(name_or_path: str) -> str:
