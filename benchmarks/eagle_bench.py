@@ -1,6 +1,7 @@
 """EAGLE heads vs the other drafts on Qwen2.5-Coder-0.5B-Instruct, through the shared harness.
 
     python -m benchmarks.eagle_bench speed [--batch 1 4] [--ks 2 3 4 5 6] [--max-tokens 96] [--dtype float32]
+    python -m benchmarks.eagle_bench replay            # offline acceptance: held-out vs training prompts
     python -m benchmarks.eagle_bench distribution      # T=0.7 engine-level chi-square with EAGLE drafts (tiny target)
 
 Setups (one fresh engine each, same held-out prompts, greedy): vanilla; vLLM ngram (k=4, lookup
@@ -131,6 +132,38 @@ def distribution(num_samples: int) -> None:
     print(json.dumps(rows, indent=2))
 
 
+def replay(num_prompts: int, k: int, max_tokens: int) -> None:
+    """Offline acceptance of the committed head (transformers, float32, greedy) on the held-out prompts and
+    on as many training prompts: separates how well the head generalises from how vLLM runs it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_easyspec.eagle.checkpoint import load_head
+    from vllm_easyspec.eagle.prompts import train_prompts
+    from vllm_easyspec.eagle.simulate import replay_acceptance
+    from vllm_easyspec.models import prompt_token_ids
+
+    target = str(fetch_model(QWEN))
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    head = load_head(HEAD3)
+    result = {"command": "python -m benchmarks.eagle_bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+              "k": k, "max_tokens": max_tokens}
+    for name, prompts in (("heldout", HELDOUT_PROMPTS[:num_prompts]), ("train", train_prompts()[:num_prompts])):
+        accepted, rounds = [0] * k, 0
+        for text in prompts:
+            ids = prompt_token_ids(tokenizer, text)
+            with torch.no_grad():
+                out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)
+            r = replay_acceptance(head, target, ids, out[0, len(ids):].tolist(), k)
+            rounds += r["rounds"]
+            accepted = [a + b for a, b in zip(accepted, r["accepted_per_pos"], strict=True)]
+        result[name] = {"num_prompts": len(prompts), "per_position_acceptance": [a / rounds for a in accepted],
+                        "mean_acceptance_length": 1 + sum(accepted) / rounds}
+        print(name, json.dumps(result[name]))
+    (RESULTS_DIR / "eagle_replay.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -143,10 +176,16 @@ if __name__ == "__main__":
     s.add_argument("--no-eagle1", action="store_true")
     s.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="float32 makes output identity with vanilla exact at batch > 1")
+    r = sub.add_parser("replay")
+    r.add_argument("--num-prompts", type=int, default=8)
+    r.add_argument("-k", type=int, default=3)
+    r.add_argument("--max-tokens", type=int, default=64)
     d = sub.add_parser("distribution")
     d.add_argument("--num-samples", type=int, default=2000)
     a = ap.parse_args()
     if a.cmd == "speed":
         speed(a.batch, a.ks, a.max_tokens, a.num_prompts, not a.no_eagle1, a.ks_batched, a.dtype)
+    elif a.cmd == "replay":
+        replay(a.num_prompts, a.k, a.max_tokens)
     else:
         distribution(a.num_samples)

@@ -126,26 +126,31 @@ def plot(args: argparse.Namespace) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (length_axis, drop_axis) = plt.subplots(1, 2, figsize=(11, 4.2))
     summary = []
-    for pair in ("a", "b", "c"):
+    for pair, color in (("a", "tab:blue"), ("b", "tab:green"), ("c", "tab:red")):
         path = RESULTS_DIR / f"easyspec_acceptance_{pair}.json"
         if not path.exists():
             continue
         rows = {r["setup"]: r for r in json.loads(path.read_text())["rows"]}
         exact = rows[f"easyspec_{pair}_exact"]
-        for axis, metric in zip(axes, ("mean_acceptance_length", "acceptance_rate"), strict=True):
-            for calibration, style in (("every_round", "-"), ("never", "--")):
-                values = [exact[metric]] + [rows[f"easyspec_{pair}_n{n}_{calibration}"][metric] for n in (2, 3, 4)]
-                axis.plot([1, 2, 3, 4], values, style, marker="o", label=f"({pair}) {calibration}")
-        for n in (2, 3, 4):
-            for calibration in ("every_round", "never"):
-                row = rows[f"easyspec_{pair}_n{n}_{calibration}"]
-                drop = 1 - row["acceptance_rate"] / exact["acceptance_rate"] if exact["acceptance_rate"] else None
+        for calibration, style in (("every_round", "-"), ("never", "--")):
+            fuzzy = [rows[f"easyspec_{pair}_n{n}_{calibration}"] for n in (2, 3, 4)]
+            label = f"({pair}) {calibration}"
+            lengths = [exact["mean_acceptance_length"]] + [r["mean_acceptance_length"] for r in fuzzy]
+            length_axis.plot([1, 2, 3, 4], lengths, style, color=color, marker="o", label=label)
+            drops = [0.0] + [100 * (1 - r["acceptance_rate"] / exact["acceptance_rate"]) for r in fuzzy]
+            drop_axis.plot([1, 2, 3, 4], drops, style, color=color, marker="o", label=label)
+            for n, row in zip((2, 3, 4), fuzzy, strict=True):
+                drop = 1 - row["acceptance_rate"] / exact["acceptance_rate"]
                 summary.append((pair, n, calibration, row["acceptance_rate"], exact["acceptance_rate"], drop))
-    for axis, label in zip(axes, ("mean acceptance length", "acceptance rate"), strict=True):
+    for bar, text in ((7, "paper's bar (7%)"), (3, "our bar at N=2 (3%)")):
+        drop_axis.axhline(bar, color="grey", linewidth=0.8, linestyle=":")
+        drop_axis.annotate(text, (4, bar), fontsize=7, ha="right", va="bottom", color="grey")
+    length_axis.set_ylabel("mean acceptance length")
+    drop_axis.set_ylabel("acceptance-rate drop vs exact drafting (%)")
+    for axis in (length_axis, drop_axis):
         axis.set_xlabel("layer_parallel_size N (1 = exact drafting)")
-        axis.set_ylabel(label)
         axis.set_xticks([1, 2, 3, 4])
         axis.legend(fontsize=7)
     fig.suptitle(f"EasySpec acceptance vs N, with (every_round) and without (never) bonus calibration, k={K}")
