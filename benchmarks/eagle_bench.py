@@ -155,7 +155,7 @@ def replay(num_prompts: int, k: int, max_tokens: int) -> None:
             ids = prompt_token_ids(tokenizer, text)
             with torch.no_grad():
                 out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)
-            r = replay_acceptance(head, target, ids, out[0, len(ids):].tolist(), k)
+            r = replay_acceptance(head, target, ids, out[0, len(ids):].tolist(), k, model=model)
             rounds += r["rounds"]
             accepted = [a + b for a, b in zip(accepted, r["accepted_per_pos"], strict=True)]
         result[name] = {"num_prompts": len(prompts), "per_position_acceptance": [a / rounds for a in accepted],

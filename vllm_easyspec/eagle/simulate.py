@@ -19,10 +19,12 @@ from .model import EagleHead
 
 @torch.no_grad()
 def replay_acceptance(head: EagleHead, target: str, prompt: list[int], output: list[int], k: int,
-                      dtype: torch.dtype = torch.float32) -> dict:
+                      dtype: torch.dtype = torch.float32, model: torch.nn.Module | None = None) -> dict:
+    """``model``: the target already loaded from ``target`` (loaded here when None)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).eval()
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).eval()
     seq = torch.tensor([prompt + output])
     o = model.model(input_ids=seq, output_hidden_states=head.is3)
     if head.is3:
