@@ -35,29 +35,87 @@ def default_text_dir() -> str:
     return sysconfig.get_paths()["stdlib"]
 
 
+def _self_distill_key(target: str, prompts: list[str], max_new_tokens: int, seed: int, dtype: str) -> str:
+    return sha256_text(json.dumps([os.path.realpath(target), prompts, max_new_tokens, seed, dtype]))[:16]
+
+
+def _reusable_responses(target: str, work_dir: Path, max_new_tokens: int, seed: int, dtype: str
+                        ) -> tuple[dict[str, dict], list[str]]:
+    """Responses already generated in ``work_dir`` with the same target and settings.
+
+    A cache file is reusable iff its key recomputes from (target, its own prompt
+    list, max_new_tokens, seed, dtype), so a prompt set can grow without
+    regenerating the answers it already has.
+    """
+    found: dict[str, dict] = {}
+    keys: list[str] = []
+    for pj in sorted(work_dir.glob("prompts-*.json")):
+        key = pj.stem.split("-", 1)[1]
+        jl = work_dir / f"selfdistill-{key}.jsonl"
+        if not jl.exists():
+            continue
+        try:
+            old_prompts = json.loads(pj.read_text())
+        except (json.JSONDecodeError, OSError):
+            continue
+        if _self_distill_key(target, old_prompts, max_new_tokens, seed, dtype) != key:
+            continue
+        keys.append(key)
+        with open(jl) as f:
+            for line in f:
+                r = json.loads(line)
+                found.setdefault(r["prompt"], r)
+    return found, keys
+
+
 def self_distill(target: str, prompts: list[str], work_dir: Path, max_new_tokens: int,
                  seed: int, dtype: str = "bfloat16", log=print) -> tuple[Path, dict]:
-    """Generate (or reuse) the target's responses; returns (jsonl path, info)."""
+    """Generate (or reuse) the target's responses; returns (jsonl path, info).
+
+    Prompts answered by an earlier run with the same target and settings are
+    reused; only the others are generated.
+    """
     work_dir.mkdir(parents=True, exist_ok=True)
-    key = sha256_text(json.dumps([os.path.realpath(target), prompts, max_new_tokens, seed, dtype]))[:16]
+    key = _self_distill_key(target, prompts, max_new_tokens, seed, dtype)
     out = work_dir / f"selfdistill-{key}.jsonl"
     info_path = out.with_suffix(".info.json")
     if out.exists() and info_path.exists():
         log(f"[eagle] reusing self-distillation data {out}")
         return out, json.loads(info_path.read_text())
-    pj = work_dir / f"prompts-{key}.json"
-    pj.write_text(json.dumps(prompts))
-    cmd = [sys.executable, "-m", "vllm_easyspec.eagle.generate", "--target", target, "--out", str(out),
-           "--prompts-json", str(pj), "--max-tokens", str(max_new_tokens), "--seed", str(seed),
-           "--dtype", dtype]
-    log(f"[eagle] generating self-distillation data: {len(prompts)} prompts x <= {max_new_tokens} tokens (vLLM)")
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"self-distillation generation failed:\n{proc.stderr[-4000:]}")
-    info = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("EASYSPEC_GEN_INFO "):
-            info = json.loads(line.split(" ", 1)[1])
+    known, reused_keys = _reusable_responses(target, work_dir, max_new_tokens, seed, dtype)
+    missing = list(dict.fromkeys(p for p in prompts if p not in known))
+    info: dict = {"n_prompts": len(prompts), "n_reused": len(prompts) - len(missing),
+                  "reused_from": reused_keys, "generated": {}}
+    if missing:
+        part = work_dir / f"selfdistill-{key}.part.jsonl"
+        pj = work_dir / f"prompts-{key}.part.json"
+        pj.write_text(json.dumps(missing))
+        cmd = [sys.executable, "-m", "vllm_easyspec.eagle.generate", "--target", target, "--out", str(part),
+               "--prompts-json", str(pj), "--max-tokens", str(max_new_tokens), "--seed", str(seed),
+               "--dtype", dtype]
+        log(f"[eagle] generating self-distillation data: {len(missing)} prompts x <= {max_new_tokens} tokens "
+            f"(vLLM; {info['n_reused']} reused)")
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"self-distillation generation failed:\n{proc.stderr[-4000:]}")
+        for line in proc.stdout.splitlines():
+            if line.startswith("EASYSPEC_GEN_INFO "):
+                info["generated"] = json.loads(line.split(" ", 1)[1])
+        with open(part) as f:
+            for line in f:
+                r = json.loads(line)
+                known[r["prompt"]] = r
+        part.unlink()
+        pj.unlink()
+    n_tok = 0
+    tmp = Path(str(out) + ".tmp")
+    with open(tmp, "w") as f:
+        for p in prompts:
+            n_tok += len(known[p]["response_ids"])
+            f.write(json.dumps(known[p]) + "\n")
+    info.update({"n_response_tokens": n_tok, "max_tokens": max_new_tokens, "dtype": dtype, "temperature": 0.0})
+    (work_dir / f"prompts-{key}.json").write_text(json.dumps(prompts))
+    os.replace(tmp, out)
     info_path.write_text(json.dumps(info))
     return out, info
 
@@ -105,17 +163,32 @@ def text_windows(tokenizer, text_dir: str, n_tokens: int, seq_len: int, seed: in
     return seqs, info
 
 
+def _split_draw(seq: dict, seed: int) -> float:
+    """A uniform draw in [0, 1) fixed by the sequence's tokens and the seed."""
+    h = hashlib.sha256(json.dumps([seed, seq["tokens"]]).encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2.0 ** 64
+
+
 def split_heldout(seqs: list[dict], val_fraction: float, seed: int, min_train_tokens: int
                   ) -> tuple[list[dict], list[dict]]:
+    """(train, held-out), each in input order.
+
+    A sequence is held out iff its own hash draw is below ``val_fraction``, so
+    adding data never moves an existing sequence from one side to the other.
+    At least one sequence lands on each side.
+    """
     n_tok = sum(len(s["tokens"]) - s["loss_start"] - 1 for s in seqs)
     if len(seqs) < 2 or n_tok < min_train_tokens:
         raise NotEnoughDataError(
             f"too little training data: {len(seqs)} sequences, {n_tok} supervised tokens; need at "
             f"least 2 sequences and {min_train_tokens} tokens (add prompts, raise --max-new-tokens or "
             f"--text-tokens, or lower --min-train-tokens)")
-    idx = list(range(len(seqs)))
-    random.Random(seed).shuffle(idx)
-    n_val = max(1, int(round(len(seqs) * val_fraction)))
-    val = [seqs[i] for i in sorted(idx[:n_val])]
-    train = [seqs[i] for i in sorted(idx[n_val:])]
+    draws = [_split_draw(s, seed) for s in seqs]
+    is_val = [d < val_fraction for d in draws]
+    if not any(is_val):
+        is_val[min(range(len(seqs)), key=draws.__getitem__)] = True
+    if all(is_val):
+        is_val[max(range(len(seqs)), key=draws.__getitem__)] = False
+    train = [s for s, v in zip(seqs, is_val) if not v]
+    val = [s for s, v in zip(seqs, is_val) if v]
     return train, val

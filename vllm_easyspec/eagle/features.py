@@ -9,7 +9,8 @@ Per sequence the cache holds (bf16 unless asked otherwise):
 * ``top1``: the target's greedy next token at every position.
 
 The cache directory is keyed by the target, the sequences and the layer ids, so
-re-running the trainer reuses it.
+re-running the trainer reuses it; a new sequence set takes the features of any
+sequence an earlier cache of the same target already holds.
 """
 
 from __future__ import annotations
@@ -104,6 +105,31 @@ class FeatureStore:
         return int(self.final.shape[-1])
 
 
+def _reusable_sequences(target: str, cache_root: Path, aux_layer_ids: list[int], dtype: str,
+                        store_dtype: torch.dtype) -> dict[tuple, tuple[FeatureStore, int]]:
+    """Sequences (by tokens) whose features an earlier cache of this target holds.
+
+    A cache counts only if its directory key recomputes from its own sequences
+    with this target, layer ids and dtype.
+    """
+    found: dict[tuple, tuple[FeatureStore, int]] = {}
+    for meta in sorted(Path(cache_root).glob("features-*/meta.json")):
+        path = meta.parent
+        try:
+            fs = FeatureStore(path)
+        except (OSError, RuntimeError, KeyError, json.JSONDecodeError):
+            continue
+        if fs.final.dtype != store_dtype or (fs.aux is None) != (not aux_layer_ids):
+            continue
+        own = [{"tokens": fs.tokens[fs.offsets[i]:fs.offsets[i + 1]].tolist(), "loss_start": fs.loss_start[i]}
+               for i in range(len(fs))]
+        if f"features-{cache_key(target, own, aux_layer_ids, dtype)}" != path.name:
+            continue
+        for i, s in enumerate(own):
+            found.setdefault(tuple(s["tokens"]), (fs, i))
+    return found
+
+
 @torch.no_grad()
 def extract(target: str, seqs: list[dict], cache_root: Path, aux_layer_ids: list[int],
             dtype: str = "bfloat16", store_dtype: torch.dtype = torch.bfloat16,
@@ -119,47 +145,28 @@ def extract(target: str, seqs: list[dict], cache_root: Path, aux_layer_ids: list
                 f"feature cache {path} has hidden size {fs.hidden_size}, target has {want}")
         return fs
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM
 
-    tdt = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=tdt).eval()
-    inner = model.model
-    lm_head = model.get_output_embeddings()
-    n_layers = model.config.num_hidden_layers
-    for a in aux_layer_ids:
-        if not 0 <= a <= n_layers:
-            raise ValueError(f"aux layer id {a} out of range for {n_layers} layers")
-
-    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]["tokens"]))
     finals: list = [None] * len(seqs)
     auxs: list = [None] * len(seqs)
     top1s: list = [None] * len(seqs)
-    bar = tqdm(total=sum(len(s["tokens"]) for s in seqs), desc="features", unit="tok", mininterval=5)
-    i = 0
-    while i < len(order):
-        L = len(seqs[order[i]]["tokens"])
-        nb = max(1, batch_tokens // L)
-        batch = order[i:i + nb]
-        i += nb
-        maxlen = max(len(seqs[j]["tokens"]) for j in batch)
-        ids = torch.full((len(batch), maxlen), 0, dtype=torch.long)
-        att = torch.zeros((len(batch), maxlen), dtype=torch.long)
-        for r, j in enumerate(batch):
-            t = seqs[j]["tokens"]
-            ids[r, :len(t)] = torch.tensor(t)
-            att[r, :len(t)] = 1
-        out = inner(input_ids=ids, attention_mask=att, output_hidden_states=bool(aux_layer_ids))
-        final = out.last_hidden_state
-        logits = lm_head(final)
-        top1 = logits.argmax(-1)
-        for r, j in enumerate(batch):
-            n = len(seqs[j]["tokens"])
-            finals[j] = final[r, :n].to(store_dtype).clone()
-            top1s[j] = top1[r, :n].to(torch.int32).clone()
+    known = _reusable_sequences(target, cache_root, aux_layer_ids, dtype, store_dtype)
+    for j, s in enumerate(seqs):
+        hit = known.get(tuple(s["tokens"]))
+        if hit is not None:
+            fs, i = hit
+            got = fs.get(i)
+            finals[j] = got["final"].clone()
+            top1s[j] = got["top1"].to(torch.int32)
             if aux_layer_ids:
-                auxs[j] = torch.cat([out.hidden_states[a][r, :n] for a in aux_layer_ids], -1).to(store_dtype).clone()
-            bar.update(n)
-    bar.close()
+                auxs[j] = got["aux"].clone()
+    todo = [j for j in range(len(seqs)) if finals[j] is None]
+    n_reused = len(seqs) - len(todo)
+    if n_reused:
+        log(f"[eagle] features: {n_reused} of {len(seqs)} sequences reused from earlier caches")
+    del known
+    if todo:
+        _extract_into(target, seqs, todo, aux_layer_ids, dtype, store_dtype, batch_tokens,
+                      finals, auxs, top1s, tqdm)
     offsets = [0]
     for s in seqs:
         offsets.append(offsets[-1] + len(s["tokens"]))
@@ -178,11 +185,52 @@ def extract(target: str, seqs: list[dict], cache_root: Path, aux_layer_ids: list
     (tmp / "meta.json").write_text(json.dumps({
         "target": os.path.realpath(target), "aux_layer_ids": aux_layer_ids, "dtype": dtype,
         "n_sequences": len(seqs), "n_tokens": offsets[-1],
-        "sources": sorted({s["source"].split(":")[0] for s in seqs}),
+        "sources": sorted({s["source"].split(":")[0] for s in seqs}), "n_reused": n_reused,
     }))
     if path.exists():
         import shutil
         shutil.rmtree(path)
     os.replace(tmp, path)
-    del model
     return FeatureStore(path)
+
+
+def _extract_into(target: str, seqs: list[dict], todo: list[int], aux_layer_ids: list[int], dtype: str,
+                  store_dtype: torch.dtype, batch_tokens: int, finals: list, auxs: list, top1s: list,
+                  tqdm) -> None:
+    """Run the target over ``seqs[todo]`` (longest first, padded batches) and fill the lists."""
+    from transformers import AutoModelForCausalLM
+
+    tdt = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=tdt).eval()
+    inner = model.model
+    lm_head = model.get_output_embeddings()
+    n_layers = model.config.num_hidden_layers
+    for a in aux_layer_ids:
+        if not 0 <= a <= n_layers:
+            raise ValueError(f"aux layer id {a} out of range for {n_layers} layers")
+    order = sorted(todo, key=lambda i: -len(seqs[i]["tokens"]))
+    bar = tqdm(total=sum(len(seqs[j]["tokens"]) for j in todo), desc="features", unit="tok", mininterval=5)
+    i = 0
+    while i < len(order):
+        L = len(seqs[order[i]]["tokens"])
+        nb = max(1, batch_tokens // L)
+        batch = order[i:i + nb]
+        i += nb
+        maxlen = max(len(seqs[j]["tokens"]) for j in batch)
+        ids = torch.full((len(batch), maxlen), 0, dtype=torch.long)
+        att = torch.zeros((len(batch), maxlen), dtype=torch.long)
+        for r, j in enumerate(batch):
+            t = seqs[j]["tokens"]
+            ids[r, :len(t)] = torch.tensor(t)
+            att[r, :len(t)] = 1
+        out = inner(input_ids=ids, attention_mask=att, output_hidden_states=bool(aux_layer_ids))
+        final = out.last_hidden_state
+        top1 = lm_head(final).argmax(-1)
+        for r, j in enumerate(batch):
+            n = len(seqs[j]["tokens"])
+            finals[j] = final[r, :n].to(store_dtype).clone()
+            top1s[j] = top1[r, :n].to(torch.int32).clone()
+            if aux_layer_ids:
+                auxs[j] = torch.cat([out.hidden_states[a][r, :n] for a in aux_layer_ids], -1).to(store_dtype).clone()
+            bar.update(n)
+    bar.close()
