@@ -56,7 +56,7 @@ _TASKS = [
     "topologically sorts tasks with dependencies",
     "encodes and decodes run-length encoding",
     "merges overlapping intervals",
-    "generates all permutations of a string",
+    "generates all subsets of a set whose sum equals a target",
     "implements a simple key-value store backed by a dict with TTL expiry",
     "computes the determinant of a 3x3 matrix",
 ]
@@ -98,15 +98,95 @@ _EXTRA = [
 ]
 
 
+# More tasks, each asked in three of the Python templates (a second block, so that the
+# first 520 prompts stay what they were).
+_TASKS_2 = [
+    "computes the Levenshtein ratio between two strings",
+    "finds the most frequent element in a list",
+    "splits a list into chunks of size n",
+    "transposes a matrix given as a list of lists",
+    "checks whether two strings are anagrams",
+    "computes the power set of a list",
+    "generates all combinations of k elements from a list",
+    "finds the missing number in a list containing 0..n",
+    "implements a min-heap class with push and pop",
+    "implements a queue using two stacks",
+    "converts a decimal number to binary without bin()",
+    "finds the second largest number in a list",
+    "checks whether parentheses in a string are balanced",
+    "evaluates an arithmetic expression in reverse Polish notation",
+    "implements a trie with insert and prefix search",
+    "finds connected components in an undirected graph",
+    "computes Dijkstra's shortest paths from a source node",
+    "performs a topological sort of a dependency graph",
+    "implements union-find with path compression",
+    "computes the maximum subarray sum (Kadane's algorithm)",
+    "solves the 0/1 knapsack problem with dynamic programming",
+    "computes the number of ways to climb n stairs taking 1 or 2 steps",
+    "finds the longest palindromic substring",
+    "counts the vowels and consonants in a string",
+    "capitalizes the first letter of every word in a sentence",
+    "reads a text file and prints the lines that contain a keyword",
+    "writes a list of dictionaries to a CSV file",
+    "downloads nothing but simulates a progress bar for a list of tasks",
+    "measures the execution time of a function with a decorator",
+    "caches function results with a memoization decorator",
+    "validates a password against length, digit and symbol rules",
+    "generates a random password of a given length",
+    "converts a temperature between Celsius and Fahrenheit",
+    "computes the factorial of n with recursion and checks the input",
+    "checks whether a year is a leap year",
+    "computes the day of the week for a given date",
+    "computes the mean, median and mode of a list of numbers",
+    "normalizes a list of numbers to the range 0..1",
+    "computes the dot product and the cosine similarity of two vectors",
+    "multiplies two matrices given as lists of lists",
+    "finds all pairs in a list that sum to a target",
+    "checks whether a list is a permutation of 1..n",
+    "rotates a list to the right by k positions",
+    "deep-merges two nested dictionaries",
+    "flattens a nested dictionary into dotted keys",
+    "inverts a dictionary that maps keys to lists of values",
+    "counts the occurrences of each character in a string",
+    "removes all whitespace from a string",
+    "converts snake_case identifiers to camelCase",
+    "checks whether a number is an Armstrong number",
+    "generates Pascal's triangle up to n rows",
+    "finds the intersection of two lists",
+    "implements a circular buffer with a fixed size",
+    "implements a simple event emitter with subscribe and emit",
+    "implements a thread-safe counter with a lock",
+    "runs several functions in parallel with concurrent.futures",
+    "parses command-line arguments with argparse for a file-copy tool",
+    "logs messages to a file with the logging module and rotates it",
+    "loads environment variables with defaults into a settings object",
+    "hashes a file's contents with SHA-256 in chunks",
+    "encodes and decodes a string with base64",
+    "implements a Caesar cipher with encrypt and decrypt",
+    "computes the Hamming distance between two integers",
+    "samples k items uniformly from a stream (reservoir sampling)",
+]
+
+_PYTHON_TEMPLATES = [0, 1, 2, 3, 4, 9]  # indices into _TEMPLATES
+
+
 def train_prompts() -> list[str]:
-    """Deterministic list of the training prompts (520 prompts), shuffled with a fixed
-    seed so that any prefix (``--num-prompts N``) mixes tasks, languages and styles."""
+    """Deterministic list of the training prompts (712 prompts).
+
+    The first 520 (``_TASKS`` in every template, plus ``_EXTRA``) and the next 192
+    (``_TASKS_2`` in three Python templates each) are each shuffled with a fixed
+    seed, so that any prefix (``--num-prompts N``) mixes tasks, languages and
+    styles, and ``--num-prompts 520`` gives the first block unchanged.
+    """
     import random
 
-    out = [tpl.format(t=t) for t in _TASKS for tpl in _TEMPLATES]
-    out.extend(_EXTRA)
-    random.Random(20240501).shuffle(out)
-    return out
+    first = [tpl.format(t=t) for t in _TASKS for tpl in _TEMPLATES]
+    first.extend(_EXTRA)
+    random.Random(20240501).shuffle(first)
+    second = [_TEMPLATES[_PYTHON_TEMPLATES[(i + j) % len(_PYTHON_TEMPLATES)]].format(t=t)
+              for i, t in enumerate(_TASKS_2) for j in (0, 2, 4)]
+    random.Random(20261122).shuffle(second)
+    return first + second
 
 
 # Held out: tasks that appear nowhere in the training prompts.
