@@ -56,7 +56,7 @@ _TASKS = [
     "topologically sorts tasks with dependencies",
     "encodes and decodes run-length encoding",
     "merges overlapping intervals",
-    "generates all subsets of a set whose sum equals a target",
+    "generates all permutations of a string",
     "implements a simple key-value store backed by a dict with TTL expiry",
     "computes the determinant of a 3x3 matrix",
 ]
