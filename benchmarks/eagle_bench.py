@@ -68,7 +68,7 @@ def speed(batches: list[int], ks: list[int], max_tokens: int, num_prompts: int, 
                                  "num_speculative_tokens": 3}))
         prompts = HELDOUT_PROMPTS[: max(num_prompts, b)]
         wl = Workload(target=target, prompts=prompts, max_tokens=max_tokens, batch_size=b, dtype=dtype)
-        rows = run_setups(setups, wl)
+        rows = run_setups(setups, wl, bookend_vanilla=True)
         stem = f"eagle_speed_b{b}" + ("" if dtype == "bfloat16" else f"_{dtype}")
         paths = write_results(rows, stem,
                               f"EAGLE on Qwen2.5-Coder-0.5B, batch {b}, {dtype}, greedy, {len(prompts)} held-out prompts",

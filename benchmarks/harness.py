@@ -6,7 +6,9 @@ Invariants:
 - A warm-up request runs before timing; acceptance counters are read as the difference of two snapshots
   around the timed ``generate`` call.
 - Ratios are taken against the setup named ``vanilla`` of the same run; output identity compares token
-  ids with that setup.
+  ids with that setup. With ``bookend_vanilla``, vanilla also runs last (row ``vanilla-end``) and the
+  ratios use the mean of the two vanilla speeds, so drift of the machine during a run shows in the two
+  vanilla rows instead of in every ratio.
 
 Row schema (``ROW_FIELDS``): later issues add setups, never new scripts or fields with other meanings.
 """
@@ -20,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -86,11 +88,17 @@ def engine_env(tensor_parallel_size: int) -> dict[str, str]:
     }
 
 
-def run_setups(setups: list[Setup], workload: Workload, progress: bool = True) -> list[dict[str, Any]]:
+def run_setups(setups: list[Setup], workload: Workload, progress: bool = True,
+               bookend_vanilla: bool = False) -> list[dict[str, Any]]:
     """Run every setup in its own process; return one row per setup with ratios against ``vanilla``."""
     names = [s.name for s in setups]
     if len(set(names)) != len(names):
         raise ValueError(f"setup names must be unique, got {names}")
+    if bookend_vanilla:
+        first = next((s for s in setups if s.name == "vanilla"), None)
+        if first is None:
+            raise ValueError("bookend_vanilla needs a setup named 'vanilla'")
+        setups = [*setups, replace(first, name="vanilla-end")]
     raw: list[dict[str, Any]] = []
     bar = tqdm(setups, desc="setups", unit="setup", disable=not progress)
     for setup in bar:
@@ -101,11 +109,13 @@ def run_setups(setups: list[Setup], workload: Workload, progress: bool = True) -
 
 def finalize_rows(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     vanilla = next((r for r in raw if r["setup"] == "vanilla"), None)
+    speeds = [r["decode_tok_per_s"] for r in raw if r["setup"] in ("vanilla", "vanilla-end")]
+    baseline = sum(speeds) / len(speeds) if speeds and all(speeds) else None
     rows = []
     for result in raw:
         row = {name: result.get(name) for name in ROW_FIELDS}
-        if vanilla is not None and vanilla["decode_tok_per_s"]:
-            row["speedup_vs_vanilla"] = result["decode_tok_per_s"] / vanilla["decode_tok_per_s"]
+        if vanilla is not None and baseline:
+            row["speedup_vs_vanilla"] = result["decode_tok_per_s"] / baseline
             row["outputs_identical_to_vanilla"] = result["token_ids"] == vanilla["token_ids"]
         rows.append(row)
     return rows
@@ -275,7 +285,7 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     fig, (speed_ax, accept_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     names = [r["setup"] for r in rows]
     speedups = [r["speedup_vs_vanilla"] or 0.0 for r in rows]
-    speed_ax.bar(names, speedups, color=["#999999" if n == "vanilla" else "#3b7dd8" for n in names])
+    speed_ax.bar(names, speedups, color=["#999999" if n.startswith("vanilla") else "#3b7dd8" for n in names])
     speed_ax.axhline(1.0, color="black", linewidth=0.8)
     speed_ax.set_ylabel("decode tok/s relative to vanilla")
     speed_ax.tick_params(axis="x", rotation=30)

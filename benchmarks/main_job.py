@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
     )
     setups = main_setups(draft, args.num_speculative_tokens, target_is_default=args.target == DEFAULT_TARGET)
-    rows = run_setups(setups, workload)
+    rows = run_setups(setups, workload, bookend_vanilla=True)
     command = "python -m benchmarks.main_job " + shlex.join(argv if argv is not None else sys.argv[1:])
     title = (
         f"{Path(target).name} with draft {Path(draft).name}: {len(workload.prompts)} prompts, "
