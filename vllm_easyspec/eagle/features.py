@@ -144,8 +144,6 @@ def extract(target: str, seqs: list[dict], cache_root: Path, aux_layer_ids: list
             raise HiddenSizeMismatchError(
                 f"feature cache {path} has hidden size {fs.hidden_size}, target has {want}")
         return fs
-    from tqdm.auto import tqdm
-
     finals: list = [None] * len(seqs)
     auxs: list = [None] * len(seqs)
     top1s: list = [None] * len(seqs)
@@ -165,8 +163,7 @@ def extract(target: str, seqs: list[dict], cache_root: Path, aux_layer_ids: list
         log(f"[eagle] features: {n_reused} of {len(seqs)} sequences reused from earlier caches")
     del known
     if todo:
-        _extract_into(target, seqs, todo, aux_layer_ids, dtype, store_dtype, batch_tokens,
-                      finals, auxs, top1s, tqdm)
+        _extract_into(target, seqs, todo, aux_layer_ids, dtype, store_dtype, batch_tokens, finals, auxs, top1s)
     offsets = [0]
     for s in seqs:
         offsets.append(offsets[-1] + len(s["tokens"]))
@@ -195,9 +192,9 @@ def extract(target: str, seqs: list[dict], cache_root: Path, aux_layer_ids: list
 
 
 def _extract_into(target: str, seqs: list[dict], todo: list[int], aux_layer_ids: list[int], dtype: str,
-                  store_dtype: torch.dtype, batch_tokens: int, finals: list, auxs: list, top1s: list,
-                  tqdm) -> None:
+                  store_dtype: torch.dtype, batch_tokens: int, finals: list, auxs: list, top1s: list) -> None:
     """Run the target over ``seqs[todo]`` (longest first, padded batches) and fill the lists."""
+    from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
 
     tdt = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
