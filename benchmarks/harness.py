@@ -88,6 +88,10 @@ def engine_env(tensor_parallel_size: int) -> dict[str, str]:
     }
 
 
+VANILLA = "vanilla"  # the baseline setup every ratio and identity check refers to
+VANILLA_END = "vanilla-end"  # the same setup run again last (bookend_vanilla)
+
+
 def run_setups(setups: list[Setup], workload: Workload, progress: bool = True,
                bookend_vanilla: bool = False) -> list[dict[str, Any]]:
     """Run every setup in its own process; return one row per setup with ratios against ``vanilla``."""
@@ -95,10 +99,10 @@ def run_setups(setups: list[Setup], workload: Workload, progress: bool = True,
     if len(set(names)) != len(names):
         raise ValueError(f"setup names must be unique, got {names}")
     if bookend_vanilla:
-        first = next((s for s in setups if s.name == "vanilla"), None)
+        first = next((s for s in setups if s.name == VANILLA), None)
         if first is None:
             raise ValueError("bookend_vanilla needs a setup named 'vanilla'")
-        setups = [*setups, replace(first, name="vanilla-end")]
+        setups = [*setups, replace(first, name=VANILLA_END)]
     raw: list[dict[str, Any]] = []
     bar = tqdm(setups, desc="setups", unit="setup", disable=not progress)
     for setup in bar:
@@ -108,8 +112,8 @@ def run_setups(setups: list[Setup], workload: Workload, progress: bool = True,
 
 
 def finalize_rows(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    vanilla = next((r for r in raw if r["setup"] == "vanilla"), None)
-    speeds = [r["decode_tok_per_s"] for r in raw if r["setup"] in ("vanilla", "vanilla-end")]
+    vanilla = next((r for r in raw if r["setup"] == VANILLA), None)
+    speeds = [r["decode_tok_per_s"] for r in raw if r["setup"] in (VANILLA, VANILLA_END)]
     baseline = sum(speeds) / len(speeds) if speeds and all(speeds) else None
     rows = []
     for result in raw:
