@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from vllm_easyspec.config import EasySpecConfigError, parse_easyspec_config
+from vllm_easyspec.easyspec.config import EasySpecConfigError, parse_easyspec_config
 from vllm_easyspec.integration import UnsupportedVLLMVersionError, check_vllm_version
 
 

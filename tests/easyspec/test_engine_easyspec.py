@@ -13,7 +13,7 @@ import pytest
 import torch
 from distribution import ALPHA, run_distribution_test
 
-from vllm_easyspec.config import EasySpecConfigError
+from vllm_easyspec.easyspec.config import EasySpecConfigError
 from vllm_easyspec.integration.draft_proposer import read_drafting_stats
 from vllm_easyspec.integration.fuzzy_models import check_fuzzy_architecture
 from vllm_easyspec.integration.kv_inspection import read_draft_kv, start_recording_block_tables

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_easyspec.calibration import CalibrationSchedule, first_forward_is_exact
-from vllm_easyspec.config import EasySpecConfig
-from vllm_easyspec.fuzzy_forward import decoder_forward, plan_for
-from vllm_easyspec.layer_grouping import resolve_layer_groups
+from vllm_easyspec.easyspec.calibration import CalibrationSchedule, first_forward_is_exact
+from vllm_easyspec.easyspec.config import EasySpecConfig
+from vllm_easyspec.easyspec.fuzzy_forward import decoder_forward, plan_for
+from vllm_easyspec.easyspec.layer_grouping import resolve_layer_groups
 
 HIDDEN = 16
 

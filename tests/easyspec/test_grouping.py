@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_easyspec.config import EasySpecConfig, EasySpecConfigError, parse_easyspec_config
-from vllm_easyspec.layer_grouping import default_layer_groups, resolve_layer_groups
+from vllm_easyspec.easyspec.config import EasySpecConfig, EasySpecConfigError, parse_easyspec_config
+from vllm_easyspec.easyspec.layer_grouping import default_layer_groups, resolve_layer_groups
 
 
 def _spans(groups):

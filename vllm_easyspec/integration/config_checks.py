@@ -7,7 +7,7 @@ import functools
 
 from vllm.logger import init_logger
 
-from vllm_easyspec.config import parse_easyspec_config
+from vllm_easyspec.easyspec.config import parse_easyspec_config
 
 logger = init_logger(__name__)
 
@@ -50,7 +50,7 @@ def validate_engine_config(vllm_config) -> None:
             None if spec is None else spec.method,
         )
         return
-    from vllm_easyspec.layer_grouping import resolve_layer_groups
+    from vllm_easyspec.easyspec.layer_grouping import resolve_layer_groups
 
     grouping = resolve_layer_groups(
         easyspec,

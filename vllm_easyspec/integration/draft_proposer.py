@@ -4,7 +4,7 @@ Invariants:
 - without ``additional_config["easyspec"]`` every method behaves exactly as vLLM's;
 - with it but N = 1 (no fuzzy group), the draft model and the forwards are vLLM's; only timing is added;
 - with fuzzy groups, the first draft forward of each step is exact or fuzzy as
-  :mod:`vllm_easyspec.calibration` decides, every later forward of the step is fuzzy, and vLLM's own
+  :mod:`vllm_easyspec.easyspec.calibration` decides, every later forward of the step is fuzzy, and vLLM's own
   ``propose`` (inputs, KV slots, sampling, vocabulary mapping) is used unchanged.
 """
 
@@ -22,9 +22,9 @@ from vllm.logger import init_logger
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
-from vllm_easyspec.calibration import CalibrationSchedule
-from vllm_easyspec.config import EasySpecConfig, parse_easyspec_config
-from vllm_easyspec.layer_grouping import LayerGrouping, resolve_layer_groups
+from vllm_easyspec.easyspec.calibration import CalibrationSchedule
+from vllm_easyspec.easyspec.config import EasySpecConfig, parse_easyspec_config
+from vllm_easyspec.easyspec.layer_grouping import LayerGrouping, resolve_layer_groups
 
 logger = init_logger(__name__)
 

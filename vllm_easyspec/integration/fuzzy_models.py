@@ -3,7 +3,7 @@
 :class:`FuzzyDraftController` takes a loaded vLLM ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` and
 replaces the forward of its inner decoder (``model.model``) with one that, per forward, asks the
 calibration schedule whether to run exact (vLLM's own forward, untouched) or fuzzy (the paper's
-Algorithm 2 through :func:`vllm_easyspec.fuzzy_forward.decoder_forward`).
+Algorithm 2 through :func:`vllm_easyspec.easyspec.fuzzy_forward.decoder_forward`).
 
 Group attention runs in one of two ways:
 
@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_easyspec.calibration import CalibrationSchedule
-from vllm_easyspec.config import EasySpecConfigError
-from vllm_easyspec.fuzzy_forward import decoder_forward, plan_for
-from vllm_easyspec.layer_grouping import LayerGrouping
+from vllm_easyspec.easyspec.calibration import CalibrationSchedule
+from vllm_easyspec.easyspec.config import EasySpecConfigError
+from vllm_easyspec.easyspec.fuzzy_forward import decoder_forward, plan_for
+from vllm_easyspec.easyspec.layer_grouping import LayerGrouping
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
@@ -350,7 +350,7 @@ def _check_layer(arch: str, index: int, layer: nn.Module) -> None:
 
 
 class _VllmDecoderOps:
-    """:class:`~vllm_easyspec.fuzzy_forward.DecoderOps` over vLLM's ``(hidden, residual)`` state, where
+    """:class:`~vllm_easyspec.easyspec.fuzzy_forward.DecoderOps` over vLLM's ``(hidden, residual)`` state, where
     the residual stream is ``hidden + residual`` (``residual`` is None before layer 0)."""
 
     def __init__(self, controller: FuzzyDraftController, positions: torch.Tensor) -> None:

@@ -1,6 +1,6 @@
 """Table-4 analysis: how well fuzzy speculation approximates the exact draft, on a transformers model.
 
-For every fuzzy group ``(j, ..., j+N-1)`` of :func:`vllm_easyspec.layer_grouping.resolve_layer_groups`
+For every fuzzy group ``(j, ..., j+N-1)`` of :func:`vllm_easyspec.easyspec.layer_grouping.resolve_layer_groups`
 (the same grouping the vLLM drafter uses), and every member ``i > j`` of it, the exact forward is compared
 with the fuzzy one, which feeds layer ``i``'s attention the group input ``h_j`` instead of ``h_i``:
 
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from vllm_easyspec.config import EasySpecConfig
-from vllm_easyspec.layer_grouping import LayerGrouping, resolve_layer_groups
+from vllm_easyspec.easyspec.config import EasySpecConfig
+from vllm_easyspec.easyspec.layer_grouping import LayerGrouping, resolve_layer_groups
 
 QUANTITIES = ("h", "attn_out", "q", "k", "v")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from vllm_easyspec.config import EasySpecConfig, EasySpecConfigError
+from vllm_easyspec.easyspec.config import EasySpecConfig, EasySpecConfigError
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from typing import Generic, Protocol, TypeVar
 
 import torch
 
-from vllm_easyspec.layer_grouping import LayerGrouping
+from vllm_easyspec.easyspec.layer_grouping import LayerGrouping
 
 State = TypeVar("State")
 

@@ -2,7 +2,7 @@
 
 Invariant: a config object that exists is valid on its own (field types, ranges, no unknown keys);
 checks that need the draft model (its layer count, the TP size) live in :func:`resolve_layer_groups`
-of :mod:`vllm_easyspec.layer_grouping`.
+of :mod:`vllm_easyspec.easyspec.layer_grouping`.
 """
 
 from __future__ import annotations

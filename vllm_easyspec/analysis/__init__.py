@@ -1,1 +1,0 @@
-"""Offline analyses of fuzzy drafting on transformers models (EasySpec Table 4)."""
