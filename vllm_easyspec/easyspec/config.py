@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from vllm_easyspec.tree.config import TreeConfig
+
 ADDITIONAL_CONFIG_KEY = "easyspec"
 
 
@@ -24,7 +26,8 @@ class EasySpecConfig(BaseModel):
     ``layer_parallel_size`` N groups the draft's attention layers (first and last excluded) into sets of N
     that read one shared hidden state; N = 1 is exact drafting. ``layer_groups`` overrides the default
     grouping with explicit layer indices. ``calibration`` chooses when the first draft forward of a step
-    runs exact; ``mode`` chooses how a group's attention runs.
+    runs exact; ``mode`` chooses how a group's attention runs. ``tree`` turns on token-tree speculation
+    (:class:`~vllm_easyspec.tree.config.TreeConfig`); without it the drafter proposes a chain.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -33,6 +36,7 @@ class EasySpecConfig(BaseModel):
     layer_groups: tuple[tuple[int, ...], ...] | None = None
     calibration: Literal["every_round", "on_mismatch", "never"] = "every_round"
     mode: Literal["auto", "fused", "tensor_parallel"] = "auto"
+    tree: TreeConfig | None = None
 
     @property
     def is_fuzzy(self) -> bool:
@@ -58,12 +62,19 @@ def parse_easyspec_config(additional_config: dict[str, Any] | None) -> EasySpecC
 
 
 def _describe_validation_error(exc: ValidationError) -> str:
-    allowed = ", ".join(EasySpecConfig.model_fields)
     messages = []
     for error in exc.errors():
         field = ".".join(str(part) for part in error["loc"]) or "<root>"
         if error["type"] == "extra_forbidden":
-            messages.append(f"unknown option easyspec.{field}; the options are: {allowed}")
+            owner = TreeConfig if field.startswith("tree.") else EasySpecConfig
+            options = ", ".join(owner.model_fields)
+            prefix = "easyspec.tree" if owner is TreeConfig else "easyspec"
+            messages.append(f"unknown option easyspec.{field}; the options of {prefix} are: {options}")
+        elif error["type"] == "value_error":
+            text = error["msg"].removeprefix("Value error, ")
+            # Tree messages that start with a sub-option name read as easyspec.tree.<option> ...
+            named = field == "tree" and text.split(" ", 1)[0].split("[", 1)[0] in TreeConfig.model_fields
+            messages.append(f"easyspec.{field}.{text}" if named else f"easyspec.{field}: {text}")
         else:
             messages.append(f"easyspec.{field}: {error['msg']} (got {error.get('input')!r})")
     return "invalid --additional-config: " + "; ".join(messages)

@@ -7,7 +7,7 @@ import functools
 
 from vllm.logger import init_logger
 
-from vllm_easyspec.easyspec.config import parse_easyspec_config
+from vllm_easyspec.easyspec.config import EasySpecConfigError, parse_easyspec_config
 
 logger = init_logger(__name__)
 
@@ -28,12 +28,53 @@ def install() -> None:
 def _checked_create_engine_config(original):
     @functools.wraps(original)
     def create_engine_config(self, *args, **kwargs):
+        prepare_tree_engine_args(self)
         vllm_config = original(self, *args, **kwargs)
         validate_engine_config(vllm_config)
         return vllm_config
 
     create_engine_config._easyspec_patched = True
     return create_engine_config
+
+
+def prepare_tree_engine_args(engine_args) -> None:
+    """With ``easyspec.tree``, fill in what a tree fixes before vLLM builds its config.
+
+    ``num_speculative_tokens`` is the tree's node count (vLLM schedules one speculative token per node): it
+    is set when absent and a different value is refused with an error naming both fields. Trees verify
+    synchronously (the runner rewrites the step's inputs after sampling), so async scheduling is turned off.
+    """
+    easyspec = parse_easyspec_config(engine_args.additional_config)
+    if easyspec is None or easyspec.tree is None:
+        return
+    spec = engine_args.speculative_config
+    method = None if not isinstance(spec, dict) else spec.get("method")
+    if method != "draft_model":
+        raise EasySpecConfigError(
+            f"easyspec.tree needs --speculative-config with \"method\": \"draft_model\" (a draft model drafts "
+            f"the tree), got method {method!r}; use a draft model, or remove easyspec.tree for a chain"
+        )
+    nodes = easyspec.tree.num_nodes
+    given = spec.get("num_speculative_tokens")
+    if given is None:
+        engine_args.speculative_config = spec = dict(spec, num_speculative_tokens=nodes)
+        logger.info("easyspec.tree has %d nodes: num_speculative_tokens set to %d", nodes, nodes)
+    elif given != nodes:
+        raise EasySpecConfigError(
+            f"speculative_config.num_speculative_tokens = {given} but easyspec.tree has {nodes} nodes "
+            f"({easyspec.tree.describe()}); a tree verifies one speculative token per node, so set "
+            f"num_speculative_tokens to {nodes} or leave it out"
+        )
+    if spec.get("disable_padded_drafter_batch"):
+        raise EasySpecConfigError(
+            "easyspec.tree needs the padded drafter batch; remove \"disable_padded_drafter_batch\" from "
+            "the speculative config"
+        )
+    if engine_args.async_scheduling:
+        raise EasySpecConfigError(
+            "easyspec.tree verifies synchronously; remove --async-scheduling (async_scheduling=True)"
+        )
+    engine_args.async_scheduling = False
 
 
 def validate_engine_config(vllm_config) -> None:
@@ -61,6 +102,13 @@ def validate_engine_config(vllm_config) -> None:
         from vllm_easyspec.integration.fuzzy_models import check_fuzzy_architecture
 
         check_fuzzy_architecture(spec.draft_model_config.hf_config.architectures, spec.draft_model_config.hf_text_config)
+    if easyspec.tree is not None:
+        kv_cache_dtype = vllm_config.cache_config.cache_dtype
+        if kv_cache_dtype not in ("auto", None):
+            raise EasySpecConfigError(
+                f"easyspec.tree reads the paged KV cache for tree attention and supports only unquantized "
+                f"caches, but --kv-cache-dtype is {kv_cache_dtype!r}; remove --kv-cache-dtype or easyspec.tree"
+            )
 
 
 def _verify_equal_vocab_size(self) -> None:

@@ -5,13 +5,17 @@ other proposer (``EagleProposer``, ``NgramProposer``, a plain ``draft_model``), 
 ``propose`` bound method of this worker's drafter instance -- it replaces, on that one instance only,
 vLLM's ``SpecDecodeBaseProposer.propose`` / ``NgramProposer.propose`` -- so that benchmarks report
 drafting time at the same boundary (one ``drafter.propose`` call per engine step) for every method.
+
+``time_steps`` times whole engine steps on any worker, vanilla included, by wrapping the model runner's
+``execute_model`` and ``sample_tokens``; with the drafting time read inside the same steps, benchmarks split
+each step into verify (target forward, sampling, bookkeeping) and drafting.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -59,3 +63,143 @@ def read_timed_drafting_stats(worker: Any) -> dict[str, Any] | None:
     if stats is None:
         return None
     return asdict(stats) | {"seconds_per_step": stats.seconds_per_step, "timed_by": "drafter.propose wrapper"}
+
+
+# ---- whole engine steps (any setup, vanilla included) ----
+
+_STEP_TIMER_ATTRIBUTE = "_easyspec_step_timer"
+
+
+@dataclass
+class StepStats:
+    """Cumulative engine-step counters of one worker: a step is one ``execute_model`` call that scheduled
+    tokens plus the ``sample_tokens`` call that follows it (the drafter's ``propose`` runs inside the latter).
+
+    ``drafting_seconds`` is the drafter's own timer read at the start and end of each step, so
+    ``step_seconds - drafting_seconds`` is the verify (target forward + sampling + bookkeeping) time of exactly
+    these steps. The ``decode_*`` counters repeat the three for steps in which no request computes prompt
+    tokens (every scheduled request runs 1 + its scheduled draft tokens).
+    """
+
+    steps: int = 0
+    step_seconds: float = 0.0
+    drafting_seconds: float = 0.0
+    decode_steps: int = 0
+    decode_step_seconds: float = 0.0
+    decode_drafting_seconds: float = 0.0
+
+
+def _cumulative_drafting_seconds(runner: Any) -> float:
+    """The drafter's running total: ``time_drafter``'s wrapper, else the plugin drafter's own counters."""
+    drafter = getattr(runner, "drafter", None)
+    if drafter is None:
+        return 0.0
+    stats = getattr(drafter, _TIMER_ATTRIBUTE, None)
+    if stats is None and _self_timed(drafter):
+        stats = drafter.drafting_stats  # read each time: reset_drafting_stats replaces the object
+    return stats.drafting_seconds if stats is not None else 0.0
+
+
+def _is_decode_only(scheduler_output: Any) -> bool:
+    if getattr(scheduler_output, "scheduled_new_reqs", None):
+        return False
+    drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+    scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+    return all(n == 1 + len(drafts.get(req_id, ())) for req_id, n in scheduled.items())
+
+
+class _StepClock:
+    """One open step at a time: ``execute_model`` opens it, ``sample_tokens`` (or an ``execute_model`` that
+    already returned its output) closes it. Time spent in either call is the step's time."""
+
+    def __init__(self, runner: Any, stats: StepStats) -> None:
+        self.runner = runner
+        self.stats = stats
+        self.open = False
+        self.counted = False
+        self.decode = False
+        self.seconds = 0.0
+        self.drafting_at_start = 0.0
+
+    def begin(self, scheduler_output: Any) -> None:
+        self.open = True
+        self.counted = getattr(scheduler_output, "total_num_scheduled_tokens", 1) > 0
+        self.decode = self.counted and _is_decode_only(scheduler_output)
+        self.seconds = 0.0
+        self.drafting_at_start = _cumulative_drafting_seconds(self.runner)
+
+    def close(self) -> None:
+        if not self.open:
+            return
+        self.open = False
+        if not self.counted:
+            return
+        drafting = _cumulative_drafting_seconds(self.runner) - self.drafting_at_start
+        stats = self.stats
+        stats.steps += 1
+        stats.step_seconds += self.seconds
+        stats.drafting_seconds += drafting
+        if self.decode:
+            stats.decode_steps += 1
+            stats.decode_step_seconds += self.seconds
+            stats.decode_drafting_seconds += drafting
+
+
+def _synchronize(runner: Any) -> None:
+    device = getattr(runner, "device", None)
+    if isinstance(device, torch.device) and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(worker: Any) -> bool:
+    """Worker-side: start timing this rank's engine steps; idempotent. Wraps, on this worker's model-runner
+    instance only, its ``execute_model`` and ``sample_tokens`` bound methods; arguments, results and
+    exceptions pass through unchanged. On a CUDA device each call ends with ``torch.cuda.synchronize`` so
+    that the wall time covers the kernels (this serialises async scheduling, as ``time_drafter`` does)."""
+    runner = worker.model_runner
+    if getattr(runner, _STEP_TIMER_ATTRIBUTE, None) is not None:
+        return True
+    stats = StepStats()
+    clock = _StepClock(runner, stats)
+    untimed_execute_model = runner.execute_model
+    untimed_sample_tokens = runner.sample_tokens
+
+    # Replaces vLLM's GPUModelRunner.execute_model (CPUModelRunner inherits it) on this instance: the target
+    # forward of one engine step; it returns None when sample_tokens is to follow in the same step.
+    @functools.wraps(untimed_execute_model)
+    def timed_execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        clock.close()  # a step whose sample_tokens never came (not expected) ends here
+        clock.begin(scheduler_output)
+        start = time.perf_counter()
+        try:
+            result = untimed_execute_model(scheduler_output, *args, **kwargs)
+            _synchronize(runner)
+        finally:
+            clock.seconds += time.perf_counter() - start
+        if result is not None:
+            clock.close()  # the step ended here (nothing to sample, or an intermediate pipeline rank)
+        return result
+
+    # Replaces vLLM's GPUModelRunner.sample_tokens on this instance: sampling, bookkeeping and the
+    # drafter's propose of the step that execute_model opened.
+    @functools.wraps(untimed_sample_tokens)
+    def timed_sample_tokens(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            result = untimed_sample_tokens(*args, **kwargs)
+            _synchronize(runner)
+        finally:
+            clock.seconds += time.perf_counter() - start
+            clock.close()
+        return result
+
+    runner.execute_model = timed_execute_model
+    runner.sample_tokens = timed_sample_tokens
+    setattr(runner, _STEP_TIMER_ATTRIBUTE, stats)
+    return True
+
+
+def read_step_stats(worker: Any) -> dict[str, Any] | None:
+    """Worker-side: the counters of ``time_steps`` (cumulative), or None when this rank is not timed."""
+    stats: StepStats | None = getattr(worker.model_runner, _STEP_TIMER_ATTRIBUTE, None)
+    return None if stats is None else asdict(stats)

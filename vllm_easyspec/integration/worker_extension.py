@@ -1,6 +1,7 @@
 """A worker extension (``worker_extension_cls``) that lets the front end read the plugin's per-worker
 counters through ``LLM.collective_rpc("easyspec_drafting_stats")`` without sending code to workers, and
-time the drafting stage of any speculative method (``LLM.collective_rpc("easyspec_time_drafter")``)."""
+time the drafting stage of any speculative method (``LLM.collective_rpc("easyspec_time_drafter")``) and whole
+engine steps of any setup (``easyspec_time_steps`` / ``easyspec_step_stats``)."""
 
 from __future__ import annotations
 
@@ -20,3 +21,15 @@ class EasySpecWorkerExtension:
         from vllm_easyspec.integration.drafting_timer import time_drafter
 
         return time_drafter(self)
+
+    def easyspec_time_steps(self) -> bool:
+        """Time every engine step (``execute_model`` + ``sample_tokens``) of this rank; idempotent."""
+        from vllm_easyspec.integration.drafting_timer import time_steps
+
+        return time_steps(self)
+
+    def easyspec_step_stats(self) -> dict[str, float] | None:
+        """This rank's cumulative step counters from ``easyspec_time_steps``, or None when not timed."""
+        from vllm_easyspec.integration.drafting_timer import read_step_stats
+
+        return read_step_stats(self)
