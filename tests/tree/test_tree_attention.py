@@ -138,3 +138,32 @@ def test_cpu_path_matches_reference_large(dtype):
     args = make_paged_batch(parents, [300, 0, 129], 16, 8, 2, 128, dtype, seed=5)
     out = tree_attention(**args, softmax_scale=128 ** -0.5, backend="cpu")
     assert _max_error(args, out, 128 ** -0.5) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_over_prefix_and_tree_matches_per_row_softmax(dtype):
+    from vllm_easyspec.tree.attention import attention_over_prefix_and_tree
+
+    generator = torch.Generator().manual_seed(3)
+    batch, width, heads, kv_heads, dim, length, tree = 3, 5, 4, 2, 32, 9, 6
+    query = torch.randn(batch, width, heads, dim, generator=generator).to(dtype)
+    prefix_key = torch.randn(batch, kv_heads, length, dim, generator=generator).to(dtype)
+    prefix_value = torch.randn(batch, kv_heads, length, dim, generator=generator).to(dtype)
+    tree_key = torch.randn(batch, kv_heads, tree, dim, generator=generator).to(dtype)
+    tree_value = torch.randn(batch, kv_heads, tree, dim, generator=generator).to(dtype)
+    prefix_lens = torch.tensor([9, 1, 4])
+    tree_mask = torch.rand(batch, width, tree, generator=generator) > 0.5
+    tree_mask[:, :, 0] = True
+    out = attention_over_prefix_and_tree(query, prefix_key, prefix_value, prefix_lens, tree_key, tree_value,
+                                         tree_mask, 0.3)
+    for r in range(batch):
+        for w in range(width):
+            cols = tree_mask[r, w].nonzero()[:, 0]
+            k = torch.cat([prefix_key[r, :, : prefix_lens[r]], tree_key[r, :, cols]], dim=1).double()
+            v = torch.cat([prefix_value[r, :, : prefix_lens[r]], tree_value[r, :, cols]], dim=1).double()
+            k = k.repeat_interleave(heads // kv_heads, 0)
+            v = v.repeat_interleave(heads // kv_heads, 0)
+            scores = torch.einsum("hd,hld->hl", query[r, w].double(), k) * 0.3
+            expected = torch.einsum("hl,hld->hd", scores.softmax(-1), v)
+            tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+            torch.testing.assert_close(out[r, w].double(), expected, atol=tolerance, rtol=tolerance)

@@ -23,6 +23,7 @@ import torch
 
 __all__ = [
     "ancestor_mask_from_parents",
+    "attention_over_prefix_and_tree",
     "gather_positions",
     "tree_attention",
     "tree_attention_cpu",
@@ -206,6 +207,40 @@ def tree_attention_cpu(
         merged = merged.reshape(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3)
         out[start:end] = merged.reshape(n, num_kv_heads * group, head_dim).to(out.dtype)
     return out
+
+
+def attention_over_prefix_and_tree(
+    query: torch.Tensor,
+    prefix_key: torch.Tensor,
+    prefix_value: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    tree_key: torch.Tensor,
+    tree_value: torch.Tensor,
+    tree_mask: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Tree attention of ``R`` requests whose tree K/V is at hand (not in a paged cache).
+
+    * ``query`` ``[R, W, Hq, D]``: ``W`` query rows per request (padding rows allowed);
+    * ``prefix_key`` / ``prefix_value`` ``[R, Hkv, L, D]``: request ``r``'s context, valid for positions
+      ``< prefix_lens[r]`` (the rest is ignored);
+    * ``tree_key`` / ``tree_value`` ``[R, Hkv, S, D]`` and ``tree_mask`` ``[R, W, S]`` bool: row ``w`` also
+      attends to tree column ``s`` iff ``tree_mask[r, w, s]`` (its ancestors and itself).
+
+    Returns ``[R, W, Hq, D]`` in the query dtype. Every row must attend to at least one column. This is the
+    engine's CPU tree path (target verify and the drafter's levels), one fused SDPA call per layer.
+    """
+    batch, width = query.shape[:2]
+    length = prefix_key.shape[2]
+    prefix_valid = torch.arange(length, device=query.device)[None, :] < prefix_lens.to(query.device)[:, None]
+    mask = torch.cat([prefix_valid[:, None, :].expand(batch, width, length), tree_mask.bool()], dim=2)
+    key = torch.cat([prefix_key, tree_key.to(prefix_key.dtype)], dim=2)
+    value = torch.cat([prefix_value, tree_value.to(prefix_value.dtype)], dim=2)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(1, 2), key, value, attn_mask=mask[:, None], scale=softmax_scale,
+        enable_gqa=query.shape[2] != key.shape[1],
+    )
+    return out.transpose(1, 2)
 
 
 def _triton_usable(query: torch.Tensor) -> bool:

