@@ -20,7 +20,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from benchmarks.harness import RESULTS_DIR, Setup, Workload, run_setups, write_results
+from benchmarks.harness import DEFAULT_REPEATS, RESULTS_DIR, Setup, Workload, run_setups, write_results
 from vllm_easyspec.eagle.prompts import HELDOUT_PROMPTS
 from vllm_easyspec.models import fetch_model
 
@@ -46,7 +46,8 @@ def _untrained_eagle1(target: str) -> Path:
 
 
 def speed(batches: list[int], ks: list[int], max_tokens: int, num_prompts: int, eagle1: bool,
-          ks_batched: list[int] | None = None, dtype: str = "bfloat16") -> None:
+          ks_batched: list[int] | None = None, dtype: str = "bfloat16",
+          repeats: int = DEFAULT_REPEATS) -> None:
     target = str(fetch_model(QWEN))
     smol = str(fetch_model(SMOL))
     command = "python -m benchmarks.eagle_bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -68,7 +69,7 @@ def speed(batches: list[int], ks: list[int], max_tokens: int, num_prompts: int, 
                                  "num_speculative_tokens": 3}))
         prompts = HELDOUT_PROMPTS[: max(num_prompts, b)]
         wl = Workload(target=target, prompts=prompts, max_tokens=max_tokens, batch_size=b, dtype=dtype)
-        rows = run_setups(setups, wl, bookend_vanilla=True)
+        rows = run_setups(setups, wl, repeats=repeats)
         stem = f"eagle_speed_b{b}" + ("" if dtype == "bfloat16" else f"_{dtype}")
         paths = write_results(rows, stem,
                               f"EAGLE on Qwen2.5-Coder-0.5B, batch {b}, {dtype}, greedy, {len(prompts)} held-out prompts",
@@ -176,6 +177,8 @@ if __name__ == "__main__":
     s.add_argument("--no-eagle1", action="store_true")
     s.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="float32 makes output identity with vanilla exact at batch > 1")
+    s.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                   help="engine processes per setup, run interleaved; speeds are medians with their min-max")
     r = sub.add_parser("replay")
     r.add_argument("--num-prompts", type=int, default=8)
     r.add_argument("-k", type=int, default=3)
@@ -184,7 +187,7 @@ if __name__ == "__main__":
     d.add_argument("--num-samples", type=int, default=2000)
     a = ap.parse_args()
     if a.cmd == "speed":
-        speed(a.batch, a.ks, a.max_tokens, a.num_prompts, not a.no_eagle1, a.ks_batched, a.dtype)
+        speed(a.batch, a.ks, a.max_tokens, a.num_prompts, not a.no_eagle1, a.ks_batched, a.dtype, a.repeats)
     elif a.cmd == "replay":
         replay(a.num_prompts, a.k, a.max_tokens)
     else:

@@ -17,7 +17,15 @@ import json
 import sys
 from typing import Any
 
-from benchmarks.harness import RESULTS_DIR, Setup, Workload, load_prompts, run_setups, write_results
+from benchmarks.harness import (
+    DEFAULT_REPEATS,
+    RESULTS_DIR,
+    Setup,
+    Workload,
+    load_prompts,
+    run_setups,
+    write_results,
+)
 from vllm_easyspec.models import fetch_model
 
 K = 4
@@ -67,7 +75,7 @@ def acceptance(args: argparse.Namespace) -> None:
             target=str(fetch_model(target)), prompts=load_prompts(limit=args.prompts), max_tokens=args.max_tokens,
             batch_size=args.batch, dtype="float32",
         )  # fmt: skip
-        rows = run_setups(setups, workload)
+        rows = run_setups(setups, workload, repeats=args.repeats)
         _write(rows, f"easyspec_acceptance_{pair}", f"EasySpec acceptance, pair ({pair}): {draft} -> {target}")
 
 
@@ -94,7 +102,7 @@ def tp(args: argparse.Namespace) -> None:
             target=str(fetch_model(target)), prompts=load_prompts(limit=args.prompts), max_tokens=args.max_tokens,
             batch_size=args.batch, dtype="float32",
         )  # fmt: skip
-        rows = run_setups(setups, workload)
+        rows = run_setups(setups, workload, repeats=args.repeats)
         _write(rows, f"easyspec_drafting_time_{pair}", f"EasySpec drafting time per step, pair ({pair}), batch {args.batch}")
 
 
@@ -116,7 +124,7 @@ def e2e(args: argparse.Namespace) -> None:
             target=str(fetch_model(target)), prompts=load_prompts(limit=args.prompts), max_tokens=args.max_tokens,
             batch_size=batch, dtype=args.dtype,
         )  # fmt: skip
-        rows = run_setups(setups, workload)
+        rows = run_setups(setups, workload, repeats=args.repeats)
         _write(rows, f"easyspec_e2e_b{batch}", f"EasySpec end to end, pair (c), batch {batch}, {args.dtype}")
 
 
@@ -179,6 +187,10 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 8])
     parser.add_argument("--n", type=int, default=2, help="EasySpec N for the e2e run")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--repeats", type=int, default=DEFAULT_REPEATS,
+        help="engine processes per setup, run interleaved; speeds are medians with their min-max",
+    )  # fmt: skip
     args = parser.parse_args()
     {"acceptance": acceptance, "tp": tp, "e2e": e2e, "plot": plot}[args.part](args)
 

@@ -1,14 +1,30 @@
 """Side-by-side benchmark harness: named setups run on the same prompts in one run, one JSON row each.
 
 Invariants:
-- Every setup runs in its own child process with a fresh engine, one after the other, so that setups do
-  not share caches or compete for the two cores; engine start-up is never inside a timed region.
-- A warm-up request runs before timing; acceptance counters are read as the difference of two snapshots
-  around the timed ``generate`` call.
-- Ratios are taken against the setup named ``vanilla`` of the same run; output identity compares token
-  ids with that setup. With ``bookend_vanilla``, vanilla also runs last (row ``vanilla-end``) and the
-  ratios use the mean of the two vanilla speeds, so drift of the machine during a run shows in the two
-  vanilla rows instead of in every ratio.
+- Every run of a setup is its own child process with a fresh engine; engine start-up is never inside a
+  timed region, and no two engines run at once (they would compete for the cores).
+- One engine process is not a measurement (a process can run ~1.5x slower for its whole life), so every
+  setup runs in ``repeats`` processes, interleaved: round r runs every setup once before round r+1 starts,
+  and the order within round r is the setup list rotated by r (``interleaved_order``), so no setup always
+  runs first. Machine drift then spreads over all setups instead of landing on one.
+- Per setup a row reports the median decode tok/s over its runs, with the min, the max and every run's
+  value; ``speedup_vs_vanilla`` is median(setup) / median(vanilla) and the range ``speedup_min`` /
+  ``speedup_max`` is min(setup) / median(vanilla) and max(setup) / median(vanilla). Per-step times
+  (drafting, verify, whole step) are medians over the runs too.
+- A warm-up request runs before timing; acceptance counters and step timers are read as the difference of
+  two snapshots around the timed ``generate`` call, so only steps after the warm-up count. Counters of
+  greedy runs are deterministic, so the first run's are reported; ``repeats_agree`` says whether every run
+  of the setup produced the same token ids.
+- Step split: the workers time every engine step (``execute_model`` + ``sample_tokens``, see
+  ``vllm_easyspec.integration.drafting_timer.time_steps``) and the drafter inside it; verify seconds per
+  step = (step seconds - drafting seconds) / steps. For vanilla, verify is the whole decode step.
+- Identity is judged against the setup named ``vanilla``: its first run also replays the timed request with
+  ``logprobs=2`` on an engine started with ``logprobs_mode="raw_logits"`` (untimed, after a prefix-cache
+  reset and the same warm-up, and checked to give the same tokens), which records vanilla's top-2 token ids
+  and raw logits at every output position. A setup whose tokens differ from vanilla's is a near-tie only
+  when, at the first differing position of that prompt, its token is vanilla's second choice and vanilla's
+  top-2 logit margin is within the rounding of the run's dtype (``classify_identity``); anything else is a
+  failure, printed as ``LOSSLESS CHECK FAILED``. Other setups' sampling parameters are never changed.
 
 Row schema (``ROW_FIELDS``): later issues add setups, never new scripts or fields with other meanings.
 """
@@ -17,12 +33,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +52,20 @@ PROMPTS_FILE = BENCHMARKS_DIR / "prompts.json"
 
 ROW_FIELDS = (
     "setup", "description", "target", "draft", "method", "num_speculative_tokens", "batch_size",
-    "tensor_parallel_size", "dtype", "temperature", "num_prompts", "max_tokens", "output_tokens",
-    "generate_seconds", "decode_seconds", "decode_tok_per_s", "speedup_vs_vanilla",
+    "tensor_parallel_size", "dtype", "temperature", "num_prompts", "max_tokens", "output_tokens", "repeats",
+    "generate_seconds", "decode_seconds", "decode_tok_per_s", "decode_tok_per_s_min", "decode_tok_per_s_max",
+    "decode_tok_per_s_runs", "speedup_vs_vanilla", "speedup_min", "speedup_max",
     "mean_acceptance_length", "acceptance_rate", "per_position_acceptance", "num_drafts",
-    "outputs_identical_to_vanilla", "drafting_seconds_per_step", "drafting_share_of_decode",
-    "engine_start_seconds",
+    "outputs_identical_to_vanilla", "identity", "divergences", "repeats_agree",
+    "drafting_seconds_per_step", "drafting_share_of_decode", "engine_steps", "step_seconds_per_step",
+    "verify_seconds_per_step", "decode_steps", "verify_seconds_per_decode_step",
+    "drafting_seconds_per_decode_step", "engine_start_seconds",
+)  # fmt: skip
+# Timing fields reported as the median over a setup's runs; every other field comes from its first run.
+MEDIAN_FIELDS = (
+    "generate_seconds", "decode_seconds", "drafting_seconds_per_step", "drafting_share_of_decode",
+    "step_seconds_per_step", "verify_seconds_per_step", "verify_seconds_per_decode_step",
+    "drafting_seconds_per_decode_step", "engine_start_seconds",
 )  # fmt: skip
 
 
@@ -89,50 +116,266 @@ def engine_env(tensor_parallel_size: int) -> dict[str, str]:
 
 
 VANILLA = "vanilla"  # the baseline setup every ratio and identity check refers to
-VANILLA_END = "vanilla-end"  # the same setup run again last (bookend_vanilla)
+DEFAULT_REPEATS = 3
 
 
-def run_setups(setups: list[Setup], workload: Workload, progress: bool = True,
-               bookend_vanilla: bool = False) -> list[dict[str, Any]]:
-    """Run every setup in its own process; return one row per setup with ratios against ``vanilla``."""
+def interleaved_order(names: list[str], repeats: int) -> list[tuple[int, str]]:
+    """(round, setup) in run order: every round runs each setup once, the list rotated by the round."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    order = []
+    for round_index in range(repeats):
+        shift = round_index % len(names) if names else 0
+        order += [(round_index, name) for name in names[shift:] + names[:shift]]
+    return order
+
+
+def run_setups(
+    setups: list[Setup], workload: Workload, repeats: int = DEFAULT_REPEATS, progress: bool = True
+) -> list[dict[str, Any]]:
+    """Run every setup in ``repeats`` interleaved engine processes; one row per setup (see the module
+    docstring for the medians, ranges and identity verdicts). Prints identity failures and near-ties."""
     names = [s.name for s in setups]
     if len(set(names)) != len(names):
         raise ValueError(f"setup names must be unique, got {names}")
-    if bookend_vanilla:
-        first = next((s for s in setups if s.name == VANILLA), None)
-        if first is None:
-            raise ValueError("bookend_vanilla needs a setup named 'vanilla'")
-        setups = [*setups, replace(first, name=VANILLA_END)]
+    by_name = {s.name: s for s in setups}
     raw: list[dict[str, Any]] = []
-    bar = tqdm(setups, desc="setups", unit="setup", disable=not progress)
-    for setup in bar:
-        bar.set_postfix_str(setup.name)
-        raw.append(_run_in_child(setup, workload))
-    return finalize_rows(raw)
+    schedule = interleaved_order(names, repeats)
+    bar = tqdm(schedule, desc="runs", unit="run", disable=not progress)
+    for round_index, name in bar:
+        bar.set_postfix_str(f"{name} (round {round_index + 1}/{repeats})")
+        record_top2 = name == VANILLA and round_index == 0
+        raw.append(_run_in_child(by_name[name], workload, round_index, record_top2) | {"round": round_index})
+    rows = finalize_rows(raw, order=names)
+    report_identity(rows)
+    return rows
 
 
-def finalize_rows(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    vanilla = next((r for r in raw if r["setup"] == VANILLA), None)
-    speeds = [r["decode_tok_per_s"] for r in raw if r["setup"] in (VANILLA, VANILLA_END)]
-    baseline = sum(speeds) / len(speeds) if speeds and all(speeds) else None
-    rows = []
+def spread(values: list[float]) -> tuple[float, float, float]:
+    """(median, min, max); the median of an even count is the mean of the middle two."""
+    if not values:
+        raise ValueError("no values")
+    return statistics.median(values), min(values), max(values)
+
+
+def _median_or_none(values: list[Any]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def finalize_rows(raw: list[dict[str, Any]], order: list[str] | None = None) -> list[dict[str, Any]]:
+    """Group the runs by setup (rows in ``order``, else first appearance) and aggregate them."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in order or []}
     for result in raw:
-        row = {name: result.get(name) for name in ROW_FIELDS}
-        if vanilla is not None and baseline:
-            row["speedup_vs_vanilla"] = result["decode_tok_per_s"] / baseline
-            row["outputs_identical_to_vanilla"] = result["token_ids"] == vanilla["token_ids"]
+        runs.setdefault(result["setup"], []).append(result)
+    reference = _vanilla_reference(runs.get(VANILLA, []))
+    vanilla_speeds = [r["decode_tok_per_s"] for r in runs.get(VANILLA, [])]
+    baseline = statistics.median(vanilla_speeds) if vanilla_speeds and all(vanilla_speeds) else None
+    rows = []
+    for name, results in runs.items():
+        if not results:
+            continue
+        first = results[0]
+        row = {name: first.get(name) for name in ROW_FIELDS}
+        row["repeats"] = len(results)
+        for key in MEDIAN_FIELDS:
+            row[key] = _median_or_none([r.get(key) for r in results])
+        speeds = [r["decode_tok_per_s"] for r in results]
+        row["decode_tok_per_s_runs"] = speeds
+        if all(s is not None for s in speeds):
+            row["decode_tok_per_s"], row["decode_tok_per_s_min"], row["decode_tok_per_s_max"] = spread(speeds)
+            if baseline:
+                row["speedup_vs_vanilla"] = row["decode_tok_per_s"] / baseline
+                row["speedup_min"] = row["decode_tok_per_s_min"] / baseline
+                row["speedup_max"] = row["decode_tok_per_s_max"] / baseline
+        row["repeats_agree"] = all(r["token_ids"] == first["token_ids"] for r in results)
+        if reference is not None:
+            row |= _identity_over_runs(name, results, reference)
         rows.append(row)
     return rows
 
 
-def _run_in_child(setup: Setup, workload: Workload) -> dict[str, Any]:
+def _vanilla_reference(vanilla_runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The vanilla run that recorded top-2 logits (its first), else its first run."""
+    with_top2 = [r for r in vanilla_runs if r.get("vanilla_top2") is not None]
+    return (with_top2 or vanilla_runs or [None])[0]
+
+
+def _identity_over_runs(
+    name: str, results: list[dict[str, Any]], reference: dict[str, Any]
+) -> dict[str, Any]:
+    """Classify every run of a setup against the vanilla reference; the worst verdict wins."""
+    dtype = reference.get("logits_dtype") or reference.get("dtype") or "bfloat16"
+    divergences: list[dict[str, Any]] = []
+    seen = set()
+    for result in results:
+        verdict = classify_identity(
+            result["token_ids"], reference["token_ids"], reference.get("vanilla_top2"), dtype
+        )
+        for d in verdict["divergences"]:
+            key = (d["prompt"], d["position"], d["setup_token"])
+            if key not in seen:
+                seen.add(key)
+                divergences.append(d | {"round": result.get("round")})
+    if name == VANILLA and reference.get("logprobs_tokens_match") is False:
+        divergences.append(
+            {"prompt": None, "position": None, "margin": None, "threshold": None, "vanilla_top2": None,
+             "vanilla_token": None, "setup_token": None, "near_tie": False,
+             "reason": "vanilla's tokens changed when logprobs were requested: the top-2 record is not of this path"}
+        )  # fmt: skip
+    if not divergences:
+        identity = "identical"
+    elif all(d["near_tie"] for d in divergences):
+        identity = "near-tie"
+    else:
+        identity = "FAILED"
+    return {
+        "outputs_identical_to_vanilla": not divergences,
+        "identity": identity,
+        "divergences": sorted(
+            divergences, key=lambda d: (d["prompt"] is None, d["prompt"] or 0, d["position"] or 0)
+        ),
+    }
+
+
+# ---- identity: near-ties vs failures ----
+
+# Significand bits including the implicit one, and the smallest normal exponent, per logits dtype.
+_FLOAT_FORMATS = {"bfloat16": (8, -126), "float16": (11, -14), "float32": (24, -126)}
+_DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "half": "float16",
+    "fp16": "float16",
+    "float": "float32",
+    "fp32": "float32",
+}
+
+
+def _float_format(dtype: str) -> tuple[int, int]:
+    name = str(dtype).removeprefix("torch.")
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in _FLOAT_FORMATS:
+        raise ValueError(f"no rounding model for dtype {dtype!r}; known: {', '.join(_FLOAT_FORMATS)}")
+    return _FLOAT_FORMATS[name]
+
+
+def ulp(x: float, dtype: str) -> float:
+    """Spacing of ``dtype`` values at ``|x|``: 2**(floor(log2|x|) - (significand bits - 1)); subnormal
+    spacing below the smallest normal. bfloat16: 2**(floor(log2|x|) - 7)."""
+    bits, min_exponent = _float_format(dtype)
+    exponent = math.frexp(abs(x))[1] - 1 if x else min_exponent  # frexp: |x| = m * 2**e, m in [0.5, 1)
+    return 2.0 ** (max(exponent, min_exponent) - (bits - 1))
+
+
+def near_tie_threshold(top_logit: float, dtype: str) -> float:
+    """Largest top-2 margin that rounding of the run's dtype can flip: 2 ulp of the top logit."""
+    return 2 * ulp(top_logit, dtype)
+
+
+def classify_identity(
+    setup_ids: list[list[int]],
+    vanilla_ids: list[list[int]],
+    vanilla_top2: list[list[list[list[float]]]] | None,
+    dtype: str,
+) -> dict[str, Any]:
+    """Pure verdict for one run: ``identity`` is "identical", "near-tie" or "FAILED", with one divergence per
+    differing prompt ({prompt, position, margin, threshold, vanilla_top2, vanilla_token, setup_token,
+    near_tie}). ``vanilla_top2[prompt][position]`` is vanilla's [[token, logit], [token, logit]] there.
+
+    A divergence is a near-tie only when, at the first position where the two differ, (a) the setup's token
+    is vanilla's second choice and (b) vanilla's top-2 margin is <= ``near_tie_threshold`` for ``dtype``.
+    A missing record, or one output ending where the other goes on, is a failure."""
+    if len(setup_ids) != len(vanilla_ids):
+        raise ValueError(f"{len(setup_ids)} outputs vs vanilla's {len(vanilla_ids)}")
+    divergences = []
+    for prompt, (ours, theirs) in enumerate(zip(setup_ids, vanilla_ids, strict=True)):
+        if ours == theirs:
+            continue
+        position = next(
+            (i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs))
+        )
+        setup_token = ours[position] if position < len(ours) else None
+        vanilla_token = theirs[position] if position < len(theirs) else None
+        divergence: dict[str, Any] = {
+            "prompt": prompt, "position": position, "margin": None, "threshold": None, "vanilla_top2": None,
+            "vanilla_token": vanilla_token, "setup_token": setup_token, "near_tie": False,
+        }  # fmt: skip
+        record = None
+        if vanilla_top2 is not None and prompt < len(vanilla_top2) and position < len(vanilla_top2[prompt]):
+            record = vanilla_top2[prompt][position]
+        if record is not None and len(record) >= 2 and setup_token is not None and vanilla_token is not None:
+            # Best first; on an exact tie vanilla's own token counts as its first choice.
+            (first_id, first_logit), (second_id, second_logit) = sorted(
+                ((int(t), float(v)) for t, v in record), key=lambda tv: (-tv[1], tv[0] != vanilla_token)
+            )[:2]
+            margin = first_logit - second_logit
+            threshold = near_tie_threshold(first_logit, dtype)
+            divergence |= {
+                "margin": margin,
+                "threshold": threshold,
+                "vanilla_top2": [[first_id, first_logit], [second_id, second_logit]],
+                "near_tie": setup_token == second_id and first_id == vanilla_token and margin <= threshold,
+            }
+        divergences.append(divergence)
+    if not divergences:
+        identity = "identical"
+    elif all(d["near_tie"] for d in divergences):
+        identity = "near-tie"
+    else:
+        identity = "FAILED"
+    return {"identity": identity, "divergences": divergences}
+
+
+def identity_failures(rows: list[dict[str, Any]]) -> list[str]:
+    """One "LOSSLESS CHECK FAILED ..." line per failing divergence of every row."""
+    lines = []
+    for row in rows:
+        for d in row.get("divergences") or []:
+            if d["near_tie"]:
+                continue
+            if d.get("reason"):
+                lines.append(f"LOSSLESS CHECK FAILED: setup {row['setup']}: {d['reason']}")
+                continue
+            lines.append(
+                f"LOSSLESS CHECK FAILED: setup {row['setup']}, prompt {d['prompt']}, position {d['position']}, "
+                f"margin {_fmt(d['margin'], '.6g')} (near-tie threshold {_fmt(d['threshold'], '.6g')}), "
+                f"vanilla top-2 {d['vanilla_top2']}, vanilla token {d['vanilla_token']}, "
+                f"setup token {d['setup_token']}"
+            )
+    return lines
+
+
+def report_identity(rows: list[dict[str, Any]]) -> int:
+    """Print failures loudly, near-ties and disagreeing repeats quietly; return the number of failures."""
+    failures = identity_failures(rows)
+    for row in rows:
+        if row.get("repeats_agree") is False:
+            print(
+                f"REPEATS DISAGREE: setup {row['setup']}: its {row['repeats']} runs did not all give the same tokens"
+            )
+        for d in row.get("divergences") or []:
+            if d["near_tie"]:
+                print(
+                    f"near-tie (lossless): setup {row['setup']}, prompt {d['prompt']}, position {d['position']}, "
+                    f"margin {d['margin']:.6g} <= {d['threshold']:.6g}, vanilla top-2 {d['vanilla_top2']}"
+                )
+    for line in failures:
+        print(line, flush=True)
+    return len(failures)
+
+
+def _run_in_child(
+    setup: Setup, workload: Workload, round_index: int = 0, record_top2: bool = False
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="easyspec-bench-") as scratch:
         request = Path(scratch) / "request.json"
         result = Path(scratch) / "result.json"
-        request.write_text(json.dumps({"setup": asdict(setup), "workload": asdict(workload)}))
+        request.write_text(
+            json.dumps({"setup": asdict(setup), "workload": asdict(workload), "record_top2": record_top2})
+        )
         env = os.environ | engine_env(setup.tensor_parallel_size) | setup.env
         env["VLLM_CPU_KVCACHE_SPACE"] = str(workload.kv_cache_gib)
-        log_path = RESULTS_DIR / "logs" / f"{os.getpid()}-{setup.name}.log"
+        log_path = RESULTS_DIR / "logs" / f"{os.getpid()}-{setup.name}-r{round_index}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("w") as log:
             completed = subprocess.run(
@@ -141,7 +384,9 @@ def _run_in_child(setup: Setup, workload: Workload) -> dict[str, Any]:
             )  # fmt: skip
         if completed.returncode != 0:
             tail = "\n".join(log_path.read_text().splitlines()[-15:])
-            raise RuntimeError(f"setup {setup.name!r} failed (exit {completed.returncode}); log {log_path}:\n{tail}")
+            raise RuntimeError(
+                f"setup {setup.name!r} failed (exit {completed.returncode}); log {log_path}:\n{tail}"
+            )
         return json.loads(result.read_text())
 
 
@@ -158,8 +403,13 @@ def _child_main(request_path: Path, result_path: Path) -> None:
     request = json.loads(request_path.read_text())
     setup = Setup(**request["setup"])
     workload = Workload(**request["workload"])
+    record_top2 = bool(request.get("record_top2"))
     tokenizer = AutoTokenizer.from_pretrained(workload.target)
     prompt_ids = [prompt_token_ids(tokenizer, text) for text in workload.prompts]
+    engine_options: dict[str, Any] = {}
+    if setup.name == VANILLA:
+        # Every vanilla run gets the same engine; without a logprobs request this mode costs nothing.
+        engine_options["logprobs_mode"] = "raw_logits"
     started = time.perf_counter()
     llm = LLM(
         model=workload.target,
@@ -174,19 +424,24 @@ def _child_main(request_path: Path, result_path: Path) -> None:
         worker_extension_cls=WORKER_EXTENSION_CLS,
         disable_log_stats=False,
         seed=0,
+        **engine_options,
     )
     engine_start = time.perf_counter() - started
     if setup.speculative_config:
         llm.collective_rpc("easyspec_time_drafter")  # drafting time for vLLM's own proposers too
+    llm.collective_rpc("easyspec_time_steps")  # whole engine steps, every setup
     params = SamplingParams(temperature=workload.temperature, max_tokens=workload.max_tokens, seed=0)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
+    warm_up = SamplingParams(temperature=0.0, max_tokens=8)
+    llm.generate(prompts[:1], warm_up, use_tqdm=False)
     drafting_before = _drafting_seconds_and_steps(llm)
+    steps_before = _step_stats(llm)
     counters_before = read_spec_decode_counters(llm)
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     generate_seconds = time.perf_counter() - started
     counters = read_spec_decode_counters(llm) - counters_before
+    steps_after = _step_stats(llm)
     drafting_after = _drafting_seconds_and_steps(llm)
 
     token_ids = [list(o.outputs[0].token_ids) for o in outputs]
@@ -211,6 +466,7 @@ def _child_main(request_path: Path, result_path: Path) -> None:
         "batch_size": workload.batch_size,
         "tensor_parallel_size": setup.tensor_parallel_size,
         "dtype": workload.dtype,
+        "logits_dtype": str(llm.model_config.dtype).removeprefix("torch."),
         "temperature": workload.temperature,
         "num_prompts": len(prompts),
         "max_tokens": workload.max_tokens,
@@ -224,10 +480,34 @@ def _child_main(request_path: Path, result_path: Path) -> None:
         "num_drafts": counters.num_drafts,
         "drafting_seconds_per_step": drafting_seconds_per_step,
         "drafting_share_of_decode": drafting_share,
+        **_step_split(steps_before, steps_after),
         "engine_start_seconds": engine_start,
         "token_ids": token_ids,
     }
+    if record_top2:
+        # Untimed replay of the timed request under the same conditions (empty prefix cache, same warm-up),
+        # asking for vanilla's top-2 raw logits at every output position.
+        llm.reset_prefix_cache()
+        llm.generate(prompts[:1], warm_up, use_tqdm=False)
+        params_top2 = SamplingParams(
+            temperature=workload.temperature, max_tokens=workload.max_tokens, seed=0, logprobs=2
+        )
+        with_logprobs = llm.generate(prompts, params_top2, use_tqdm=False)
+        replay_ids = [list(o.outputs[0].token_ids) for o in with_logprobs]
+        result["logprobs_tokens_match"] = replay_ids == token_ids
+        result["vanilla_top2"] = [_top2_per_position(o.outputs[0].logprobs) for o in with_logprobs]
     result_path.write_text(json.dumps(result))
+
+
+def _top2_per_position(logprobs) -> list[list[list[float]]]:
+    """[[token, logit], [token, logit]] per output position, best first (values are raw logits here)."""
+    positions = []
+    for entry in logprobs or []:
+        ranked = sorted(
+            ((int(t), float(lp.logprob)) for t, lp in (entry or {}).items()), key=lambda tv: -tv[1]
+        )
+        positions.append([[t, v] for t, v in ranked[:2]])
+    return positions
 
 
 def _decode_seconds(outputs) -> float | None:
@@ -247,6 +527,35 @@ def _drafting_seconds_and_steps(llm) -> tuple[float, int] | None:
     return stats[0]["drafting_seconds"], stats[0]["steps"]
 
 
+def _step_stats(llm) -> dict[str, float] | None:
+    stats = llm.collective_rpc("easyspec_step_stats")
+    return stats[0] if stats else None
+
+
+def _step_split(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any]:
+    """Per-step seconds of the timed window (rank 0): whole step, verify (= step - drafting), both over
+    all engine steps and over decode-only steps (no request computing prompt tokens)."""
+    split: dict[str, Any] = dict.fromkeys(
+        ("engine_steps", "step_seconds_per_step", "verify_seconds_per_step", "decode_steps",
+         "verify_seconds_per_decode_step", "drafting_seconds_per_decode_step")
+    )  # fmt: skip
+    if before is None or after is None:
+        return split
+    delta = {key: after[key] - before[key] for key in after}
+    steps, decode_steps = int(delta["steps"]), int(delta["decode_steps"])
+    split["engine_steps"] = steps
+    split["decode_steps"] = decode_steps
+    if steps:
+        split["step_seconds_per_step"] = delta["step_seconds"] / steps
+        split["verify_seconds_per_step"] = (delta["step_seconds"] - delta["drafting_seconds"]) / steps
+    if decode_steps:
+        split["verify_seconds_per_decode_step"] = (
+            delta["decode_step_seconds"] - delta["decode_drafting_seconds"]
+        ) / decode_steps
+        split["drafting_seconds_per_decode_step"] = delta["decode_drafting_seconds"] / decode_steps
+    return split
+
+
 # ---- reports ----
 
 
@@ -260,22 +569,68 @@ def _fmt(value: Any, spec: str = ".2f") -> str:
     return str(value)
 
 
+def _with_range(
+    median: float | None, low: float | None, high: float | None, spec: str, unit: str = ""
+) -> str:
+    """``median [min–max]``; just the median when the range is missing."""
+    if median is None:
+        return "–"
+    text = f"{format(median, spec)}{unit}"
+    if low is not None and high is not None:
+        text += f" [{format(low, spec)}–{format(high, spec)}]"
+    return text
+
+
+def _ms(seconds: float | None) -> str:
+    return _fmt(None if seconds is None else 1e3 * seconds, ".1f")
+
+
+def identity_cell(row: dict[str, Any]) -> str:
+    """ "yes", "near-tie (n prompts)", "FAILED" or "–" (no vanilla); flags repeats that disagree."""
+    identity = row.get("identity")
+    if identity is None:
+        text = (
+            "–"
+            if row.get("outputs_identical_to_vanilla") is None
+            else _fmt(row["outputs_identical_to_vanilla"])
+        )
+    elif identity == "identical":
+        text = "yes"
+    elif identity == "near-tie":
+        text = f"near-tie ({len({d['prompt'] for d in row['divergences']})})"
+    else:
+        text = "FAILED"
+    if row.get("repeats_agree") is False:
+        text += " (repeats differ)"
+    return text
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     header = (
         "| setup | method | k | batch | TP | decode tok/s | vs vanilla | mean acc. len | per-position acceptance "
-        "| draft ms/step | draft share | identical |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "| verify ms/step | draft ms/step | draft share | identical |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [header]
     for r in rows:
         per_pos = " / ".join(f"{100 * a:.0f}%" for a in r["per_position_acceptance"] or []) or "–"
-        ms = None if r["drafting_seconds_per_step"] is None else 1e3 * r["drafting_seconds_per_step"]
         share = None if r["drafting_share_of_decode"] is None else 100 * r["drafting_share_of_decode"]
         lines.append(
             f"| {r['setup']} | {r['method']} | {_fmt(r['num_speculative_tokens'])} | {r['batch_size']} "
-            f"| {r['tensor_parallel_size']} | {_fmt(r['decode_tok_per_s'], '.1f')} "
-            f"| {_fmt(r['speedup_vs_vanilla'])}x | {_fmt(r['mean_acceptance_length'])} | {per_pos} "
-            f"| {_fmt(ms, '.1f')} | {_fmt(share, '.0f')}{'%' if share is not None else ''} "
-            f"| {_fmt(r['outputs_identical_to_vanilla'])} |"
+            f"| {r['tensor_parallel_size']} "
+            f"| {_with_range(r['decode_tok_per_s'], r.get('decode_tok_per_s_min'), r.get('decode_tok_per_s_max'), '.1f')} "
+            f"| {_with_range(r['speedup_vs_vanilla'], r.get('speedup_min'), r.get('speedup_max'), '.2f', 'x')} "
+            f"| {_fmt(r['mean_acceptance_length'])} | {per_pos} "
+            f"| {_ms(r.get('verify_seconds_per_step'))} | {_ms(r['drafting_seconds_per_step'])} "
+            f"| {_fmt(share, '.0f')}{'%' if share is not None else ''} | {identity_cell(r)} |"
+        )
+    repeats = sorted({r.get("repeats") for r in rows if r.get("repeats")})
+    if repeats:
+        counts = "/".join(str(n) for n in repeats)
+        lines.append(
+            f"\nSpeeds: median [min–max] over {counts} engine processes per setup, run interleaved; ratios are "
+            "median / vanilla's median, ranges min and max / vanilla's median. Per-step times are medians; "
+            "verify = engine step - drafting."
         )
     return "\n".join(lines)
 
@@ -289,9 +644,14 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     fig, (speed_ax, accept_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     names = [r["setup"] for r in rows]
     speedups = [r["speedup_vs_vanilla"] or 0.0 for r in rows]
-    speed_ax.bar(names, speedups, color=["#999999" if n.startswith("vanilla") else "#3b7dd8" for n in names])
+    low = [max(s - (r.get("speedup_min") or s), 0.0) for s, r in zip(speedups, rows, strict=True)]
+    high = [max((r.get("speedup_max") or s) - s, 0.0) for s, r in zip(speedups, rows, strict=True)]
+    speed_ax.bar(
+        names, speedups, yerr=[low, high], capsize=3,
+        color=["#999999" if n.startswith("vanilla") else "#3b7dd8" for n in names],
+    )  # fmt: skip
     speed_ax.axhline(1.0, color="black", linewidth=0.8)
-    speed_ax.set_ylabel("decode tok/s relative to vanilla")
+    speed_ax.set_ylabel("decode tok/s / vanilla median (bars: median, whiskers: min–max)")
     speed_ax.tick_params(axis="x", rotation=30)
     for row in rows:
         per_pos = row["per_position_acceptance"] or []

@@ -12,7 +12,15 @@ import shlex
 import sys
 from pathlib import Path
 
-from benchmarks.harness import Setup, Workload, load_prompts, markdown_table, run_setups, write_results
+from benchmarks.harness import (
+    DEFAULT_REPEATS,
+    Setup,
+    Workload,
+    load_prompts,
+    markdown_table,
+    run_setups,
+    write_results,
+)
 from vllm_easyspec.models import DEFAULT_DRAFT, DEFAULT_TARGET, MODELS, ModelFetchError, fetch_model
 
 # The plugin's drafter as the main job runs it: EasySpec fused fuzzy drafting, groups of 2, calibrated.
@@ -65,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--stem", default="main_job", help="file name stem under benchmarks/results/")
+    parser.add_argument(
+        "--repeats", type=int, default=DEFAULT_REPEATS,
+        help="engine processes per setup, run interleaved; speeds are medians with their min-max",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     try:
         target = resolve_model(args.target)
@@ -80,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
     )
     setups = main_setups(draft, args.num_speculative_tokens, target_is_default=args.target == DEFAULT_TARGET)
-    rows = run_setups(setups, workload, bookend_vanilla=True)
+    rows = run_setups(setups, workload, repeats=args.repeats)
     command = "python -m benchmarks.main_job " + shlex.join(argv if argv is not None else sys.argv[1:])
     title = (
         f"{Path(target).name} with draft {Path(draft).name}: {len(workload.prompts)} prompts, "
@@ -89,10 +101,21 @@ def main(argv: list[str] | None = None) -> int:
     paths = write_results(rows, args.stem, title, command.strip())
     print(f"\n{title}\n\n{markdown_table(rows)}\n")
     identical = all(r["outputs_identical_to_vanilla"] for r in rows)
+    failed = [r["setup"] for r in rows if r["identity"] == "FAILED"]
+    near_ties = [r["setup"] for r in rows if r["identity"] == "near-tie"]
     print(f"all outputs identical to vanilla: {'yes' if identical else 'NO'}")
+    if near_ties:
+        print(f"near-ties within {args.dtype} rounding (lossless): {', '.join(near_ties)}")
     best = max(rows, key=lambda r: r["decode_tok_per_s"] or 0.0)
-    print(f"fastest setup in this run: {best['setup']} ({best['description']}), {best['speedup_vs_vanilla']:.2f}x vanilla")
+    print(
+        f"fastest setup in this run: {best['setup']} ({best['description']}), "
+        f"{best['speedup_vs_vanilla']:.2f}x vanilla [{best['speedup_min']:.2f}–{best['speedup_max']:.2f}] "
+        f"over {best['repeats']} runs"
+    )
     print("results: " + ", ".join(str(p) for p in paths.values()))
+    if failed:
+        print(f"LOSSLESS CHECK FAILED for: {', '.join(failed)} (see the lines above)", file=sys.stderr)
+        return 1
     return 0
 
 

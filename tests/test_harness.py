@@ -1,23 +1,167 @@
-"""Benchmark harness bookkeeping (no engine): ratios and identity against vanilla."""
+"""Benchmark harness bookkeeping (no engine): run order, medians and ranges, identity verdicts vs vanilla."""
 
 from __future__ import annotations
 
-from benchmarks.harness import finalize_rows
+import pytest
+
+from benchmarks.harness import (
+    classify_identity,
+    finalize_rows,
+    identity_cell,
+    identity_failures,
+    interleaved_order,
+    markdown_table,
+    near_tie_threshold,
+    spread,
+    ulp,
+)
 
 
-def _raw(name: str, tok_s: float, ids: list[int]) -> dict:
-    return {"setup": name, "decode_tok_per_s": tok_s, "token_ids": [ids]}
+def _raw(name: str, tok_s: float, ids: list[list[int]], **extra) -> dict:
+    return {"setup": name, "decode_tok_per_s": tok_s, "token_ids": ids} | extra
 
 
-def test_ratios_use_the_mean_of_the_bookend_vanilla_runs():
-    rows = finalize_rows([_raw("vanilla", 8.0, [1, 2]), _raw("spec", 15.0, [1, 2]),
-                          _raw("other", 9.0, [1, 3]), _raw("vanilla-end", 12.0, [1, 2])])
-    by = {r["setup"]: r for r in rows}
-    assert by["spec"]["speedup_vs_vanilla"] == 1.5
-    assert by["vanilla"]["speedup_vs_vanilla"] == 0.8 and by["vanilla-end"]["speedup_vs_vanilla"] == 1.2
-    assert by["spec"]["outputs_identical_to_vanilla"] and not by["other"]["outputs_identical_to_vanilla"]
+# ---- run order ----
 
 
-def test_without_bookend_the_single_vanilla_run_is_the_baseline():
-    rows = finalize_rows([_raw("vanilla", 8.0, [1]), _raw("spec", 12.0, [1])])
-    assert rows[1]["speedup_vs_vanilla"] == 1.5
+def test_interleaved_order_runs_every_setup_once_per_round_and_rotates_the_first():
+    order = interleaved_order(["vanilla", "a", "b"], 4)
+    rounds = [[name for r, name in order if r == i] for i in range(4)]
+    assert rounds == [["vanilla", "a", "b"], ["a", "b", "vanilla"], ["b", "vanilla", "a"], ["vanilla", "a", "b"]]
+    # Rounds are contiguous: round r+1 starts only after every setup ran in round r.
+    assert [r for r, _ in order] == sorted(r for r, _ in order)
+    assert {rounds[i][0] for i in range(3)} == {"vanilla", "a", "b"}
+
+
+def test_interleaved_order_needs_a_repeat():
+    assert interleaved_order(["x"], 1) == [(0, "x")]
+    with pytest.raises(ValueError):
+        interleaved_order(["x"], 0)
+
+
+# ---- aggregation ----
+
+
+def test_spread_is_median_min_max():
+    assert spread([9.0, 15.0, 10.0]) == (10.0, 9.0, 15.0)
+    assert spread([8.0, 12.0]) == (10.0, 8.0, 12.0)  # even count: mean of the middle two
+
+
+def test_rows_take_medians_and_ratios_against_the_vanilla_median():
+    ids = [[1, 2]]
+    raw = [
+        _raw("vanilla", 10.0, ids, drafting_seconds_per_step=None, verify_seconds_per_step=0.10),
+        _raw("spec", 15.0, ids, verify_seconds_per_step=0.12, drafting_seconds_per_step=0.03),
+        _raw("spec", 18.0, ids, verify_seconds_per_step=0.14, drafting_seconds_per_step=0.05),
+        _raw("vanilla", 8.0, ids, verify_seconds_per_step=0.11),
+        _raw("vanilla", 12.0, ids, verify_seconds_per_step=0.09),
+        _raw("spec", 30.0, ids, verify_seconds_per_step=0.13, drafting_seconds_per_step=0.04),
+    ]
+    rows = finalize_rows(raw, order=["vanilla", "spec"])
+    assert [r["setup"] for r in rows] == ["vanilla", "spec"]
+    vanilla, spec = rows
+    assert vanilla["repeats"] == spec["repeats"] == 3
+    assert vanilla["decode_tok_per_s"] == 10.0 and vanilla["speedup_vs_vanilla"] == 1.0
+    assert (vanilla["speedup_min"], vanilla["speedup_max"]) == (0.8, 1.2)
+    assert spec["decode_tok_per_s_runs"] == [15.0, 18.0, 30.0]
+    assert (spec["decode_tok_per_s"], spec["decode_tok_per_s_min"], spec["decode_tok_per_s_max"]) == (18.0, 15.0, 30.0)
+    assert spec["speedup_vs_vanilla"] == 1.8 and (spec["speedup_min"], spec["speedup_max"]) == (1.5, 3.0)
+    assert spec["verify_seconds_per_step"] == 0.13 and spec["drafting_seconds_per_step"] == 0.04
+    assert vanilla["drafting_seconds_per_step"] is None and vanilla["verify_seconds_per_step"] == 0.10
+    assert spec["repeats_agree"] and spec["identity"] == "identical" and spec["outputs_identical_to_vanilla"]
+    table = markdown_table(rows)
+    assert "18.0 [15.0–30.0]" in table and "1.80x [1.50–3.00]" in table and "| yes |" in table
+
+
+def test_repeats_that_disagree_are_flagged_and_judged_each():
+    top2 = [[[[5, 10.0], [6, 9.0]], [[7, 10.0], [8, 10.0]]]]
+    raw = [
+        _raw("vanilla", 10.0, [[5, 7]], vanilla_top2=top2, logits_dtype="float32"),
+        _raw("spec", 12.0, [[5, 7]]),
+        _raw("spec", 12.0, [[5, 8]]),  # position 1 is an exact tie: a near-tie in the second run only
+    ]
+    spec = finalize_rows(raw)[1]
+    assert spec["repeats_agree"] is False
+    assert spec["identity"] == "near-tie" and not spec["outputs_identical_to_vanilla"]
+    assert identity_cell(spec) == "near-tie (1) (repeats differ)"
+
+
+def test_no_vanilla_leaves_ratios_and_identity_empty():
+    rows = finalize_rows([_raw("a", 8.0, [[1]]), _raw("a", 9.0, [[1]])])
+    assert rows[0]["speedup_vs_vanilla"] is None and rows[0]["identity"] is None
+    assert identity_cell(rows[0]) == "–"
+
+
+def test_vanilla_whose_tokens_change_with_logprobs_fails():
+    raw = [_raw("vanilla", 10.0, [[1]], vanilla_top2=[[[[1, 3.0], [2, 1.0]]]], logprobs_tokens_match=False)]
+    row = finalize_rows(raw)[0]
+    assert row["identity"] == "FAILED"
+    assert identity_failures([row])[0].startswith("LOSSLESS CHECK FAILED: setup vanilla")
+
+
+# ---- identity verdicts ----
+
+
+def test_ulp_matches_the_significand_width():
+    assert ulp(1.0, "bfloat16") == 2**-7 and ulp(1.99, "bfloat16") == 2**-7 and ulp(-2.0, "bfloat16") == 2**-6
+    assert ulp(20.0, "bfloat16") == 2**-3  # floor(log2 20) = 4
+    assert ulp(1.0, "float16") == 2**-10 and ulp(1.0, "float32") == 2**-23
+    assert ulp(1.0, "torch.bfloat16") == ulp(1.0, "bf16")
+    assert near_tie_threshold(20.0, "bfloat16") == 0.25
+
+
+def test_identical_outputs():
+    verdict = classify_identity([[1, 2, 3], [4]], [[1, 2, 3], [4]], None, "bfloat16")
+    assert verdict == {"identity": "identical", "divergences": []}
+
+
+def _vanilla_top2(logit_1: float, logit_2: float) -> list:
+    """Prompt 0: vanilla generated [5, 7, 9]; at position 1 its top-2 are 7 and 8."""
+    return [[[[5, 30.0], [6, 20.0]], [[7, logit_1], [8, logit_2]], [[9, 25.0], [3, 1.0]]]]
+
+
+def test_near_tie_within_bf16_rounding():
+    # top logit 20.0: bf16 ulp 0.125, threshold 0.25; margin 0.125 is one bf16 step.
+    verdict = classify_identity([[5, 8, 4]], [[5, 7, 9]], _vanilla_top2(20.0, 19.875), "bfloat16")
+    assert verdict["identity"] == "near-tie"
+    (d,) = verdict["divergences"]
+    assert (d["prompt"], d["position"], d["setup_token"], d["vanilla_token"]) == (0, 1, 8, 7)
+    assert d["margin"] == 0.125 and d["threshold"] == 0.25 and d["near_tie"]
+    assert d["vanilla_top2"] == [[7, 20.0], [8, 19.875]]
+
+
+def test_margin_above_rounding_fails():
+    verdict = classify_identity([[5, 8, 4]], [[5, 7, 9]], _vanilla_top2(20.0, 19.5), "bfloat16")
+    assert verdict["identity"] == "FAILED" and verdict["divergences"][0]["margin"] == 0.5
+    row = {"setup": "spec", **verdict}
+    (line,) = identity_failures([row])
+    assert line.startswith("LOSSLESS CHECK FAILED: setup spec, prompt 0, position 1, margin 0.5")
+    assert "setup token 8" in line
+
+
+def test_divergent_token_that_is_not_the_second_choice_fails():
+    verdict = classify_identity([[5, 11, 4]], [[5, 7, 9]], _vanilla_top2(20.0, 20.0), "bfloat16")
+    assert verdict["identity"] == "FAILED" and verdict["divergences"][0]["margin"] == 0.0
+
+
+def test_float32_threshold_is_tight():
+    # The bf16 near-tie above is far outside float32 rounding (threshold 2 * 2**-19 at 20.0).
+    assert classify_identity([[5, 8, 4]], [[5, 7, 9]], _vanilla_top2(20.0, 19.875), "float32")["identity"] == "FAILED"
+    close = 20.0 - 2**-19
+    verdict = classify_identity([[5, 8, 4]], [[5, 7, 9]], _vanilla_top2(20.0, close), "float32")
+    assert verdict["identity"] == "near-tie" and verdict["divergences"][0]["threshold"] == 2**-18
+
+
+def test_missing_record_or_early_stop_fails():
+    assert classify_identity([[5, 8]], [[5, 7]], None, "bfloat16")["identity"] == "FAILED"
+    verdict = classify_identity([[5]], [[5, 7, 9]], _vanilla_top2(20.0, 20.0), "bfloat16")
+    assert verdict["identity"] == "FAILED" and verdict["divergences"][0]["setup_token"] is None
+
+
+def test_one_divergence_per_prompt_and_the_worst_wins():
+    vanilla = [[5, 7, 9], [5, 7, 9]]
+    top2 = _vanilla_top2(20.0, 19.875) * 2
+    verdict = classify_identity([[5, 8, 1], [5, 7, 2]], vanilla, top2, "bfloat16")
+    assert [d["prompt"] for d in verdict["divergences"]] == [0, 1]
+    assert [d["near_tie"] for d in verdict["divergences"]] == [True, False]  # prompt 1: 2 vs 9 at margin 24
+    assert verdict["identity"] == "FAILED"
