@@ -1,0 +1,124 @@
+"""Level-by-level tree drafting (engine-free): the frontier mask names exactly a node's forwarded
+ancestors, and drafting with a model that sees only what the mask allows builds the same tree as expanding
+every node from its full root-to-node path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_easyspec.tree.building import ChildDrawMode
+from vllm_easyspec.tree.config import TreeConfig
+from vllm_easyspec.tree.drafting import LevelwiseTreeDraft
+from vllm_easyspec.tree.verify_step import TreeRequest, TreeVerifyStep
+
+VOCAB = 11
+
+
+def path_logits(root_token: int, path: tuple[int, ...]) -> torch.Tensor:
+    """A deterministic 'model': logits after the root and the tokens of ``path``."""
+    generator = torch.Generator().manual_seed(hash((root_token, path)) % (2**31))
+    return torch.randn(VOCAB, generator=generator) * 3
+
+
+def draft_with_masks(config: TreeConfig, roots: list[int], greedy: list[bool], generators=None):
+    """Drive LevelwiseTreeDraft, recovering each frontier node's path only from the stash and the mask."""
+    batch = len(roots)
+    draft = LevelwiseTreeDraft(config, torch.stack([path_logits(r, ()) for r in roots]), greedy,
+                               temperatures=torch.ones(batch), generators=generators)
+    stash_paths: list[list[tuple[int, ...]]] = [[] for _ in roots]  # path of every stashed node
+    while not draft.done:
+        tokens = draft.frontier_tokens()
+        mask = draft.frontier_mask()
+        stash = len(stash_paths[0])
+        assert mask.shape == (batch, tokens.shape[1], stash + tokens.shape[1])
+        logits = torch.zeros(batch, tokens.shape[1], VOCAB)
+        new_paths = []
+        for b in range(batch):
+            row_paths = []
+            for f in range(tokens.shape[1]):
+                ancestors = [stash_paths[b][s] for s in range(stash) if mask[b, f, s]]
+                assert mask[b, f, stash + f] and mask[b, f, stash:].sum() == 1  # itself, no sibling
+                parent_path = max(ancestors, key=len) if ancestors else ()
+                assert len(ancestors) == len(parent_path) == draft.frontier_depth - 1  # all ancestors, one per depth
+                path = parent_path + (int(tokens[b, f]),)
+                row_paths.append(path)
+                logits[b, f] = path_logits(roots[b], path)
+            new_paths.append(row_paths)
+        for b in range(batch):
+            stash_paths[b].extend(new_paths[b])
+        draft.expand(logits)
+    return draft.build()
+
+
+def expected_static_tokens(config: TreeConfig, root: int) -> list[int]:
+    template = config.template()
+    tokens: list[int] = []
+    paths: list[tuple[int, ...]] = []
+    for node, parent in enumerate(template.parents):
+        parent_path = paths[parent] if parent >= 0 else ()
+        ranked = torch.topk(path_logits(root, parent_path), template.ranks[node] + 1).indices
+        tokens.append(int(ranked[template.ranks[node]]))
+        paths.append(parent_path + (tokens[-1],))
+    return tokens
+
+
+STATIC = TreeConfig(choices=[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]])
+
+
+def test_static_tree_equals_full_path_expansion():
+    trees = draft_with_masks(STATIC, [3, 7], [True, True])
+    for b, root in enumerate([3, 7]):
+        assert trees.tokens[b].tolist() == expected_static_tokens(STATIC, root)
+    assert trees.parents[0].tolist() == list(STATIC.template().parents)
+    assert trees.draw_modes == [ChildDrawMode.WITHOUT_REPLACEMENT] * 2
+
+
+def test_dynamic_tree_masks_and_budget():
+    config = TreeConfig(top_k=3, depth=4, budget=10)
+    trees = draft_with_masks(config, [2, 5, 9], [True, False, True])
+    assert trees.tokens.shape == (3, 10)
+    # every kept node's parent is kept and comes first
+    assert bool((trees.parents < torch.arange(10)[None]).all())
+    # the root's children are the top-k of the root logits, best first
+    for b, root in enumerate([2, 5, 9]):
+        children = [int(t) for t, p in zip(trees.tokens[b], trees.parents[b]) if p == -1]
+        top = torch.topk(path_logits(root, ()), len(children)).indices.tolist()
+        assert children == top
+
+
+def test_sampled_rows_draw_iid_and_keep_q():
+    config = TreeConfig(choices=[[0], [1], [0, 0]], draw="sample")
+    generators = {1: torch.Generator().manual_seed(5)}
+    trees = draft_with_masks(config, [4, 4], [True, False], generators=generators)
+    assert trees.draw_modes == [ChildDrawMode.WITHOUT_REPLACEMENT, ChildDrawMode.IID_FROM_DRAFT]
+    assert set(trees.draft_probs) == {1}
+    q = trees.draft_probs[1]
+    assert q.shape == (4, VOCAB)
+    torch.testing.assert_close(q[0], torch.softmax(path_logits(4, ()), -1))
+    assert float(q[2].sum()) == 0.0  # node 1 is a leaf: never expanded
+
+
+def test_verify_step_layout_positions_and_moves():
+    # request 0: root at 10, nodes 0..3 with parents -1, -1, 0, 2 ; request 1: root at 4, one node
+    step = TreeVerifyStep([
+        TreeRequest(batch_row=1, query_start=3, prefix_len=10, tokens=[5, 6, 7, 8], parents=[-1, -1, 0, 2]),
+        TreeRequest(batch_row=2, query_start=8, prefix_len=4, tokens=[9], parents=[-1]),
+    ])
+    rows, positions = step.row_positions()
+    assert rows.tolist() == [3, 4, 5, 6, 7, 8, 9]
+    assert positions.tolist() == [10, 11, 11, 12, 13, 4, 5]
+    mask = step.attention_mask
+    assert mask[0, 4].tolist() == [True, True, False, True, True]  # node 3: root, 0, 2, itself
+    assert mask[1, 1].tolist() == [True, True, False, False, False]
+    assert mask[1, 3].tolist() == [True, False, False, False, False]  # padding row sees the root only
+    branch = step.accepted_moves(torch.tensor([[0, 2, 3], [0, -1, -1]]), torch.tensor([3, 1]))
+    assert branch.request_index.tolist() == [0, 0, 0, 1]
+    assert branch.source_column.tolist() == [1, 3, 4, 1]
+    assert branch.destination.tolist() == [11, 12, 13, 5]
+    assert branch.tokens.tolist() == [5, 7, 8, 9]
+
+
+def test_verify_step_rejects_a_node_before_its_parent():
+    with pytest.raises(ValueError, match="parents must come first"):
+        TreeRequest(batch_row=0, query_start=0, prefix_len=3, tokens=[1, 2], parents=[1, -1])

@@ -1,0 +1,144 @@
+"""One target forward that verifies the token trees of a batch: the pure bookkeeping around it.
+
+The engine schedules a tree of ``n`` nodes like a chain of ``n`` speculative tokens: request ``b``'s
+``1 + n`` query rows are its root (the last verified token, at position ``P``) followed by the nodes in
+topological order, and row ``j`` writes its K/V to the linear slot of position ``P + j``. This module
+turns the trees into what the forward, the sampler and the cache need:
+
+* :meth:`TreeVerifyStep.row_positions`: RoPE positions ``P + depth`` of every row (slots stay linear);
+* :meth:`TreeVerifyStep.attention_rows` and :attr:`TreeVerifyStep.attention_mask`: per tree request,
+  its query rows padded to ``W = 1 + max n`` and the ancestor-or-self mask ``[R, W, W]`` (the root is
+  column 0); every row also sees the whole prefix (positions ``< P``);
+* :meth:`TreeVerifyStep.accepted_moves`: after sampling, which row's K/V goes to which position so the
+  accepted branch sits at ``P + 1 .. P + a``, and the accepted tokens in that order.
+
+Invariant: a truncated tree (the first ``n`` nodes of a longer one) is still a tree, because parents
+come first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .building import ChildDrawMode, TokenTreeBatch
+
+
+@dataclass
+class TreeRequest:
+    """One request's tree as scheduled in this step."""
+
+    batch_row: int  # row of the request in the runner's batch
+    query_start: int  # flattened row of its root in the forward
+    prefix_len: int  # P: position of the root = tokens whose K/V is cached before the step
+    tokens: list[int]  # the scheduled node tokens (target vocabulary), parents first
+    parents: list[int]  # parent node index per node, -1 for children of the root
+    draw_mode: ChildDrawMode = ChildDrawMode.WITHOUT_REPLACEMENT
+    draft_probs: torch.Tensor | None = None  # [n + 1, V] (q after the root and after every node), IID only
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents):
+            raise ValueError(f"{len(self.tokens)} tokens but {len(self.parents)} parents")
+        for index, parent in enumerate(self.parents):
+            if not -1 <= parent < index:
+                raise ValueError(f"node {index} has parent {parent}; parents must come first")
+        if self.draw_mode is ChildDrawMode.IID_FROM_DRAFT:
+            if self.draft_probs is None or self.draft_probs.shape[0] != len(self.tokens) + 1:
+                raise ValueError("an i.i.d.-drawn tree needs draft_probs with one row per node plus the root")
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class TreeVerifyStep:
+    """The tree requests of one verify forward (requests without drafts are not in it)."""
+
+    requests: list[TreeRequest]
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    def __post_init__(self) -> None:
+        if not self.requests:
+            raise ValueError("a verify step needs at least one tree request")
+        self.width = 1 + max(r.num_nodes for r in self.requests)
+        self.trees = _tree_batch(self.requests, ChildDrawMode.WITHOUT_REPLACEMENT, self.device)
+        self.prefix_lens = torch.tensor([r.prefix_len for r in self.requests], dtype=torch.int64)
+        self.batch_rows = torch.tensor([r.batch_row for r in self.requests], dtype=torch.int64)
+        self.query_starts = torch.tensor([r.query_start for r in self.requests], dtype=torch.int64)
+        self.num_queries = self.trees.num_nodes + 1
+        columns = torch.arange(self.width)
+        self.valid_rows = columns[None, :] < self.num_queries[:, None]  # [R, W]
+        mask = torch.zeros(len(self.requests), self.width, self.width, dtype=torch.bool)
+        mask[:, :, 0] = True
+        mask[:, 1:, 1:] = self.trees.ancestor_mask()
+        self.attention_mask = mask & self.valid_rows[:, None, :]  # [R, W, W]; padding rows see the root only
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def attention_rows(self) -> torch.Tensor:
+        """``[R, W]`` flattened forward row of every query of every tree request (padding repeats the root)."""
+        rows = self.query_starts[:, None] + torch.arange(self.width)[None, :]
+        return torch.where(self.valid_rows, rows, self.query_starts[:, None])
+
+    def row_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flattened rows, positions ``P + depth``) of every root and node."""
+        depth = torch.cat([torch.zeros_like(self.trees.depth[:, :1]), self.trees.depth], dim=1)
+        positions = self.prefix_lens[:, None] + depth
+        rows = self.attention_rows()
+        return rows[self.valid_rows], positions[self.valid_rows]
+
+    def trees_with_mode(self, mode: ChildDrawMode) -> tuple[list[int], TokenTreeBatch] | None:
+        """The requests drawn in ``mode`` (their indices in this step) as one batch, or None."""
+        picked = [i for i, r in enumerate(self.requests) if r.draw_mode is mode]
+        if not picked:
+            return None
+        return picked, _tree_batch([self.requests[i] for i in picked], mode, self.device)
+
+    def accepted_moves(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> AcceptedBranch:
+        """Where the accepted branch's K/V must go: ``accepted_nodes`` ``[R, D]`` (node indices, root side
+        first, -1 padded) and ``num_accepted`` ``[R]`` from the sampler."""
+        depth = accepted_nodes.shape[1]
+        keep = torch.arange(depth)[None, :] < num_accepted[:, None]
+        request_index = torch.arange(len(self.requests))[:, None].expand(-1, depth)[keep]
+        source_column = (accepted_nodes + 1)[keep]  # query column of the accepted node
+        destination = (self.prefix_lens[:, None] + torch.arange(1, depth + 1)[None, :])[keep]
+        tokens = self.trees.tokens.gather(1, accepted_nodes.clamp(min=0))[keep]
+        return AcceptedBranch(request_index, source_column, destination, tokens)
+
+
+@dataclass
+class AcceptedBranch:
+    """The accepted nodes of a step, one entry per accepted node, request-major, root side first."""
+
+    request_index: torch.Tensor  # which tree request of the step
+    source_column: torch.Tensor  # its query column (1 + node index) in the verify forward
+    destination: torch.Tensor  # the position it must occupy: P + depth
+    tokens: torch.Tensor  # its token
+
+    def __len__(self) -> int:
+        return int(self.request_index.numel())
+
+
+def _tree_batch(requests: list[TreeRequest], mode: ChildDrawMode, device: torch.device) -> TokenTreeBatch:
+    width = max(r.num_nodes for r in requests)
+    tokens = torch.full((len(requests), max(width, 1)), -1, dtype=torch.int64)
+    parents = torch.full_like(tokens, -1)
+    for row, request in enumerate(requests):
+        tokens[row, : request.num_nodes] = torch.tensor(request.tokens, dtype=torch.int64)
+        parents[row, : request.num_nodes] = torch.tensor(request.parents, dtype=torch.int64)
+    draft_probs = None
+    if mode is ChildDrawMode.IID_FROM_DRAFT:
+        vocab = requests[0].draft_probs.shape[1]
+        draft_probs = torch.zeros(len(requests), tokens.shape[1] + 1, vocab)
+        for row, request in enumerate(requests):
+            draft_probs[row, : request.num_nodes + 1] = request.draft_probs
+    return TokenTreeBatch(
+        tokens=tokens.to(device),
+        parents=parents.to(device),
+        num_nodes=torch.tensor([r.num_nodes for r in requests], device=device),
+        draw_mode=mode,
+        draft_probs=None if draft_probs is None else draft_probs.to(device),
+    )
