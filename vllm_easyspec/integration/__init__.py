@@ -45,11 +45,19 @@ def install() -> None:
     if _installed:
         return
     check_vllm_version()
-    from vllm_easyspec.integration import config_checks, cpu_sampler_fix, proposer_swap
+    from vllm_easyspec.integration import (
+        config_checks,
+        cpu_sampler_fix,
+        proposer_swap,
+        tree_attention_backend,
+        tree_runner,
+    )
 
     config_checks.install()
     cpu_sampler_fix.install()
     proposer_swap.install()
+    tree_attention_backend.install()
+    tree_runner.install()
     _installed = True
 
 

@@ -55,6 +55,7 @@ class EasySpecDraftProposer(DraftModelProposer):
         self.layer_grouping: LayerGrouping | None = None
         self.calibration: CalibrationSchedule | None = None
         self.fuzzy_controller = None
+        self.tree_drafting = None
         # Test/debug aid: when True, propose() remembers each request's draft block ids.
         self.record_block_tables = False
         self.last_block_tables: dict[str, list[int]] = {}
@@ -73,10 +74,15 @@ class EasySpecDraftProposer(DraftModelProposer):
                     hf_config,
                 )
                 self.calibration = CalibrationSchedule(self.easyspec_config.calibration)
+            if self.easyspec_config.tree is not None:
+                from vllm_easyspec.integration.tree_proposer import TreeDrafting
+
+                self.tree_drafting = TreeDrafting(self, self.easyspec_config.tree)
             logger.info(
-                "EasySpec drafting: %s; calibration: %s",
+                "EasySpec drafting: %s; calibration: %s; %s",
                 self.layer_grouping.describe(),
                 self.easyspec_config.calibration,
+                "chain" if self.easyspec_config.tree is None else self.easyspec_config.tree.describe(),
             )
 
     def _raise_if_draft_tp_mismatch(self) -> None:
@@ -125,7 +131,8 @@ class EasySpecDraftProposer(DraftModelProposer):
         if self.easyspec_config is None:
             return super().propose(*args, **kwargs)
         start = time.perf_counter()
-        if self.is_fuzzy or self.record_block_tables:
+        bound = None
+        if self.is_fuzzy or self.record_block_tables or self.tree_drafting is not None:
             bound = _PROPOSE_SIGNATURE.bind(self, *args, **kwargs)
             cad = bound.arguments["common_attn_metadata"]
             if self.record_block_tables:
@@ -139,7 +146,11 @@ class EasySpecDraftProposer(DraftModelProposer):
                     has_prompt_tokens=self._batch_has_prompt_tokens(batch),
                     all_drafts_accepted=all_accepted,
                 )
-        draft_token_ids = super().propose(*args, **kwargs)
+        if self.tree_drafting is not None:
+            arguments = {name: value for name, value in bound.arguments.items() if name != "self"}
+            draft_token_ids = self.tree_drafting.propose(**arguments)
+        else:
+            draft_token_ids = super().propose(*args, **kwargs)
         if draft_token_ids.is_cuda:
             torch.cuda.synchronize(draft_token_ids.device)
         stats = self.drafting_stats

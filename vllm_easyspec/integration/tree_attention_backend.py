@@ -1,0 +1,321 @@
+"""Where the tree reaches vLLM's CPU attention backend.
+
+``TreeCPUAttentionBackend`` replaces ``CPU_ATTN`` (``vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend``,
+overridden through vLLM's ``register_backend``). It is vLLM's backend unchanged except for two kinds of
+forward:
+
+* **target verify** (:class:`TreeVerifyMetadata`): while the runner builds attention metadata for a step
+  with token trees (:func:`verifying`), the builder splits the batch. Requests without a tree (prefill
+  chunks, plain decodes) go to vLLM's C++ kernel as a sub-batch; each tree request's ``1 + n`` rows attend,
+  in one masked SDPA per layer, to its cached prefix (read with the layout probed at start-up,
+  :mod:`vllm_easyspec.integration.cpu_kv_layout`) and to the forward's own K/V of its root and nodes under
+  the ancestor mask. The rows' K/V still go to their linear slots as vLLM writes them, and are kept so the
+  sampler can move the accepted branch into place afterwards.
+* **draft level** (:class:`TreeLevelMetadata`): a drafter forward over one depth of the draft trees. Those
+  rows write nothing to the cache; they attend to the draft prefix (through the root) and to the K/V of
+  their ancestors from earlier levels of the same step, kept in :class:`DraftTreeAttention`.
+
+The C++ kernel has no arbitrary mask and returns no log-sum-exp, so the tree rows cannot use it; they
+never read a slot that the step itself wrote, so the cache is only ever read back for the prefix.
+
+Invariant: with no active tree step every method is vLLM's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadataBuilder,
+)
+
+from vllm_easyspec.easyspec.config import EasySpecConfigError, parse_easyspec_config
+from vllm_easyspec.integration.cpu_kv_layout import PagedKVReader, probe_cpu_kv_layout
+from vllm_easyspec.tree.attention import attention_over_prefix_and_tree
+from vllm_easyspec.tree.verify_step import TreeVerifyStep
+
+BACKEND_PATH = "vllm_easyspec.integration.tree_attention_backend.TreeCPUAttentionBackend"
+
+
+@dataclass
+class VerifyKV:
+    """One target layer's K/V of the tree rows, kept for moving the accepted branch into place."""
+
+    key: torch.Tensor  # [R, Hkv, W, D]
+    value: torch.Tensor
+    layer: Any  # vLLM's Attention layer (its .isa, ._k_scale_float, ...)
+    kv_cache: torch.Tensor
+
+
+@dataclass
+class TreeVerifyForward:
+    """What the runner knows about a verify forward: the trees, and the K/V the layers keep."""
+
+    step: TreeVerifyStep
+    kept_kv: dict[str, VerifyKV] = field(default_factory=dict)
+    block_table: torch.Tensor | None = None  # [R, max_blocks] of the tree requests, set by the builder
+
+
+_ACTIVE_VERIFY: contextvars.ContextVar[TreeVerifyForward | None] = contextvars.ContextVar(
+    "easyspec_tree_verify", default=None
+)
+
+
+@contextlib.contextmanager
+def verifying(forward: TreeVerifyForward) -> Iterator[None]:
+    """Attention metadata built inside this context is tree-verify metadata for ``forward``."""
+    token = _ACTIVE_VERIFY.set(forward)
+    try:
+        yield
+    finally:
+        _ACTIVE_VERIFY.reset(token)
+
+
+class _PrefixIndexCache:
+    """Gather indices of the requests' cached prefixes, built once per layout and shared by every layer."""
+
+    def __init__(self, block_table: torch.Tensor, lengths: torch.Tensor) -> None:
+        self.block_table = block_table
+        self.lengths = lengths
+        self._index: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def gather(self, layer: Any, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        num_blocks, kv_heads, block_size, fused = kv_cache.shape
+        key = (layer.isa, kv_cache.dtype, kv_heads, block_size, fused // 2)
+        if key not in self._index:
+            reader = PagedKVReader(probe_cpu_kv_layout(*key))
+            self._index[key] = reader.index(self.block_table, self.lengths)
+        return PagedKVReader.gather(kv_cache, self._index[key])
+
+
+@dataclass
+class TreeVerifyMetadata:
+    """Per-forward metadata of a verify step that contains token trees (shared by all target layers)."""
+
+    num_actual_tokens: int
+    chain: Any | None  # vLLM's CPUAttentionMetadata for the requests without trees, or None
+    chain_rows: torch.Tensor | None  # their flattened rows
+    forward: TreeVerifyForward
+    query_rows: torch.Tensor  # [R, W] flattened row of each query (padding repeats the root)
+    valid_rows: torch.Tensor  # [R, W]
+    tree_mask: torch.Tensor  # [R, W, W]
+    prefix_lens: torch.Tensor  # [R] = P, the cached prefix is positions < P
+    prefix: _PrefixIndexCache
+
+
+@dataclass
+class DraftTreeAttention:
+    """Shared by the level forwards of one drafting step: the cached draft prefix (through the root) of
+    every request and, per draft layer, the K/V of the nodes forwarded so far."""
+
+    prefix_lens: torch.Tensor  # [B] = root position + 1
+    block_table: torch.Tensor  # [B, max_blocks]
+    stash: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # [B, Hkv, S, D]
+    prefix_kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    prefix: _PrefixIndexCache | None = None
+
+    def __post_init__(self) -> None:
+        self.prefix = _PrefixIndexCache(self.block_table, self.prefix_lens)
+
+    def append(self, layer_name: str, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add a level's K/V ``[B, Hkv, F, D]`` to a layer's stash; return the layer's whole stash."""
+        if layer_name in self.stash:
+            old_key, old_value = self.stash[layer_name]
+            key, value = torch.cat([old_key, key], dim=2), torch.cat([old_value, value], dim=2)
+        self.stash[layer_name] = (key, value)
+        return key, value
+
+
+@dataclass
+class TreeLevelMetadata:
+    """Per-forward metadata of one drafter level (shared by all draft layers)."""
+
+    state: DraftTreeAttention
+    width: int  # F frontier nodes per request
+    tree_mask: torch.Tensor  # [B, F, S + F]
+
+    @property
+    def num_actual_tokens(self) -> int:
+        return int(self.state.prefix_lens.shape[0]) * self.width
+
+
+def record_level_kv(layer_name: str, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Keep the K/V that another rank computed for ``layer_name`` in a level forward (EasySpec's
+    tensor_parallel mode, where rank r runs the attention of one layer of a group and all-gathers K/V)."""
+    from vllm.forward_context import get_forward_context
+
+    metadata = get_forward_context().attn_metadata
+    if isinstance(metadata, dict):
+        metadata = metadata.get(layer_name)
+    if isinstance(metadata, TreeLevelMetadata):
+        batch = int(metadata.state.prefix_lens.shape[0])
+        metadata.state.append(layer_name, *_per_request(key, value, batch, metadata.width))
+
+
+def _per_request(key: torch.Tensor, value: torch.Tensor, batch: int, width: int):
+    """Level rows ``[B * F, Hkv, D]`` (request-major) as ``[B, Hkv, F, D]``."""
+
+    def split(x: torch.Tensor) -> torch.Tensor:
+        return x[: batch * width].reshape(batch, width, *x.shape[1:]).transpose(1, 2)
+
+    return split(key), split(value)
+
+
+class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+    """vLLM's builder; inside :func:`verifying` it builds :class:`TreeVerifyMetadata` instead."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        easyspec = parse_easyspec_config(vllm_config.additional_config)
+        if easyspec is not None and easyspec.tree is not None:
+            self._check_tree_support(layer_names, vllm_config)
+
+    def _check_tree_support(self, layer_names, vllm_config) -> None:
+        """Start-up self-check: refuse tree mode where tree attention would not be exact."""
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+
+        dtype = vllm_config.model_config.dtype if self.kv_cache_dtype in ("auto", None) else None
+        if dtype is None:
+            raise EasySpecConfigError(
+                f"easyspec.tree supports only unquantized KV caches, got kv_cache_dtype {self.kv_cache_dtype!r}"
+            )
+        probe_cpu_kv_layout(self.isa, dtype, self.num_kv_heads, self.block_size, self.head_dim)
+        for name, layer in get_layers_from_vllm_config(vllm_config, Attention, layer_names).items():
+            impl = layer.impl
+            unsupported = [
+                what for what, present in (
+                    ("a sliding window", getattr(impl, "sliding_window", -1) not in (-1, None)),
+                    ("ALiBi", getattr(impl, "alibi_slopes", None) is not None),
+                    ("a logits soft cap", bool(getattr(impl, "logits_soft_cap", 0))),
+                    ("attention sinks", getattr(impl, "sinks", None) is not None),
+                ) if present
+            ]
+            if unsupported:
+                raise EasySpecConfigError(
+                    f"easyspec.tree: attention layer {name} uses {' and '.join(unsupported)}, which tree "
+                    "attention does not implement; remove easyspec.tree to use chain speculation with this model"
+                )
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        forward = _ACTIVE_VERIFY.get()
+        if forward is None:
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        return self._build_verify(common_prefix_len, common_attn_metadata, forward)
+
+    def _build_verify(self, common_prefix_len, cm, forward: TreeVerifyForward) -> TreeVerifyMetadata:
+        step = forward.step
+        num_reqs = cm.num_reqs
+        query_start = cm.query_start_loc_cpu[: num_reqs + 1].long()
+        is_tree = torch.zeros(num_reqs, dtype=torch.bool)
+        is_tree[step.batch_rows] = True
+        chain_requests = (~is_tree).nonzero().flatten()
+        chain = chain_rows = None
+        if chain_requests.numel():
+            lengths = query_start[1:] - query_start[:-1]
+            chain_lengths = lengths[chain_requests]
+            chain_rows = torch.cat([
+                torch.arange(int(query_start[r]), int(query_start[r + 1])) for r in chain_requests.tolist()
+            ])
+            sub_query_start = torch.zeros(len(chain_requests) + 1, dtype=cm.query_start_loc.dtype)
+            sub_query_start[1:] = chain_lengths.cumsum(0)
+            seq_lens = cm.seq_lens[chain_requests]
+            sub = dataclasses.replace(
+                cm,
+                query_start_loc=sub_query_start.to(cm.query_start_loc.device),
+                query_start_loc_cpu=sub_query_start,
+                seq_lens=seq_lens,
+                num_reqs=len(chain_requests),
+                num_actual_tokens=int(chain_rows.numel()),
+                max_query_len=int(chain_lengths.max()),
+                max_seq_len=int(seq_lens.max()),
+                block_table_tensor=cm.block_table_tensor[chain_requests],
+                slot_mapping=cm.slot_mapping[chain_rows],
+                positions=None if cm.positions is None else cm.positions[chain_rows],
+            )
+            chain = super().build(common_prefix_len, sub)
+        block_table = cm.block_table_tensor[step.batch_rows]
+        forward.block_table = block_table
+        return TreeVerifyMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            chain=chain,
+            chain_rows=chain_rows,
+            forward=forward,
+            query_rows=step.attention_rows(),
+            valid_rows=step.valid_rows,
+            tree_mask=step.attention_mask,
+            prefix_lens=step.prefix_lens,
+            prefix=_PrefixIndexCache(block_table, step.prefix_lens),
+        )
+
+
+class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
+    """vLLM's CPU attention, plus the tree-verify and draft-level forwards (module docstring)."""
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if isinstance(attn_metadata, TreeVerifyMetadata):
+            return self._verify(layer, query, key, value, kv_cache, attn_metadata, output)
+        if isinstance(attn_metadata, TreeLevelMetadata):
+            return self._level(layer, query, key, value, kv_cache, attn_metadata, output)
+        return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                               output_scale=output_scale, output_block_scale=output_block_scale)
+
+    def _verify(self, layer, query, key, value, kv_cache, meta: TreeVerifyMetadata, output):
+        if meta.chain is not None:
+            rows = meta.chain_rows
+            chain_out = torch.empty((rows.numel(), *output.shape[1:]), dtype=output.dtype)
+            super().forward(layer, query[rows], key[rows], value[rows], kv_cache, meta.chain, chain_out)
+            output[rows] = chain_out
+        rows = meta.query_rows
+        tree_key = key[rows].transpose(1, 2)  # [R, Hkv, W, D]
+        tree_value = value[rows].transpose(1, 2)
+        prefix_key, prefix_value = meta.prefix.gather(layer, kv_cache)
+        out = attention_over_prefix_and_tree(
+            query[rows], prefix_key, prefix_value, meta.prefix_lens, tree_key, tree_value, meta.tree_mask, self.scale
+        )
+        output[rows[meta.valid_rows]] = out[meta.valid_rows].to(output.dtype)
+        meta.forward.kept_kv[layer.layer_name] = VerifyKV(tree_key, tree_value, layer, kv_cache)
+        return output
+
+    def _level(self, layer, query, key, value, kv_cache, meta: TreeLevelMetadata, output):
+        state = meta.state
+        batch = int(state.prefix_lens.shape[0])
+        count = batch * meta.width
+        level_key, level_value = _per_request(key, value, batch, meta.width)
+        tree_key, tree_value = state.append(layer.layer_name, level_key, level_value)
+        if layer.layer_name not in state.prefix_kv:
+            state.prefix_kv[layer.layer_name] = state.prefix.gather(layer, kv_cache)
+        prefix_key, prefix_value = state.prefix_kv[layer.layer_name]
+        query = query[:count].reshape(batch, meta.width, *query.shape[1:])
+        out = attention_over_prefix_and_tree(
+            query, prefix_key, prefix_value, state.prefix_lens, tree_key, tree_value, meta.tree_mask, self.scale
+        )
+        output[:count] = out.reshape(count, *out.shape[2:]).to(output.dtype)
+        return output
+
+
+class TreeCPUAttentionBackend(CPUAttentionBackend):
+    @staticmethod
+    def get_impl_cls() -> type[TreeCPUAttentionImpl]:
+        return TreeCPUAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[TreeCPUAttentionMetadataBuilder]:
+        return TreeCPUAttentionMetadataBuilder
+
+
+def install() -> None:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    # Replaces the class behind AttentionBackendEnum.CPU_ATTN
+    # (vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend) with the subclass above.
+    register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)

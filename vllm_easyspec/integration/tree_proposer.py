@@ -1,0 +1,168 @@
+"""The draft model drafts the tree: the tree path of :class:`~vllm_easyspec.integration.draft_proposer.EasySpecDraftProposer`.
+
+One drafting step is:
+
+1. vLLM's own first pass (``SpecDecodeBaseProposer.set_inputs_first_pass`` and the first forward of
+   ``propose``): one forward over each request's verified tokens and bonus token. After a tree step the
+   runner has already rewritten those rows to the accepted branch, so this pass writes the draft's K/V of
+   the verified tokens linearly and exactly (bonus calibration; with EasySpec it is the exact forward);
+   its last row gives the root's distribution;
+2. one forward per further level of the tree over that level's frontier nodes
+   (:class:`~vllm_easyspec.tree.drafting.LevelwiseTreeDraft`), attending through
+   :class:`~vllm_easyspec.integration.tree_attention_backend.TreeLevelMetadata` to the draft prefix and
+   their ancestors; they write nothing to the cache. With ``layer_parallel_size`` > 1 these forwards run
+   fuzzy (EasySpec), in ``fused`` or ``tensor_parallel`` mode;
+3. the trees go to the runner's verifier and their nodes, parents first, to the scheduler as the
+   request's speculative tokens.
+
+With ``use_heterogeneous_vocab`` the draft scores only tokens that map into the target vocabulary, and
+node tokens (and an i.i.d. tree's draft probabilities) are mapped to target ids.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.forward_context import set_forward_context
+
+from vllm_easyspec.integration.tree_attention_backend import DraftTreeAttention, TreeLevelMetadata
+from vllm_easyspec.integration.tree_runner import PendingTree
+from vllm_easyspec.tree.config import TreeConfig
+from vllm_easyspec.tree.drafting import LevelwiseTreeDraft
+
+SAMPLING_EPS = 1e-5  # vLLM's greedy threshold on temperature
+
+
+class TreeDrafting:
+    """Drafts token trees with a vLLM draft-model proposer (see the module docstring)."""
+
+    def __init__(self, proposer, config: TreeConfig) -> None:
+        self.proposer = proposer
+        self.config = config
+
+    @property
+    def verifier(self):
+        runner = self.proposer.easyspec_runner
+        return getattr(runner, "tree_verifier", None)
+
+    def propose(self, *, target_token_ids, target_positions, target_hidden_states, next_token_ids,
+                token_indices_to_sample, common_attn_metadata, sampling_metadata, mm_embed_inputs=None,
+                num_rejected_tokens_gpu=None, **_unused) -> torch.Tensor:
+        proposer = self.proposer
+        proposer._last_draft_probs = None
+        batch_size = common_attn_metadata.batch_size()
+        root_hidden, root_positions, cad = self._first_pass(
+            target_token_ids, target_positions, target_hidden_states, next_token_ids,
+            token_indices_to_sample, common_attn_metadata, mm_embed_inputs, num_rejected_tokens_gpu,
+        )
+        greedy, temperatures = _greedy_rows(sampling_metadata, batch_size)
+        draft = LevelwiseTreeDraft(
+            self.config, self._logits(root_hidden), greedy, temperatures, sampling_metadata.generators
+        )
+        state = DraftTreeAttention(
+            prefix_lens=(root_positions + 1).long().cpu(),
+            block_table=cad.block_table_tensor[:batch_size],
+        )
+        layer_names = list(proposer._draft_attn_layer_names)
+        while not draft.done:
+            tokens = draft.frontier_tokens()
+            width = tokens.shape[1]
+            metadata = TreeLevelMetadata(state=state, width=width, tree_mask=draft.frontier_mask())
+            positions = (root_positions[:, None] + draft.frontier_depth).reshape(-1)
+            with set_forward_context(
+                {name: metadata for name in layer_names}, proposer.vllm_config,
+                num_tokens=batch_size * width, slot_mapping={},
+            ):
+                hidden = proposer.model(
+                    input_ids=tokens.reshape(-1).to(proposer.input_ids.dtype),
+                    positions=positions.to(proposer.positions.dtype),
+                    inputs_embeds=None,
+                )
+            draft.expand(self._logits(hidden[: batch_size * width]).view(batch_size, width, -1))
+        return self._hand_over(draft.build(), batch_size)
+
+    # ------------------------------------------------------------------------------------------ steps
+    def _first_pass(self, target_token_ids, target_positions, target_hidden_states, next_token_ids,
+                    token_indices_to_sample, cad, mm_embed_inputs, num_rejected_tokens_gpu):
+        """vLLM's first drafter forward (``SpecDecodeBaseProposer.propose`` up to its first sample), which
+        this path runs as is; returns the roots' hidden states and positions, and the metadata."""
+        proposer = self.proposer
+        num_tokens, token_indices_to_sample, cad = proposer.set_inputs_first_pass(
+            target_token_ids=target_token_ids,
+            next_token_ids=next_token_ids,
+            target_positions=target_positions,
+            target_hidden_states=target_hidden_states,
+            token_indices_to_sample=token_indices_to_sample,
+            cad=cad,
+            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+        )
+        _, per_layer_attn_metadata = proposer.build_per_group_and_layer_attn_metadata(cad)
+        cudagraph_mode, num_input_tokens, num_tokens_across_dp = proposer._determine_batch_execution_and_padding(
+            num_tokens
+        )
+        model_kwargs, slot_mapping_size = proposer.build_model_inputs_first_pass(
+            num_tokens, num_input_tokens, mm_embed_inputs
+        )
+        with set_forward_context(
+            per_layer_attn_metadata, proposer.vllm_config, num_tokens=num_input_tokens,
+            num_tokens_across_dp=num_tokens_across_dp, cudagraph_runtime_mode=cudagraph_mode,
+            slot_mapping=proposer._get_slot_mapping(slot_mapping_size, cad.slot_mapping),
+        ):
+            hidden = proposer.model(**model_kwargs)
+        if proposer.model_returns_tuple():
+            hidden = hidden[0]
+        return hidden[token_indices_to_sample], proposer.positions[token_indices_to_sample], cad
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the draft vocabulary (restricted to target-mappable tokens if heterogeneous)."""
+        proposer = self.proposer
+        logits = proposer.model.compute_logits(hidden).float()
+        if proposer.use_heterogeneous_vocab:
+            logits = proposer.vocab_mapping.constrain_draft_logits(logits)
+        return logits
+
+    def _hand_over(self, trees, batch_size: int) -> torch.Tensor:
+        """Map to target ids, give the trees to the runner's verifier, return ``[B, N]`` node tokens."""
+        proposer = self.proposer
+        tokens = trees.tokens
+        mapping = proposer.vocab_mapping if proposer.use_heterogeneous_vocab else None
+        if mapping is not None:
+            tokens = mapping.map_draft_to_target_ids(tokens)
+        verifier = self.verifier
+        if verifier is None:
+            return tokens
+        req_ids = list(proposer.easyspec_runner.input_batch.req_ids[:batch_size])
+        token_lists = tokens.tolist()
+        parent_lists = trees.parents.tolist()
+        pending: dict[str, PendingTree] = {}
+        no_drafts: set[str] = set()
+        for row, req_id in enumerate(req_ids):
+            if verifier.fallback_reason(req_id) is not None:
+                no_drafts.add(req_id)
+                continue
+            probs = trees.draft_probs.get(row)
+            if probs is not None and mapping is not None:
+                probs = _to_target_vocab(probs, mapping)
+            pending[req_id] = PendingTree(
+                tokens=token_lists[row],
+                parents=parent_lists[row],
+                draw_mode=trees.draw_modes[row],
+                draft_probs=probs,
+            )
+        verifier.propose(req_ids, pending, no_drafts)
+        return tokens
+
+
+def _greedy_rows(sampling_metadata, batch_size: int) -> tuple[list[bool], torch.Tensor | None]:
+    if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
+        return [True] * batch_size, None
+    temperature = sampling_metadata.temperature[:batch_size].float().cpu()
+    return (temperature <= SAMPLING_EPS).tolist(), temperature
+
+
+def _to_target_vocab(probs: torch.Tensor, mapping) -> torch.Tensor:
+    """Draft-vocabulary probabilities (zero outside the mappable intersection) in target-vocabulary ids."""
+    draft_ids = mapping.intersection_mask_draft.nonzero().flatten()
+    out = probs.new_zeros(probs.shape[0], mapping.target_vocab_size)
+    out[:, mapping.draft_to_target_ids[draft_ids]] = probs[:, draft_ids]
+    return out
+

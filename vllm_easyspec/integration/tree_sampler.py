@@ -1,0 +1,98 @@
+"""The rejection sampler of tree steps: replaces ``GPUModelRunner.rejection_sampler`` (vLLM's
+``vllm.v1.sample.rejection_sampler.RejectionSampler``) when ``easyspec.tree`` is on.
+
+In a step without token trees it is vLLM's sampler. In a tree step every request either has a tree (its
+drafts are the tree's nodes) or no drafts at all (prefills, and requests served without speculation):
+
+* requests without drafts are sampled by vLLM's own sampler on their one row, so penalties, bad words,
+  logits processors and logprobs apply exactly as in vLLM;
+* tree requests go through :func:`vllm_easyspec.tree.sampling.tree_rejection_sample`: greedy rows take the
+  longest argmax path, sampled rows use the rule their tree's draw mode names (multi-step speculative
+  sampling for i.i.d. children, recursive rejection sampling for top-k children), with the request's
+  temperature, top-k, top-p and seed.
+
+The output is vLLM's chain shape (accepted tokens, then the bonus token, then -1), so the scheduler's
+rollback and bookkeeping see a chain. Afterwards the runner's verifier moves the accepted branch's K/V
+into place (:meth:`~vllm_easyspec.integration.tree_runner.TreeVerifier.finish_step`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from vllm.v1.outputs import SamplerOutput
+from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
+
+from vllm_easyspec.tree.building import ChildDrawMode
+from vllm_easyspec.tree.sampling import tree_rejection_sample
+
+
+class TreeRejectionSampler(RejectionSampler):
+    def __init__(self, sampler, spec_config, device, verifier) -> None:
+        super().__init__(sampler, spec_config, device)
+        self.verifier = verifier
+
+    def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
+        forward = self.verifier.forward
+        if forward is None:
+            return super().forward(metadata, draft_probs, logits, sampling_metadata)
+        step = forward.step
+        batch = len(metadata.num_draft_tokens)
+        width = metadata.max_spec_len + 1
+        bonus = self.sampler(
+            logits=logits[metadata.bonus_logits_indices],
+            sampling_metadata=replace(sampling_metadata, max_num_logprobs=-1),
+            predict_bonus_token=True,
+            logprobs_mode_override="processed_logits" if self.is_processed_logprobs_mode else "raw_logits",
+        )
+        output = torch.full((batch, width), PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=logits.device)
+        output[:, 0] = bonus.sampled_token_ids[:, 0].to(torch.int32)
+
+        first_logit_row = (metadata.cu_num_sampled_tokens.long() - (self._num_drafts(metadata) + 1)).cpu()
+        accepted = torch.full((len(step), max(step.trees.max_depth, 1)), -1, dtype=torch.long)
+        num_accepted = torch.zeros(len(step), dtype=torch.long)
+        for mode in ChildDrawMode:
+            group = step.trees_with_mode(mode)
+            if group is None:
+                continue
+            indices, trees = group
+            rows = step.batch_rows[indices]
+            logit_rows = torch.cat([
+                torch.arange(int(first_logit_row[r]), int(first_logit_row[r]) + int(n) + 1)
+                for r, n in zip(rows.tolist(), trees.num_nodes.tolist(), strict=True)
+            ])
+            result = tree_rejection_sample(
+                trees,
+                logits[logit_rows.to(logits.device)],
+                temperature=_rows_of(sampling_metadata.temperature, rows),
+                top_k=_rows_of(sampling_metadata.top_k, rows),
+                top_p=_rows_of(sampling_metadata.top_p, rows),
+                generators={i: sampling_metadata.generators[r] for i, r in enumerate(rows.tolist())
+                            if r in sampling_metadata.generators},
+                output_width=width,
+            )
+            output[rows] = result.output_token_ids.to(output.dtype)
+            depth = result.accepted_nodes.shape[1]
+            accepted[indices, :depth] = result.accepted_nodes.cpu()
+            num_accepted[indices] = result.num_accepted.cpu()
+
+        logprobs_tensors = None
+        if sampling_metadata.max_num_logprobs is not None:
+            # Only requests without drafts may ask for logprobs (the others fall back), so vLLM's own
+            # computation over the bonus rows is the right one for every request that reads them.
+            raw_target_logits = logits[metadata.target_logits_indices].to(torch.float32)
+            logprobs_tensors = self._get_logprobs_tensors(
+                sampling_metadata.max_num_logprobs, metadata, logits, raw_target_logits,
+                bonus.logprobs_tensors.logprobs, output,
+            )
+        self.verifier.finish_step(accepted, num_accepted)
+        return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs_tensors)
+
+    @staticmethod
+    def _num_drafts(metadata) -> torch.Tensor:
+        return torch.tensor(metadata.num_draft_tokens, dtype=torch.long, device=metadata.cu_num_sampled_tokens.device)
+
+
+def _rows_of(values: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    return None if values is None else values[rows.to(values.device)]
