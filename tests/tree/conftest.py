@@ -41,3 +41,33 @@ def kernel_runner() -> Iterator[Callable]:
 
     yield run
     pool.shutdown(cancel_futures=True)
+
+
+# ---- tiny targets for token-tree engine tests ------------------------------------------------------------
+# The session's tiny targets (tests/conftest.py) follow their family's shared bigram map so closely that
+# greedy output cycles and a tree accepts almost every draft. These targets scale each layer's output by 4,
+# so the next token depends on the context and trees see rejections, non-first branches and compaction.
+
+
+@pytest.fixture(scope="session")
+def tree_llama_dir(tiny_root, tiny_tokenizer_dir):
+    from tiny_models import build_tiny_model
+
+    return build_tiny_model(tiny_root / "tree_llama", tiny_tokenizer_dir, "llama", num_layers=4, seed=11,
+                            layer_scale=4.0)
+
+
+@pytest.fixture(scope="session")
+def tree_qwen2_dir(tiny_root, tiny_tokenizer_dir):
+    from tiny_models import build_tiny_model
+
+    return build_tiny_model(tiny_root / "tree_qwen2", tiny_tokenizer_dir, "qwen2", num_layers=4, seed=12,
+                            layer_scale=4.0)
+
+
+@pytest.fixture(scope="session")
+def tree_moe_dir(tiny_root, tiny_tokenizer_dir):
+    from tiny_models import build_tiny_model
+
+    return build_tiny_model(tiny_root / "tree_mixtral", tiny_tokenizer_dir, "mixtral", num_layers=2, seed=13,
+                            layer_scale=4.0)

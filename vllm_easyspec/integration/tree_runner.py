@@ -23,7 +23,7 @@ Requests whose options a tree cannot honour exactly are served without speculati
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 from vllm.logger import init_logger
@@ -83,6 +83,7 @@ class TreeStats:
     nodes_verified: int = 0
     accepted: int = 0
     chain_fallbacks: int = 0  # scheduled drafts that matched no proposed tree, verified as a chain
+    truncated_trees: int = 0  # trees the scheduler cut short (token budget, model length)
     requests_without_speculation: int = 0
 
 
@@ -143,6 +144,7 @@ class TreeVerifier:
             pending = self.pending.get(req_id)
             n = len(tokens)
             if pending is not None and pending.tokens[:n] == tokens:
+                self.stats.truncated_trees += n < len(pending.tokens)
                 parents = pending.parents[:n]
                 mode = pending.draw_mode
                 probs = None if pending.draft_probs is None else pending.draft_probs[: n + 1]
@@ -198,6 +200,12 @@ class TreeVerifier:
         rows = step.query_starts[branch.request_index] + branch.destination - step.prefix_lens[branch.request_index]
         input_ids = self.runner.input_ids.gpu
         input_ids[rows.to(input_ids.device)] = branch.tokens.to(input_ids.device, input_ids.dtype)
+
+
+def read_tree_stats(worker) -> dict[str, int] | None:
+    """Worker-side reader for ``LLM.collective_rpc``: this rank's tree counters, or None without trees."""
+    verifier = getattr(worker.model_runner, "tree_verifier", None)
+    return None if verifier is None else asdict(verifier.stats)
 
 
 class TreeRunnerMixin:

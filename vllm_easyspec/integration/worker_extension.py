@@ -33,3 +33,9 @@ class EasySpecWorkerExtension:
         from vllm_easyspec.integration.drafting_timer import read_step_stats
 
         return read_step_stats(self)
+
+    def easyspec_tree_stats(self) -> dict[str, int] | None:
+        """This rank's token-tree counters (steps, tree requests, nodes verified, accepted, fallbacks)."""
+        from vllm_easyspec.integration.tree_runner import read_tree_stats
+
+        return read_tree_stats(self)

@@ -1,0 +1,204 @@
+"""Token trees through a real vLLM engine on tiny float32 models (issue 11).
+
+- greedy output with trees equals output without speculation, token for token, on Llama, Qwen2 and
+  Mixtral targets, static and dynamic trees, exact (N=1) and fuzzy (N=2) drafting, at batch 1 and in a
+  mixed batch of 8 (different prompt lengths, stop strings, EOS, max_tokens);
+- after a tree run the target's KV cache holds the verified chain (the accepted branches were moved);
+- requests whose options a tree cannot honour are served without speculation and still equal vanilla;
+- aborted requests, preemption and recomputation, and trees cut short by the token budget;
+- EasySpec's tensor_parallel mode drafts trees on 2 ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_easyspec.integration.draft_proposer import read_drafting_stats
+from vllm_easyspec.integration.kv_inspection import read_target_kv, start_recording_block_tables
+from vllm_easyspec.integration.tree_runner import read_tree_stats
+from vllm_easyspec.metrics import read_spec_decode_counters
+
+STATIC = {"choices": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]}
+DYNAMIC = {"top_k": 3, "depth": 3, "budget": 8}
+TREES = {"static": STATIC, "dynamic": DYNAMIC}
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+SINGLE = [([1, 5, 9, 13, 17], {"max_tokens": 40, "ignore_eos": True})]
+# Eight requests of different prompt lengths and lengths of output, some ending on a stop string or EOS.
+MIXED = [
+    ([1, 7], {"max_tokens": 40, "ignore_eos": True}),
+    ([1, 40, 41, 42, 43], {"max_tokens": 7, "ignore_eos": True}),
+    ([1] + [3 + (j * 7) % 60 for j in range(16)], {"max_tokens": 25, "stop": ["w22"]}),
+    ([1, 60, 3, 3, 3, 3, 3, 21], {"max_tokens": 33}),
+    ([1, 9, 9], {"max_tokens": 1, "ignore_eos": True}),
+    ([1] + [5 + (j * 13) % 55 for j in range(29)], {"max_tokens": 18, "ignore_eos": True}),
+    ([1, 33, 17, 50, 12, 8, 44, 19, 23, 61, 4, 27], {"max_tokens": 40, "stop": ["w30 w55"]}),
+    ([1, 14, 2, 14], {"max_tokens": 12, "ignore_eos": True}),
+]
+
+
+def _generate(llm, requests, **common) -> list[tuple[list[int], str, str]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = [SamplingParams(temperature=0.0, **(options | common)) for _, options in requests]
+    prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt, _ in requests]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason) for o in outputs]
+
+
+def _spec(draft_dir) -> dict:
+    return {"method": "draft_model", "model": str(draft_dir)}  # num_speculative_tokens follows the tree
+
+
+def _tree(shape: str, **options) -> dict:
+    return {"easyspec": {"tree": TREES[shape]} | options}
+
+
+_VANILLA: dict[str, dict[str, list]] = {}
+
+
+def _vanilla(llm_pool, target, name: str, requests) -> list:
+    cache = _VANILLA.setdefault(str(target), {})
+    if name not in cache:
+        cache[name] = _generate(llm_pool.get(target), requests)
+    return cache[name]
+
+
+CASES = [
+    ("tree_llama_dir", "static", 1),
+    ("tree_llama_dir", "dynamic", 2),
+    ("tree_qwen2_dir", "static", 2),
+    ("tree_qwen2_dir", "dynamic", 1),
+    ("tree_moe_dir", "dynamic", 2),
+    ("tree_moe_dir", "static", 1),
+]
+
+
+@pytest.mark.parametrize(("target_fixture", "shape", "n"), CASES, ids=[f"{t[5:-4]}-{s}-N{n}" for t, s, n in CASES])
+def test_greedy_trees_equal_vanilla(llm_pool, request, tiny_llama_draft_dir, target_fixture, shape, n):
+    target = request.getfixturevalue(target_fixture)
+    single, mixed = _vanilla(llm_pool, target, "single", SINGLE), _vanilla(llm_pool, target, "mixed", MIXED)
+    llm = llm_pool.get(target, speculative_config=_spec(tiny_llama_draft_dir),
+                       additional_config=_tree(shape, layer_parallel_size=n))
+    assert _generate(llm, SINGLE) == single
+    assert _generate(llm, MIXED) == mixed
+    counters = read_spec_decode_counters(llm)
+    stats = llm.collective_rpc(read_tree_stats)[0]
+    # Trees were verified, some nodes accepted and some not, at more than one depth.
+    assert stats["steps"] > 0 and stats["chain_fallbacks"] == 0
+    assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens
+    assert 0 < counters.num_draft_tokens <= stats["nodes_verified"]  # vLLM publishes counters with a lag
+    assert len([a for a in counters.accepted_per_position if a]) >= 2
+    drafting = llm.collective_rpc(read_drafting_stats)[0]
+    if n > 1:
+        assert drafting["fuzzy_forwards"] > 0 and drafting["exact_forwards"] > 0
+
+
+def test_target_kv_after_trees_is_the_verified_chain(llm_pool, tree_llama_dir, tiny_llama_draft_dir):
+    """Accepted branches are moved to linear slots: the target KV equals a chain engine's, position by
+    position (it would hold rejected siblings' K/V or wrong RoPE positions otherwise)."""
+    prompt = [[1] + [3 + (j * 11) % 60 for j in range(20)]]
+
+    def target_kv(additional_config):
+        llm = llm_pool.get(tree_llama_dir, speculative_config=_spec(tiny_llama_draft_dir) | {"num_speculative_tokens": 8},
+                           additional_config=additional_config)
+        llm.collective_rpc(start_recording_block_tables)
+        ((tokens, _, _),) = _generate(llm, [(prompt[0], {"max_tokens": 30, "ignore_eos": True})])
+        return tokens, llm.collective_rpc(read_target_kv, args=(len(prompt[0]) + len(tokens) - 1,))[0]
+
+    chain_tokens, chain_kv = target_kv({"easyspec": {}})
+    tree_tokens, tree_kv = target_kv(_tree("static"))
+    assert tree_tokens == chain_tokens
+    assert chain_kv.keys() == tree_kv.keys() and chain_kv
+    for name in chain_kv:
+        for part in ("key", "value"):
+            torch.testing.assert_close(tree_kv[name][part], chain_kv[name][part], atol=1e-5, rtol=1e-5)
+
+
+FALLBACK_REQUESTS = [
+    ([1, 5, 9, 13, 17], {"max_tokens": 30, "ignore_eos": True}),
+    ([1, 60, 3, 3, 3, 3, 3, 21], {"max_tokens": 30, "ignore_eos": True, "repetition_penalty": 1.6}),
+    ([1, 7, 8], {"max_tokens": 20, "ignore_eos": True, "logprobs": 2}),
+    ([1, 40, 41, 42], {"max_tokens": 25, "ignore_eos": True, "presence_penalty": 1.0, "frequency_penalty": 0.5}),
+    ([1, 33, 17, 50], {"max_tokens": 25, "ignore_eos": True}),
+    ([1, 12, 13], {"max_tokens": 15, "min_tokens": 10}),
+]
+FALLBACKS = 4  # requests 1, 2, 3 and 5 carry options a tree cannot honour
+
+
+def test_requests_a_tree_cannot_honour_fall_back_and_equal_vanilla(llm_pool, tree_llama_dir, tiny_llama_draft_dir):
+    expected = _vanilla(llm_pool, tree_llama_dir, "fallback", FALLBACK_REQUESTS)
+    llm = llm_pool.get(tree_llama_dir, speculative_config=_spec(tiny_llama_draft_dir),
+                       additional_config=_tree("static", layer_parallel_size=1))
+    before = llm.collective_rpc(read_tree_stats)[0]
+    assert _generate(llm, FALLBACK_REQUESTS) == expected
+    after = llm.collective_rpc(read_tree_stats)[0]
+    assert after["requests_without_speculation"] - before["requests_without_speculation"] == FALLBACKS
+    assert after["tree_requests"] > before["tree_requests"]  # the other requests still used trees
+
+
+def test_aborted_requests_leave_the_others_exact(llm_pool, tree_llama_dir, tiny_llama_draft_dir):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    expected = _vanilla(llm_pool, tree_llama_dir, "mixed", MIXED)
+    llm = llm_pool.get(tree_llama_dir, speculative_config=_spec(tiny_llama_draft_dir),
+                       additional_config=_tree("static", layer_parallel_size=1))
+    engine = llm.llm_engine
+    for index, (prompt, options) in enumerate(MIXED):
+        engine.add_request(f"abort-{index}", TokensPrompt(prompt_token_ids=prompt),
+                           SamplingParams(temperature=0.0, **options))
+    finished, steps = {}, 0
+    aborted = ["abort-0", "abort-5"]
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = list(output.outputs[0].token_ids)
+        steps += 1
+        if steps == 3:
+            engine.abort_request(aborted)
+    for index, (tokens, _, _) in enumerate(expected):
+        if f"abort-{index}" not in aborted:
+            assert finished[f"abort-{index}"] == tokens
+
+
+@pytest.mark.parametrize(
+    ("engine_options", "expect"),
+    [
+        ({"num_gpu_blocks_override": 6, "max_num_batched_tokens": 64}, "preemption"),
+        ({"max_num_batched_tokens": 24}, "truncated trees"),
+    ],
+    ids=["six-kv-blocks", "token-budget-24"],
+)
+def test_preemption_and_truncated_trees_keep_outputs_exact(
+    llm_pool, tree_llama_dir, tiny_llama_draft_dir, engine_options, expect
+):
+    """Six KV blocks of 32 tokens force preemption and recomputation; a token budget of 24 makes the
+    scheduler cut trees short (a prefix of a tree is a tree)."""
+    expected = _vanilla(llm_pool, tree_llama_dir, "mixed", MIXED)
+    llm = llm_pool.get(tree_llama_dir, speculative_config=_spec(tiny_llama_draft_dir),
+                       additional_config=_tree("dynamic", layer_parallel_size=1),
+                       block_size=32, max_model_len=128, max_num_seqs=8, **engine_options)
+    assert _generate(llm, MIXED) == expected
+    stats = llm.collective_rpc(read_tree_stats)[0]
+    assert stats["steps"] > 0
+    if expect == "preemption":
+        assert sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions") > 0
+    else:
+        assert stats["truncated_trees"] > 0
+
+
+def test_tensor_parallel_mode_drafts_trees_on_two_ranks(llm_pool, monkeypatch, tree_llama_dir, tiny_llama_draft_dir):
+    expected = _vanilla(llm_pool, tree_llama_dir, "single", SINGLE)
+    for key, value in TP2_ENV.items():
+        monkeypatch.setenv(key, value)
+    llm = llm_pool.get(tree_llama_dir, speculative_config=_spec(tiny_llama_draft_dir),
+                       additional_config=_tree("static", layer_parallel_size=2, mode="tensor_parallel"),
+                       tensor_parallel_size=2, distributed_executor_backend="mp")
+    assert _generate(llm, SINGLE) == expected
+    ranks = llm.collective_rpc(read_drafting_stats)
+    assert ranks[0]["parallel_group_calls"] == ranks[1]["parallel_group_calls"] > 0
+    trees = llm.collective_rpc(read_tree_stats)
+    assert trees[0] == trees[1] and trees[0]["steps"] > 0
