@@ -129,3 +129,38 @@ def restore_rejection_sampler(worker) -> str:
     restored.__dict__.update(sampler.__dict__)
     runner.rejection_sampler = restored
     return type(restored).__name__
+
+
+def install_biased_tree_sampler(worker) -> str:
+    """The tree counterpart of :func:`install_biased_rejection_sampler`: before the plugin's (lossless) tree
+    sampler runs, every node's token gets ``DRAFT_LOGIT_BOOST`` added to its target logit in its parent's
+    row, so tree drafts are accepted more often than the target's probabilities allow."""
+    from vllm_easyspec.integration.tree_sampler import TreeRejectionSampler
+
+    runner = worker.model_runner
+    original = runner.rejection_sampler
+
+    class DraftFavouringTreeSampler(TreeRejectionSampler):
+        def forward(self, metadata, draft_probs, logits, sampling_metadata):
+            forward = self.verifier.forward
+            if forward is not None:
+                logits = logits.clone()
+                drafts = torch.tensor(metadata.num_draft_tokens)
+                first_row = metadata.cu_num_sampled_tokens.long().cpu() - drafts - 1
+                for request in forward.step.requests:
+                    base = int(first_row[request.batch_row])
+                    for token, parent in zip(request.tokens, request.parents, strict=True):
+                        logits[base + parent + 1, token] += DRAFT_LOGIT_BOOST
+            return super().forward(metadata, draft_probs, logits, sampling_metadata)
+
+    biased = DraftFavouringTreeSampler.__new__(DraftFavouringTreeSampler)
+    biased.__dict__.update(original.__dict__)
+    runner.easyspec_unbiased_sampler = original
+    runner.rejection_sampler = biased
+    return type(biased).__name__
+
+
+def restore_tree_sampler(worker) -> str:
+    runner = worker.model_runner
+    runner.rejection_sampler = runner.easyspec_unbiased_sampler
+    return type(runner.rejection_sampler).__name__

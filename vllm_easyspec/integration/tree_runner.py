@@ -41,8 +41,9 @@ def tree_fallback_reason(params) -> str | None:
     """Why a request with these ``SamplingParams`` cannot be verified as a tree exactly, or None.
 
     The tree sampler implements temperature, top-k, top-p and seeds. Everything that changes the target
-    distribution at draft positions in ways that depend on the path (penalties, bad words, min_tokens,
-    grammars, logits processors) or reports per-position values (logprobs) is served without speculation.
+    distribution at draft positions in ways that depend on the path (penalties, bad words, grammars,
+    logits processors) or reports per-position values (logprobs) is served without speculation.
+    ``min_tokens`` depends only on a node's depth and is applied by the tree sampler.
     """
     checks = (
         (params.presence_penalty != 0.0, "presence_penalty"),
@@ -55,7 +56,6 @@ def tree_fallback_reason(params) -> str | None:
         (bool(params.logit_bias), "logit_bias"),
         (params.allowed_token_ids is not None, "allowed_token_ids"),
         (params.structured_outputs is not None, "structured output"),
-        (params.min_tokens > 0 and bool(params.all_stop_token_ids), "min_tokens"),
         (bool(params.watermarking), "watermarking"),
         (params.thinking_token_budget is not None, "thinking_token_budget"),
         (bool(params.extra_args), "extra_args (custom logits processors)"),
@@ -151,6 +151,11 @@ class TreeVerifier:
             else:  # not drafted by this drafter as a tree: any fixed drafts verify exactly as a chain
                 self.stats.chain_fallbacks += 1
                 parents, mode, probs = list(range(-1, n - 1)), ChildDrawMode.WITHOUT_REPLACEMENT, None
+            state = runner.requests[req_id]
+            params = state.sampling_params
+            banned_depth = 0
+            if params is not None and params.min_tokens and params.all_stop_token_ids:
+                banned_depth = params.min_tokens - len(state.output_token_ids)
             requests.append(TreeRequest(
                 batch_row=row,
                 query_start=int(query_start[row]),
@@ -159,6 +164,8 @@ class TreeVerifier:
                 parents=parents,
                 draw_mode=mode,
                 draft_probs=probs,
+                stop_tokens_banned_below_depth=banned_depth,
+                stop_token_ids=tuple(sorted(params.all_stop_token_ids)) if banned_depth > 0 else (),
             ))
         if not requests:
             return

@@ -9,7 +9,8 @@ drafts are the tree's nodes) or no drafts at all (prefills, and requests served 
 * tree requests go through :func:`vllm_easyspec.tree.sampling.tree_rejection_sample`: greedy rows take the
   longest argmax path, sampled rows use the rule their tree's draw mode names (multi-step speculative
   sampling for i.i.d. children, recursive rejection sampling for top-k children), with the request's
-  temperature, top-k, top-p and seed.
+  temperature, top-k, top-p and seed; under ``min_tokens`` the stop tokens are masked in the rows whose
+  token would be one of the first ``min_tokens`` outputs (a row's output index depends only on its depth).
 
 The output is vLLM's chain shape (accepted tokens, then the bonus token, then -1), so the scheduler's
 rollback and bookkeeping see a chain. Afterwards the runner's verifier moves the accepted branch's K/V
@@ -50,6 +51,11 @@ class TreeRejectionSampler(RejectionSampler):
         output[:, 0] = bonus.sampled_token_ids[:, 0].to(torch.int32)
 
         first_logit_row = (metadata.cu_num_sampled_tokens.long() - (self._num_drafts(metadata) + 1)).cpu()
+        (banned_requests, banned_columns), banned_tokens = step.banned_stop_tokens()
+        if banned_tokens.numel():  # min_tokens: stop tokens are masked in the first rows, by depth
+            logits = logits.clone()
+            banned_rows = first_logit_row[step.batch_rows[banned_requests]] + banned_columns
+            logits[banned_rows.to(logits.device), banned_tokens.to(logits.device)] = float("-inf")
         accepted = torch.full((len(step), max(step.trees.max_depth, 1)), -1, dtype=torch.long)
         num_accepted = torch.zeros(len(step), dtype=torch.long)
         for mode in ChildDrawMode:

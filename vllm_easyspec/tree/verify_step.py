@@ -36,6 +36,10 @@ class TreeRequest:
     parents: list[int]  # parent node index per node, -1 for children of the root
     draw_mode: ChildDrawMode = ChildDrawMode.WITHOUT_REPLACEMENT
     draft_probs: torch.Tensor | None = None  # [n + 1, V] (q after the root and after every node), IID only
+    # min_tokens: rows at depth < this may not produce these tokens (the target's stop tokens are masked
+    # there, as vLLM's MinTokensLogitsProcessor does for the first min_tokens outputs)
+    stop_tokens_banned_below_depth: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
@@ -89,6 +93,23 @@ class TreeVerifyStep:
         positions = self.prefix_lens[:, None] + depth
         rows = self.attention_rows()
         return rows[self.valid_rows], positions[self.valid_rows]
+
+    def banned_stop_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(step-local query ``[request, column]`` pairs, token) where a stop token must be masked: the
+        rows of depth ``< stop_tokens_banned_below_depth`` (root depth 0) of requests under min_tokens."""
+        requests, columns, tokens = [], [], []
+        depth = torch.cat([torch.zeros_like(self.trees.depth[:, :1]), self.trees.depth], dim=1)
+        for index, request in enumerate(self.requests):
+            if request.stop_tokens_banned_below_depth <= 0 or not request.stop_token_ids:
+                continue
+            rows = (depth[index, : request.num_nodes + 1] < request.stop_tokens_banned_below_depth).nonzero()
+            for column in rows.flatten().tolist():
+                for token in request.stop_token_ids:
+                    requests.append(index)
+                    columns.append(column)
+                    tokens.append(token)
+        pairs = torch.tensor([requests, columns], dtype=torch.int64).reshape(2, -1)
+        return pairs, torch.tensor(tokens, dtype=torch.int64)
 
     def trees_with_mode(self, mode: ChildDrawMode) -> tuple[list[int], TokenTreeBatch] | None:
         """The requests drawn in ``mode`` (their indices in this step) as one batch, or None."""
