@@ -13,6 +13,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 PROMPT = "w5 w9 w13 w17"
 MAX_TOKENS = 24
 
@@ -99,3 +101,77 @@ def test_vllm_serve_rejects_bad_options_in_one_line(tiny_llama_dir, tiny_llama_d
     assert result.returncode != 0
     lines = [line for line in (result.stdout + result.stderr).splitlines() if message in line]
     assert lines, (result.stdout + result.stderr)[-3000:]
+
+
+def test_vllm_serve_with_trees_is_greedy_exact(tmp_path, llm_pool, tiny_llama_dir, tiny_llama_draft_dir):
+    """Trees through `vllm-easyspec serve --additional-config`: concurrent greedy completions (one with a
+    repetition penalty, served without speculation) equal an engine without speculation, vLLM's speculative
+    counters count tree nodes per depth, and a malformed request gets a 400 without harming the server."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+    from vllm import SamplingParams
+
+    prompts = ["w5 w9 w13 w17", "w40 w41 w42", "w7", "w60 w3 w3 w3 w21 w8 w30"]
+    penalties = [1.0, 1.0, 1.5, 1.0]
+    vanilla = llm_pool.get(tiny_llama_dir)
+    expected = [
+        vanilla.generate([p], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                             repetition_penalty=r), use_tqdm=False)[0].outputs[0].text
+        for p, r in zip(prompts, penalties, strict=True)
+    ]
+    port = _free_port()
+    spec = {"method": "draft_model", "model": str(tiny_llama_draft_dir)}
+    tree = {"easyspec": {"tree": {"top_k": 2, "depth": 3, "budget": 6}, "layer_parallel_size": 2}}
+    command = _serve_command(
+        tiny_llama_dir, port, "--speculative-config", json.dumps(spec), "--additional-config", json.dumps(tree),
+    )  # fmt: skip
+    log = (tmp_path / "serve.log").open("w")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    try:
+        _wait_healthy(process, port)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
+
+        def complete(index: int) -> str:
+            completion = client.completions.create(
+                model=str(tiny_llama_dir), prompt=prompts[index], max_tokens=MAX_TOKENS, temperature=0.0,
+                extra_body={"ignore_eos": True, "repetition_penalty": penalties[index]},
+            )
+            return completion.choices[0].text
+
+        with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+            assert list(pool.map(complete, range(len(prompts)))) == expected
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=str(tiny_llama_dir), prompt=prompts[0], max_tokens=-3)
+        assert complete(0) == expected[0]  # still serving
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+            metrics = response.read().decode()
+        counters = {line.split("{")[0]: float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith("vllm:spec_decode_num_") and "{" in line and "position" not in line}
+        per_depth = [line for line in metrics.splitlines()
+                     if line.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total{")]
+        assert counters["vllm:spec_decode_num_drafts_total"] > 0
+        # a tree step verifies all six nodes: draft tokens per draft is the tree's node count
+        assert counters["vllm:spec_decode_num_draft_tokens_total"] == 6 * counters["vllm:spec_decode_num_drafts_total"]
+        assert len(per_depth) == 6 and float(per_depth[0].split()[-1]) > 0
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+def test_vllm_serve_rejects_a_bad_tree_in_one_line(tiny_llama_dir, tiny_llama_draft_dir):
+    spec = {"method": "draft_model", "model": str(tiny_llama_draft_dir), "num_speculative_tokens": 5}
+    tree = {"easyspec": {"tree": {"choices": [[0], [1]]}}}
+    command = _serve_command(
+        tiny_llama_dir, _free_port(), "--speculative-config", json.dumps(spec), "--additional-config", json.dumps(tree),
+    )  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    message = "num_speculative_tokens = 5 but easyspec.tree has 2 nodes"
+    assert [line for line in (result.stdout + result.stderr).splitlines() if message in line], (
+        (result.stdout + result.stderr)[-3000:]
+    )

@@ -1,0 +1,81 @@
+"""The ``easyspec.tree`` option: every invalid tree fails in the front end with one message naming the
+field and the fix, and ``num_speculative_tokens`` follows the tree's node count."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_easyspec.easyspec.config import EasySpecConfigError, parse_easyspec_config
+from vllm_easyspec.integration.config_checks import prepare_tree_engine_args
+
+
+@pytest.mark.parametrize(
+    ("tree", "message"),
+    [
+        ({"choices": []}, "easyspec.tree.choices is empty"),
+        ({"choices": [[i] for i in range(129)]}, "more than vLLM's limit of 128"),
+        ({"choices": [[0], [1, 0]]}, "its parent (1,) does not come before it"),
+        ({"top_k": 0, "depth": 3, "budget": 4}, "easyspec.tree.top_k must be >= 1"),
+        ({"top_k": 2, "depth": 0, "budget": 4}, "easyspec.tree.depth must be >= 1"),
+        ({"top_k": 2, "depth": 3, "budget": 11}, "more than the 10 candidates"),
+        ({"top_k": 2}, "missing: depth, budget"),
+        ({"choices": [[0]], "top_k": 2}, "not both"),
+        ({"top_k": 2, "depth": 2, "budget": 3, "draw": "sample"}, "needs a static tree"),
+        ({"choices": [[0]], "width": 3}, "unknown option easyspec.tree.width"),
+    ],
+)
+def test_invalid_trees_name_the_field_and_the_fix(tree, message):
+    with pytest.raises(EasySpecConfigError) as info:
+        parse_easyspec_config({"easyspec": {"tree": tree}})
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_valid_trees_know_their_node_count():
+    static = parse_easyspec_config({"easyspec": {"tree": {"choices": [[0], [1], [0, 0]]}}}).tree
+    dynamic = parse_easyspec_config({"easyspec": {"tree": {"top_k": 4, "depth": 3, "budget": 12},
+                                                  "layer_parallel_size": 2}}).tree
+    assert (static.num_nodes, static.max_depth) == (3, 2)
+    assert (dynamic.num_nodes, dynamic.max_depth, dynamic.candidate_count) == (12, 3, 36)
+
+
+def _engine_args(tiny_llama_dir, tiny_llama_draft_dir, spec_extra: dict, tree: dict | None = None):
+    from vllm.engine.arg_utils import EngineArgs
+
+    tree = tree if tree is not None else {"choices": [[0], [1], [0, 0], [1, 0]]}
+    return EngineArgs(
+        model=str(tiny_llama_dir),
+        speculative_config={"method": "draft_model", "model": str(tiny_llama_draft_dir)} | spec_extra,
+        additional_config={"easyspec": {"tree": tree}},
+    )
+
+
+def test_num_speculative_tokens_is_set_to_the_node_count(tiny_llama_dir, tiny_llama_draft_dir):
+    user_spec = {}
+    args = _engine_args(tiny_llama_dir, tiny_llama_draft_dir, user_spec)
+    prepare_tree_engine_args(args)
+    assert args.speculative_config["num_speculative_tokens"] == 4
+    assert "num_speculative_tokens" not in user_spec  # the user's dict is not modified
+    assert args.async_scheduling is False
+
+
+def test_num_speculative_tokens_mismatch_names_both_fields(tiny_llama_dir, tiny_llama_draft_dir):
+    args = _engine_args(tiny_llama_dir, tiny_llama_draft_dir, {"num_speculative_tokens": 3})
+    with pytest.raises(EasySpecConfigError) as info:
+        prepare_tree_engine_args(args)
+    message = str(info.value)
+    assert "num_speculative_tokens = 3" in message and "easyspec.tree has 4 nodes" in message
+    assert "set num_speculative_tokens to 4" in message
+
+
+def test_trees_need_a_draft_model(tiny_llama_dir, tiny_llama_draft_dir):
+    args = _engine_args(tiny_llama_dir, tiny_llama_draft_dir, {"method": "ngram"})
+    with pytest.raises(EasySpecConfigError, match="needs --speculative-config with \"method\": \"draft_model\""):
+        prepare_tree_engine_args(args)
+
+
+def test_quantized_kv_cache_is_refused_with_trees(tiny_llama_dir, tiny_llama_draft_dir):
+    args = _engine_args(tiny_llama_dir, tiny_llama_draft_dir, {})
+    args.kv_cache_dtype = "fp8"
+    with pytest.raises(EasySpecConfigError, match="supports only unquantized caches"):
+        args.create_engine_config()
