@@ -26,7 +26,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,8 +52,8 @@ class VerifyKV:
 
     key: torch.Tensor  # [R, Hkv, W, D]
     value: torch.Tensor
-    layer: Any  # vLLM's Attention layer (its .isa, ._k_scale_float, ...)
-    kv_cache: torch.Tensor
+    block_size: int
+    write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # (keys, values [A, Hkv, D], slots [A])
 
 
 @dataclass
@@ -283,7 +284,9 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             query[rows], prefix_key, prefix_value, meta.prefix_lens, tree_key, tree_value, meta.tree_mask, self.scale
         )
         output[rows[meta.valid_rows]] = out[meta.valid_rows].to(output.dtype)
-        meta.forward.kept_kv[layer.layer_name] = VerifyKV(tree_key, tree_value, layer, kv_cache)
+        meta.forward.kept_kv[layer.layer_name] = VerifyKV(
+            tree_key, tree_value, kv_cache.shape[2], functools.partial(_write_cpu_cache, layer, kv_cache)
+        )
         return output
 
     def _level(self, layer, query, key, value, kv_cache, meta: TreeLevelMetadata, output):
@@ -301,6 +304,17 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         )
         output[:count] = out.reshape(count, *out.shape[2:]).to(output.dtype)
         return output
+
+
+def _write_cpu_cache(layer, kv_cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     slots: torch.Tensor) -> None:
+    """Write K/V rows to ``slots`` of one layer's cache through vLLM's own op (whatever its layout)."""
+    from vllm import _custom_ops as ops
+
+    num_blocks, kv_heads, block_size, _ = kv_cache.shape
+    key_cache, value_cache = kv_cache.view(num_blocks, kv_heads, 2 * block_size, -1).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, layer.isa,
+                                   k_scale=layer._k_scale_float, v_scale=layer._v_scale_float)
 
 
 class TreeCPUAttentionBackend(CPUAttentionBackend):

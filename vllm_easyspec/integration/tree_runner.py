@@ -180,8 +180,6 @@ class TreeVerifier:
     def finish_step(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """After sampling: the accepted branch moves to ``P + 1 .. P + a`` in the target's cache and in the
         runner's input ids (from which the drafter's first pass reads the verified tokens)."""
-        from vllm import _custom_ops as ops
-
         forward = self.forward
         self.forward = None
         if forward is None:
@@ -193,17 +191,10 @@ class TreeVerifier:
             return
         block_table = forward.block_table.long()
         for kept in forward.kept_kv.values():
-            block_size = kept.kv_cache.shape[2]
-            blocks = block_table[branch.request_index, branch.destination // block_size]
-            slots = blocks * block_size + branch.destination % block_size
-            num_blocks, kv_heads = kept.kv_cache.shape[:2]
-            key_cache, value_cache = kept.kv_cache.view(num_blocks, kv_heads, 2 * block_size, -1).chunk(2, dim=2)
-            ops.cpu_attn_reshape_and_cache(
-                kept.key[branch.request_index, :, branch.source_column],
-                kept.value[branch.request_index, :, branch.source_column],
-                key_cache, value_cache, slots, kept.layer.isa,
-                k_scale=kept.layer._k_scale_float, v_scale=kept.layer._v_scale_float,
-            )
+            blocks = block_table[branch.request_index, branch.destination // kept.block_size]
+            slots = blocks * kept.block_size + branch.destination % kept.block_size
+            kept.write(kept.key[branch.request_index, :, branch.source_column],
+                       kept.value[branch.request_index, :, branch.source_column], slots)
         rows = step.query_starts[branch.request_index] + branch.destination - step.prefix_lens[branch.request_index]
         input_ids = self.runner.input_ids.gpu
         input_ids[rows.to(input_ids.device)] = branch.tokens.to(input_ids.device, input_ids.dtype)
