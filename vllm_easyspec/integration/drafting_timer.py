@@ -87,6 +87,9 @@ class StepStats:
     decode_steps: int = 0
     decode_step_seconds: float = 0.0
     decode_drafting_seconds: float = 0.0
+    # time inside execute_model alone (inputs, attention metadata, the target forward, logits)
+    forward_seconds: float = 0.0
+    decode_forward_seconds: float = 0.0
 
 
 def _cumulative_drafting_seconds(runner: Any) -> float:
@@ -119,6 +122,7 @@ class _StepClock:
         self.counted = False
         self.decode = False
         self.seconds = 0.0
+        self.forward_seconds = 0.0
         self.drafting_at_start = 0.0
 
     def begin(self, scheduler_output: Any) -> None:
@@ -126,6 +130,7 @@ class _StepClock:
         self.counted = getattr(scheduler_output, "total_num_scheduled_tokens", 1) > 0
         self.decode = self.counted and _is_decode_only(scheduler_output)
         self.seconds = 0.0
+        self.forward_seconds = 0.0
         self.drafting_at_start = _cumulative_drafting_seconds(self.runner)
 
     def close(self) -> None:
@@ -139,10 +144,12 @@ class _StepClock:
         stats.steps += 1
         stats.step_seconds += self.seconds
         stats.drafting_seconds += drafting
+        stats.forward_seconds += self.forward_seconds
         if self.decode:
             stats.decode_steps += 1
             stats.decode_step_seconds += self.seconds
             stats.decode_drafting_seconds += drafting
+            stats.decode_forward_seconds += self.forward_seconds
 
 
 def _synchronize(runner: Any) -> None:
@@ -176,6 +183,7 @@ def time_steps(worker: Any) -> bool:
             _synchronize(runner)
         finally:
             clock.seconds += time.perf_counter() - start
+            clock.forward_seconds += time.perf_counter() - start
         if result is not None:
             clock.close()  # the step ended here (nothing to sample, or an intermediate pipeline rank)
         return result

@@ -1,0 +1,68 @@
+"""Slow: token trees on the default real pair (SmolLM2-135M-Instruct drafting for Qwen2.5-Coder-0.5B-Instruct
+across vocabularies): greedy float32 output equals no speculation, static and dynamic trees, exact and
+fuzzy drafting, at batch 1 and in a batch of 4. Run with ``pytest -m slow tests/tree/test_real_pair_tree.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_easyspec.integration.tree_runner import read_tree_stats
+from vllm_easyspec.models import prompt_token_ids
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 32
+TEXTS = [
+    "Write a Python function that reverses a string.",
+    "Why is the sky blue? Answer briefly.",
+    "def merge_sorted(a, b):",
+    "Explain recursion to a ten-year-old in two sentences.",
+]
+
+
+@pytest.fixture(scope="module")
+def real_pair():
+    from vllm_easyspec.models import fetch_model
+
+    return fetch_model("qwen2.5-coder-0.5b-instruct"), fetch_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(real_pair):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(real_pair[0])
+    return [prompt_token_ids(tokenizer, text) for text in TEXTS]
+
+
+def _greedy(llm, prompts) -> list[list[int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def vanilla_tokens(llm_pool, real_pair, prompt_ids):
+    return _greedy(llm_pool.get(real_pair[0], max_model_len=1024), prompt_ids)
+
+
+@pytest.mark.parametrize(
+    ("tree", "n"),
+    [({"choices": [[0], [1], [2], [3], [0, 0], [1, 0], [0, 0, 0]]}, 1), ({"top_k": 4, "depth": 3, "budget": 10}, 2)],
+    ids=["static-N1", "dynamic-N2"],
+)
+def test_real_pair_trees_equal_vanilla(llm_pool, real_pair, prompt_ids, vanilla_tokens, tree, n):
+    target, draft = real_pair
+    llm = llm_pool.get(
+        target,
+        max_model_len=1024,
+        speculative_config={"method": "draft_model", "model": str(draft), "use_heterogeneous_vocab": True},
+        additional_config={"easyspec": {"tree": tree, "layer_parallel_size": n}},
+    )
+    assert _greedy(llm, prompt_ids[:1]) == vanilla_tokens[:1]
+    assert _greedy(llm, prompt_ids) == vanilla_tokens
+    stats = llm.collective_rpc(read_tree_stats)[0]
+    assert stats["steps"] > 0 and 0 < stats["accepted"] < stats["nodes_verified"]
