@@ -59,13 +59,14 @@ ROW_FIELDS = (
     "outputs_identical_to_vanilla", "identity", "divergences", "repeats_agree",
     "drafting_seconds_per_step", "drafting_share_of_decode", "engine_steps", "step_seconds_per_step",
     "verify_seconds_per_step", "decode_steps", "verify_seconds_per_decode_step",
-    "drafting_seconds_per_decode_step", "engine_start_seconds",
+    "drafting_seconds_per_decode_step", "forward_seconds_per_decode_step", "nodes_per_step",
+    "engine_start_seconds",
 )  # fmt: skip
 # Timing fields reported as the median over a setup's runs; every other field comes from its first run.
 MEDIAN_FIELDS = (
     "generate_seconds", "decode_seconds", "drafting_seconds_per_step", "drafting_share_of_decode",
     "step_seconds_per_step", "verify_seconds_per_step", "verify_seconds_per_decode_step",
-    "drafting_seconds_per_decode_step", "engine_start_seconds",
+    "drafting_seconds_per_decode_step", "forward_seconds_per_decode_step", "engine_start_seconds",
 )  # fmt: skip
 
 
@@ -478,6 +479,8 @@ def _child_main(request_path: Path, result_path: Path) -> None:
         "acceptance_rate": counters.acceptance_rate,
         "per_position_acceptance": counters.per_position_acceptance,
         "num_drafts": counters.num_drafts,
+        # tree nodes (or chain drafts) verified per speculative step, from vLLM's counters
+        "nodes_per_step": counters.num_draft_tokens / counters.num_drafts if counters.num_drafts else None,
         "drafting_seconds_per_step": drafting_seconds_per_step,
         "drafting_share_of_decode": drafting_share,
         **_step_split(steps_before, steps_after),
@@ -537,7 +540,7 @@ def _step_split(before: dict[str, float] | None, after: dict[str, float] | None)
     all engine steps and over decode-only steps (no request computing prompt tokens)."""
     split: dict[str, Any] = dict.fromkeys(
         ("engine_steps", "step_seconds_per_step", "verify_seconds_per_step", "decode_steps",
-         "verify_seconds_per_decode_step", "drafting_seconds_per_decode_step")
+         "verify_seconds_per_decode_step", "drafting_seconds_per_decode_step", "forward_seconds_per_decode_step")
     )  # fmt: skip
     if before is None or after is None:
         return split
@@ -553,6 +556,7 @@ def _step_split(before: dict[str, float] | None, after: dict[str, float] | None)
             delta["decode_step_seconds"] - delta["decode_drafting_seconds"]
         ) / decode_steps
         split["drafting_seconds_per_decode_step"] = delta["decode_drafting_seconds"] / decode_steps
+        split["forward_seconds_per_decode_step"] = delta["decode_forward_seconds"] / decode_steps
     return split
 
 
