@@ -480,7 +480,7 @@ def _child_main(request_path: Path, result_path: Path) -> None:
         "per_position_acceptance": counters.per_position_acceptance,
         "num_drafts": counters.num_drafts,
         # tree nodes (or chain drafts) verified per speculative step, from vLLM's counters
-        "nodes_per_step": counters.num_draft_tokens / counters.num_drafts if counters.num_drafts else None,
+        "nodes_per_step": counters.nodes_per_step,
         "drafting_seconds_per_step": drafting_seconds_per_step,
         "drafting_share_of_decode": drafting_share,
         **_step_split(steps_before, steps_after),

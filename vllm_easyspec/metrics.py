@@ -3,6 +3,11 @@
 Invariants: mean acceptance length = 1 + accepted / drafts (vLLM's ``SpecDecodingLogging``);
 per-position acceptance = accepted at position i / drafts. vLLM's counters are cumulative, so a figure for
 one workload is the difference of two snapshots.
+
+Token trees report through the same counters: a tree step is one draft whose draft tokens are its nodes,
+its accepted tokens are the accepted branch, and position i is depth i + 1 (a step that accepts a branch of
+depth d counts at positions 0..d-1). So nodes verified per step is ``num_draft_tokens / num_drafts``, and
+the acceptance rate ``accepted / draft tokens`` is per node, lower than a chain's for the same branch.
 """
 
 from __future__ import annotations
@@ -48,6 +53,11 @@ class SpecDecodeCounters:
     @property
     def mean_acceptance_length(self) -> float | None:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+    @property
+    def nodes_per_step(self) -> float | None:
+        """Draft tokens verified per speculative step: k for a chain, the (scheduled) node count for a tree."""
+        return self.num_draft_tokens / self.num_drafts if self.num_drafts else None
 
     @property
     def acceptance_rate(self) -> float | None:
