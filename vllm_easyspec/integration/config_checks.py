@@ -103,6 +103,16 @@ def validate_engine_config(vllm_config) -> None:
 
         check_fuzzy_architecture(spec.draft_model_config.hf_config.architectures, spec.draft_model_config.hf_text_config)
     if easyspec.tree is not None:
+        if vllm_config.model_config.uses_mrope:
+            raise EasySpecConfigError(
+                "easyspec.tree gives tree nodes RoPE positions prefix + depth, which M-RoPE targets do not "
+                "support; remove easyspec.tree to use chain speculation with this model"
+            )
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise EasySpecConfigError(
+                "easyspec.tree does not support pipeline parallelism; remove easyspec.tree or use "
+                "--pipeline-parallel-size 1"
+            )
         kv_cache_dtype = vllm_config.cache_config.cache_dtype
         if kv_cache_dtype not in ("auto", None):
             raise EasySpecConfigError(

@@ -257,9 +257,34 @@ def _cpu_runner_class():
     return EasySpecCPUModelRunner
 
 
+# --- GPU runner (vLLM's CUDA / ROCm build): the same mixin over the V1 GPUModelRunner ---------------------
+def _gpu_runner_class():
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    class EasySpecGPUModelRunner(TreeRunnerMixin, GPUModelRunner):
+        def __init__(self, vllm_config, device) -> None:
+            super().__init__(vllm_config, device)
+            self._setup_tree_verifier()
+
+    return EasySpecGPUModelRunner
+# --- end GPU runner ------------------------------------------------------------------------------------
+
+
 def install() -> None:
     from vllm.platforms import current_platform
 
+    # --- GPU runner install branch (vLLM's CUDA / ROCm build) ------------------------------------------
+    if current_platform.is_cuda_alike():
+        import vllm.v1.worker.gpu_model_runner as gpu_model_runner
+
+        if getattr(gpu_model_runner.GPUModelRunner, "tree_verifier", "absent") is None:
+            return  # already installed
+        # Replaces the module global vllm.v1.worker.gpu_model_runner.GPUModelRunner (vLLM's V1 runner class).
+        # vllm.v1.worker.gpu_worker has that name only under TYPE_CHECKING: Worker._make_model_runner
+        # imports it from gpu_model_runner each time it builds the runner, so this global is the seam.
+        gpu_model_runner.GPUModelRunner = _gpu_runner_class()
+        return
+    # --- end GPU runner install branch -----------------------------------------------------------------
     if not current_platform.is_cpu():
         return
     import vllm.v1.worker.cpu_worker as cpu_worker

@@ -23,7 +23,7 @@ argmax at the path's end as the bonus token.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -143,7 +143,7 @@ def _greedy(tree: TokenTreeBatch, logits: torch.Tensor) -> tuple[torch.Tensor, t
 
 def _stochastic(
     tree: TokenTreeBatch,
-    probs: torch.Tensor,
+    target_probs: Callable[[torch.Tensor], torch.Tensor],
     rows: torch.Tensor,
     uniforms: torch.Tensor,
     exponentials: torch.Tensor,
@@ -162,7 +162,7 @@ def _stochastic(
     for depth in range(tree.max_depth + 1):
         if not bool(alive.any()):
             break
-        p = probs[arange, cur]
+        p = target_probs(cur)
         q = draft[arange, cur] if iid else None
         moved = torch.zeros_like(alive)
         nxt = cur.clone()
@@ -248,16 +248,18 @@ def tree_rejection_sample(
         temperature = temperature.to(logits.device).float().reshape(-1)
         stochastic_rows = temperature > SAMPLING_EPS
         if bool(stochastic_rows.any()):
-            def per_row(x: torch.Tensor | None) -> torch.Tensor | None:
-                return None if x is None else x.to(logits.device).reshape(-1, 1).expand(-1, width).reshape(-1)
+            def target_probs(rows: torch.Tensor) -> torch.Tensor:
+                """Filtered target probabilities after query row ``rows[b]`` of every request ``b``: only
+                the rows the walk visits (one per depth) are filtered and normalised."""
+                return apply_sampling_constraints(
+                    logits[torch.arange(batch, device=logits.device), rows], temperature,
+                    None if top_k is None else top_k.to(logits.device).reshape(-1),
+                    None if top_p is None else top_p.to(logits.device).reshape(-1),
+                ).softmax(-1)
 
-            filtered = apply_sampling_constraints(
-                logits.reshape(-1, vocab), per_row(temperature), per_row(top_k), per_row(top_p)
-            ).reshape(batch, width, vocab)
-            probs = filtered.softmax(-1)
             uniforms, exponentials = _draw_randomness(batch, tree.width, vocab, logits.device, generator,
                                                       generators)
-            s_acc, s_num, s_bonus = _stochastic(tree, probs, stochastic_rows, uniforms, exponentials)
+            s_acc, s_num, s_bonus = _stochastic(tree, target_probs, stochastic_rows, uniforms, exponentials)
             depth_cols = accepted.shape[1]
             accepted = torch.where(stochastic_rows[:, None], s_acc[:, :depth_cols], accepted)
             num_accepted = torch.where(stochastic_rows, s_num, num_accepted)

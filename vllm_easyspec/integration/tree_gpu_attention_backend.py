@@ -1,0 +1,338 @@
+"""Where the tree reaches vLLM's Triton attention backend (the GPU build of vLLM).
+
+``TreeTritonAttentionBackend`` replaces ``TRITON_ATTN`` (``vllm.v1.attention.backends.triton_attn.
+TritonAttentionBackend``, overridden through vLLM's ``register_backend`` on CUDA / ROCm only). It is the
+GPU twin of :mod:`vllm_easyspec.integration.tree_attention_backend` (the CPU seam) and shares its
+protocol: the runner builds attention metadata inside :func:`~.tree_attention_backend.verifying`, the
+layers keep a :class:`~.tree_attention_backend.VerifyKV` per layer in ``TreeVerifyForward.kept_kv``, and
+the drafter's levels arrive as :class:`~.tree_attention_backend.TreeLevelMetadata`.
+
+* **target verify** (:class:`TreeTritonVerifyMetadata`): the builder splits the batch; requests without a
+  tree go to vLLM's own Triton kernel as a sub-batch (metadata from vLLM's builder). The tree requests'
+  ``1 + n`` rows go to :func:`vllm_easyspec.kernels.tree_attention.tree_attention_triton` over the
+  layer's FlashAttention-layout cache. That kernel reads the rows' own K/V from the cache, where vLLM's
+  ``do_kv_cache_update`` (this backend has ``forward_includes_kv_cache_update = False``) has already put
+  them at the linear slots ``P + j`` -- exactly the verify step's layout, so nothing is gathered.
+  The rows' K/V are also kept so the sampler can move the accepted branch into place; the move is
+  written with the backend's own ``do_kv_cache_update`` (vLLM's Triton reshape-and-cache).
+* **draft level** (:class:`~.tree_attention_backend.TreeLevelMetadata`): the level rows write nothing to
+  the cache; they attend to the request's cached draft prefix (positions ``< prefix_lens[b]``, gathered
+  from the FA layout with the block table) and to the stash of this step's earlier levels, with the same
+  torch SDPA as the CPU backend (:func:`vllm_easyspec.tree.attention.attention_over_prefix_and_tree`).
+
+While ``easyspec.tree`` is configured, the builder reports at most ``UNIFORM_SINGLE_TOKEN_DECODE`` CUDA
+graph support: a full CUDA graph of a uniform ``1 + n``-token batch would replay captured chain metadata
+and never reach :meth:`TreeTritonAttentionMetadataBuilder.build`.
+
+Status: exercised only under Triton's interpreter on CPU tensors (tests/tree/test_gpu_tree_backend.py);
+it has never run on a GPU.
+
+Invariant: with no active tree step every method is vLLM's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.v1.attention.backend import AttentionCGSupport
+from vllm.v1.attention.backends.triton_attn import (
+    TritonAttentionBackend,
+    TritonAttentionImpl,
+    TritonAttentionMetadataBuilder,
+)
+
+from vllm_easyspec.easyspec.config import EasySpecConfigError, parse_easyspec_config
+from vllm_easyspec.integration.tree_attention_backend import (
+    _ACTIVE_VERIFY,
+    TreeLevelMetadata,
+    TreeVerifyForward,
+    VerifyKV,
+    _per_request,
+)
+from vllm_easyspec.tree.attention import attention_over_prefix_and_tree
+from vllm_easyspec.tree.verify_step import TreeVerifyStep
+
+BACKEND_PATH = "vllm_easyspec.integration.tree_gpu_attention_backend.TreeTritonAttentionBackend"
+
+
+@dataclass
+class TreeTritonVerifyMetadata:
+    """Per-forward metadata of a verify step that contains token trees (shared by all target layers).
+    All tensors are on the builder's device; ``T`` is the number of tree rows (roots and nodes)."""
+
+    num_actual_tokens: int
+    chain: Any | None  # vLLM's TritonAttentionMetadata for the requests without trees, or None
+    chain_rows: torch.Tensor | None  # their flattened rows
+    forward: TreeVerifyForward
+    tree_rows: torch.Tensor  # [T] flattened forward row of every tree query, request-major
+    cu_query_lens: torch.Tensor  # [R + 1] int32: request r owns tree_rows[cu[r]:cu[r + 1]]
+    tree_mask: torch.Tensor  # [T, W] bool: request-local ancestor-or-self (root = column 0)
+    prefix_lens: torch.Tensor  # [R] int32 = P; query j of request r sits at position P + j of its cache
+    block_table: torch.Tensor  # [R, max_blocks] int32 of the tree requests
+    max_query_len: int  # 1 + the largest n
+    query_rows: torch.Tensor  # [R, W] flattened row of each query (padding repeats the root), for kept K/V
+
+
+def split_verify_batch(cm, step: TreeVerifyStep):
+    """The requests of ``cm`` (vLLM's ``CommonAttentionMetadata``) that have no tree in ``step``, as their own
+    ``CommonAttentionMetadata`` with their flattened rows in the full batch; ``(None, None)`` if none has a row.
+
+    Same split as ``TreeCPUAttentionMetadataBuilder._build_verify`` (lines "chain_requests = ..." up to the
+    ``dataclasses.replace``), plus: every per-request optional field is sliced too (the Triton builder
+    reads ``causal``, ``mm_req_doc_ranges`` and ``rswa_prefix_lens``), cached derived tensors are dropped,
+    ``max_seq_len`` uses the CPU upper bound when the runner gives one (no device sync), and requests with
+    no rows (CUDA-graph padding) never make a sub-batch on their own.
+    """
+    num_reqs = cm.num_reqs
+    query_start = cm.query_start_loc_cpu[: num_reqs + 1].long()
+    is_tree = torch.zeros(num_reqs, dtype=torch.bool)
+    is_tree[step.batch_rows] = True
+    chain_requests = (~is_tree).nonzero().flatten()
+    lengths = query_start[1:] - query_start[:-1]
+    if not chain_requests.numel() or not int(lengths[chain_requests].sum()):
+        return None, None
+    chain_lengths = lengths[chain_requests]
+    chain_rows = torch.cat([
+        torch.arange(int(query_start[r]), int(query_start[r + 1])) for r in chain_requests.tolist()
+    ])
+    sub_query_start = torch.zeros(len(chain_requests) + 1, dtype=cm.query_start_loc_cpu.dtype)
+    sub_query_start[1:] = chain_lengths.cumsum(0)
+
+    def per_request(x):
+        if x is None:
+            return None
+        if isinstance(x, torch.Tensor):
+            return x[chain_requests.to(x.device)]
+        return x[chain_requests.numpy()]  # numpy arrays (encoder_seq_lens_cpu, req_idx)
+
+    seq_lens = per_request(cm.seq_lens)
+    upper = per_request(cm.seq_lens_cpu_upper_bound)
+    rows = chain_rows.to(cm.slot_mapping.device)
+    ranges = cm.mm_req_doc_ranges
+    if ranges is not None:
+        ranges = {new: ranges[old] for new, old in enumerate(chain_requests.tolist()) if old in ranges}
+    sub = dataclasses.replace(
+        cm,
+        query_start_loc=sub_query_start.to(cm.query_start_loc.device),
+        query_start_loc_cpu=sub_query_start,
+        seq_lens=seq_lens,
+        num_reqs=len(chain_requests),
+        num_actual_tokens=int(chain_rows.numel()),
+        max_query_len=int(chain_lengths.max()),
+        max_seq_len=int((upper if upper is not None else seq_lens).max()),
+        block_table_tensor=per_request(cm.block_table_tensor),
+        slot_mapping=cm.slot_mapping[rows],
+        positions=None if cm.positions is None else cm.positions[rows],
+        causal=per_request(cm.causal) if isinstance(cm.causal, torch.Tensor) else cm.causal,
+        seq_lens_cpu_upper_bound=upper,
+        is_prefilling=per_request(cm.is_prefilling),
+        encoder_seq_lens=per_request(cm.encoder_seq_lens),
+        encoder_seq_lens_cpu=per_request(cm.encoder_seq_lens_cpu),
+        dcp_local_seq_lens=per_request(cm.dcp_local_seq_lens),
+        dcp_local_seq_lens_cpu_upper_bound=per_request(cm.dcp_local_seq_lens_cpu_upper_bound),
+        req_idx=per_request(cm.req_idx),
+        mm_req_doc_ranges=ranges,
+        rswa_prefix_lens=per_request(cm.rswa_prefix_lens),
+        replayssm_decode_base_cpu=per_request(cm.replayssm_decode_base_cpu),
+        logits_indices_padded=None,  # kv-sharing fast prefill indexes the full batch
+        num_logits_indices=None,
+        max_logits_per_req=None,
+        _num_computed_tokens_cache=None,
+        _token_to_req_indices_cache=None,
+    )
+    return sub, chain_rows
+
+
+def _tree_configured(vllm_config) -> bool:
+    easyspec = parse_easyspec_config(getattr(vllm_config, "additional_config", None))
+    return easyspec is not None and easyspec.tree is not None
+
+
+class TreeTritonAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
+    """vLLM's Triton builder; inside :func:`verifying` it builds :class:`TreeTritonVerifyMetadata` instead."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        if _tree_configured(vllm_config):
+            self._check_tree_support(layer_names, vllm_config)
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        support = super().get_cudagraph_support(vllm_config, kv_cache_spec)
+        limit = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        if _tree_configured(vllm_config) and support.value > limit.value:
+            return limit  # verify steps (1 + n rows per request) must run eagerly through build()
+        return support
+
+    def _check_tree_support(self, layer_names, vllm_config) -> None:
+        """Start-up self-check: refuse tree mode where the tree kernel would not be exact."""
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+        from vllm.utils.torch_utils import is_quantized_kv_cache
+
+        if getattr(vllm_config.model_config, "rswa_window", None) is not None:
+            raise EasySpecConfigError(
+                "easyspec.tree: this model uses reference sliding-window attention, which tree attention does "
+                "not implement; remove easyspec.tree to use chain speculation with this model"
+            )
+        for name, layer in get_layers_from_vllm_config(vllm_config, Attention, layer_names).items():
+            impl = layer.impl
+            if is_quantized_kv_cache(impl.kv_cache_dtype):
+                raise EasySpecConfigError(
+                    f"easyspec.tree supports only unquantized KV caches, got kv_cache_dtype {impl.kv_cache_dtype!r}"
+                )
+            unsupported = [
+                what for what, present in (
+                    ("a sliding window", tuple(getattr(impl, "sliding_window", (-1, -1))) != (-1, -1)),
+                    ("ALiBi", getattr(impl, "alibi_slopes", None) is not None),
+                    ("a logits soft cap", bool(getattr(impl, "logits_soft_cap", 0))),
+                    ("attention sinks", getattr(impl, "sinks", None) is not None),
+                    ("chunked local attention", getattr(impl, "chunk_lookback", -1) != -1),
+                ) if present
+            ]
+            if unsupported:
+                raise EasySpecConfigError(
+                    f"easyspec.tree: attention layer {name} uses {' and '.join(unsupported)}, which tree "
+                    "attention does not implement; remove easyspec.tree to use chain speculation with this model"
+                )
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        forward = _ACTIVE_VERIFY.get()
+        if forward is None:
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        return self._build_verify(common_prefix_len, common_attn_metadata, forward)
+
+    def _build_verify(self, common_prefix_len, cm, forward: TreeVerifyForward) -> TreeTritonVerifyMetadata:
+        step = forward.step
+        sub, chain_rows = split_verify_batch(cm, step)
+        chain = None if sub is None else super().build(common_prefix_len, sub)
+        device = self.device
+        rows = step.attention_rows()
+        cu_query_lens = torch.zeros(len(step) + 1, dtype=torch.int32)
+        cu_query_lens[1:] = step.num_queries.cpu().cumsum(0)
+        block_table = cm.block_table_tensor[step.batch_rows.to(cm.block_table_tensor.device)]
+        forward.block_table = block_table
+        return TreeTritonVerifyMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            chain=chain,
+            chain_rows=None if chain_rows is None else chain_rows.to(device),
+            forward=forward,
+            tree_rows=rows[step.valid_rows].to(device),
+            cu_query_lens=cu_query_lens.to(device),
+            tree_mask=step.attention_mask[step.valid_rows].to(device),  # [T, W]: each row's own request
+            prefix_lens=step.prefix_lens.to(device, torch.int32),
+            block_table=block_table.to(device, torch.int32),
+            max_query_len=step.width,
+            query_rows=rows.to(device),
+        )
+
+
+class TreeTritonAttentionImpl(TritonAttentionImpl):
+    """vLLM's Triton attention, plus the tree-verify and draft-level forwards (module docstring)."""
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        tree = isinstance(attn_metadata, TreeTritonVerifyMetadata | TreeLevelMetadata)
+        if tree and (output_scale is not None or output_block_scale is not None):
+            raise NotImplementedError("easyspec.tree: tree attention does not fuse output quantization")
+        if isinstance(attn_metadata, TreeTritonVerifyMetadata):
+            return self._verify(layer, query, key, value, kv_cache, attn_metadata, output)
+        if isinstance(attn_metadata, TreeLevelMetadata):
+            return self._level(layer, query, key, value, kv_cache, attn_metadata, output)
+        return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                               output_scale=output_scale, output_block_scale=output_block_scale)
+
+    def _fa_caches(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[num_blocks, block_size, Hkv, D]`` key and value views of the layer's logical
+        ``[num_blocks, Hkv, block_size, 2 * D]`` cache, split as ``TritonAttentionImpl.forward`` does."""
+        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        return key_cache, value_cache
+
+    def _verify(self, layer, query, key, value, kv_cache, meta: TreeTritonVerifyMetadata, output):
+        from vllm_easyspec.kernels.tree_attention import tree_attention_triton
+
+        if meta.chain is not None:
+            rows = meta.chain_rows
+            chain_out = output.new_empty((rows.numel(), *output.shape[1:]))
+            super().forward(layer, query[rows], key[rows], value[rows], kv_cache, meta.chain, chain_out)
+            output[rows] = chain_out
+        key_cache, value_cache = self._fa_caches(kv_cache)
+        rows = meta.tree_rows
+        out = tree_attention_triton(
+            query[rows], key_cache, value_cache, meta.block_table, meta.prefix_lens, meta.cu_query_lens,
+            meta.tree_mask, self.scale, max_query_len=meta.max_query_len,
+        )
+        output[rows] = out.to(output.dtype)
+        meta.forward.kept_kv[layer.layer_name] = VerifyKV(
+            key[meta.query_rows].transpose(1, 2),  # [R, Hkv, W, D]
+            value[meta.query_rows].transpose(1, 2),
+            key_cache.shape[1],
+            functools.partial(self._write_rows, layer, kv_cache),
+        )
+        return output
+
+    def _write_rows(self, layer, kv_cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    slots: torch.Tensor) -> None:
+        """Write K/V rows ``[A, Hkv, D]`` to ``slots`` of one layer's cache, as every forward of this
+        backend writes its K/V (vLLM's Triton reshape-and-cache, through the impl's own method)."""
+        self.do_kv_cache_update(layer, keys.contiguous(), values.contiguous(), kv_cache,
+                                slots.to(kv_cache.device, torch.int64))
+
+    def _level(self, layer, query, key, value, kv_cache, meta: TreeLevelMetadata, output):
+        state = meta.state
+        batch = int(state.prefix_lens.shape[0])
+        count = batch * meta.width
+        level_key, level_value = _per_request(key, value, batch, meta.width)
+        tree_key, tree_value = state.append(layer.layer_name, level_key, level_value)
+        if layer.layer_name not in state.prefix_kv:
+            state.prefix_kv[layer.layer_name] = gather_fa_prefix(
+                *self._fa_caches(kv_cache), state.block_table, state.prefix_lens
+            )
+        prefix_key, prefix_value = state.prefix_kv[layer.layer_name]
+        query = query[:count].reshape(batch, meta.width, *query.shape[1:])
+        out = attention_over_prefix_and_tree(
+            query, prefix_key, prefix_value, state.prefix_lens, tree_key, tree_value,
+            meta.tree_mask.to(query.device), self.scale,
+        )
+        output[:count] = out.reshape(count, *out.shape[2:]).to(output.dtype)
+        return output
+
+
+def gather_fa_prefix(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+                     prefix_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Requests' first ``max(prefix_lens)`` positions ``[B, Hkv, L, D]`` from FA-layout caches
+    ``[num_blocks, block_size, Hkv, D]`` (positions ``>= prefix_lens[b]`` are whatever the blocks hold)."""
+    block_size = key_cache.shape[1]
+    length = int(prefix_lens.max()) if prefix_lens.numel() else 0
+    blocks = block_table[:, : -(-length // block_size)].long()
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        return cache[blocks].flatten(1, 2)[:, :length].transpose(1, 2)
+
+    return gather(key_cache), gather(value_cache)
+
+
+class TreeTritonAttentionBackend(TritonAttentionBackend):
+    @staticmethod
+    def get_impl_cls() -> type[TreeTritonAttentionImpl]:
+        return TreeTritonAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[TreeTritonAttentionMetadataBuilder]:
+        return TreeTritonAttentionMetadataBuilder
+
+
+def install() -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda_alike():
+        return
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    # Replaces the class behind AttentionBackendEnum.TRITON_ATTN
+    # (vllm.v1.attention.backends.triton_attn.TritonAttentionBackend) with the subclass above.
+    register_backend(AttentionBackendEnum.TRITON_ATTN, BACKEND_PATH)
