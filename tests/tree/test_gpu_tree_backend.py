@@ -98,16 +98,16 @@ def _step(batch_rows, starts, prefixes, sizes):
     ])
 
 
-def test_split_matches_the_cpu_builders_split(monkeypatch):
-    """``split_verify_batch`` gives the sub-batch that ``TreeCPUAttentionMetadataBuilder._build_verify`` gives
-    (guards the two copies until they are one function)."""
+def test_cpu_builder_hands_the_split_sub_batch_to_vllm(monkeypatch):
+    """``TreeCPUAttentionMetadataBuilder._build_verify`` gives vLLM's builder the sub-batch of
+    ``split_verify_batch`` (the split both tree backends share), with the right rows."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 
     from vllm_easyspec.integration.tree_attention_backend import (
         TreeCPUAttentionMetadataBuilder,
         TreeVerifyForward,
+        split_verify_batch,
     )
-    from vllm_easyspec.integration.tree_gpu_attention_backend import split_verify_batch
 
     # [tree (1 + 3 rows), prefill chunk of 6, tree (1 + 2 rows), decode]
     block_table = torch.arange(40, dtype=torch.int32).reshape(4, 10)
@@ -126,7 +126,7 @@ def test_split_matches_the_cpu_builders_split(monkeypatch):
 
 
 def test_split_slices_every_per_request_field_and_skips_empty_sub_batches():
-    from vllm_easyspec.integration.tree_gpu_attention_backend import split_verify_batch
+    from vllm_easyspec.integration.tree_attention_backend import split_verify_batch
 
     block_table = torch.arange(40, dtype=torch.int32).reshape(4, 10)
     cm = _cm([4, 6, 3, 1], [20, 9, 33, 50], block_table, causal=torch.tensor([True, False, True, True]),

@@ -50,6 +50,7 @@ def install() -> None:
         cpu_sampler_fix,
         proposer_swap,
         tree_attention_backend,
+        tree_gpu_attention_backend,
         tree_runner,
     )
 
@@ -57,6 +58,7 @@ def install() -> None:
     cpu_sampler_fix.install()
     proposer_swap.install()
     tree_attention_backend.install()
+    tree_gpu_attention_backend.install()
     tree_runner.install()
     _installed = True
 

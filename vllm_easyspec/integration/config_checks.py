@@ -75,6 +75,18 @@ def prepare_tree_engine_args(engine_args) -> None:
             "easyspec.tree verifies synchronously; remove --async-scheduling (async_scheduling=True)"
         )
     engine_args.async_scheduling = False
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda_alike():
+        # On GPUs the tree rows go through the plugin's TRITON_ATTN backend (tree_gpu_attention_backend).
+        backend = engine_args.attention_backend
+        name = getattr(backend, "name", backend)
+        if name not in (None, "TRITON_ATTN"):
+            raise EasySpecConfigError(
+                f"easyspec.tree on a GPU needs the TRITON_ATTN attention backend, got {name}; remove "
+                "--attention-backend or set it to TRITON_ATTN"
+            )
+        engine_args.attention_backend = "TRITON_ATTN"
 
 
 def validate_engine_config(vllm_config) -> None:

@@ -170,6 +170,75 @@ def _per_request(key: torch.Tensor, value: torch.Tensor, batch: int, width: int)
     return split(key), split(value)
 
 
+def split_verify_batch(cm, step: TreeVerifyStep):
+    """The requests of ``cm`` (vLLM's ``CommonAttentionMetadata``) that have no tree in ``step``, as their own
+    ``CommonAttentionMetadata`` with their flattened rows in the full batch; ``(None, None)`` if none has a row.
+
+    Every per-request field is sliced (the Triton builder also reads ``causal``, ``mm_req_doc_ranges`` and
+    ``rswa_prefix_lens``), cached derived tensors are dropped, ``max_seq_len`` uses the CPU upper bound when
+    the runner gives one (no device sync), and requests with no rows (CUDA-graph padding) never make a
+    sub-batch on their own. Shared by the CPU and GPU tree backends.
+    """
+    num_reqs = cm.num_reqs
+    query_start = cm.query_start_loc_cpu[: num_reqs + 1].long()
+    is_tree = torch.zeros(num_reqs, dtype=torch.bool)
+    is_tree[step.batch_rows] = True
+    chain_requests = (~is_tree).nonzero().flatten()
+    lengths = query_start[1:] - query_start[:-1]
+    if not chain_requests.numel() or not int(lengths[chain_requests].sum()):
+        return None, None
+    chain_lengths = lengths[chain_requests]
+    chain_rows = torch.cat([
+        torch.arange(int(query_start[r]), int(query_start[r + 1])) for r in chain_requests.tolist()
+    ])
+    sub_query_start = torch.zeros(len(chain_requests) + 1, dtype=cm.query_start_loc_cpu.dtype)
+    sub_query_start[1:] = chain_lengths.cumsum(0)
+
+    def per_request(x):
+        if x is None:
+            return None
+        if isinstance(x, torch.Tensor):
+            return x[chain_requests.to(x.device)]
+        return x[chain_requests.numpy()]  # numpy arrays (encoder_seq_lens_cpu, req_idx)
+
+    seq_lens = per_request(cm.seq_lens)
+    upper = per_request(cm.seq_lens_cpu_upper_bound)
+    rows = chain_rows.to(cm.slot_mapping.device)
+    ranges = cm.mm_req_doc_ranges
+    if ranges is not None:
+        ranges = {new: ranges[old] for new, old in enumerate(chain_requests.tolist()) if old in ranges}
+    sub = dataclasses.replace(
+        cm,
+        query_start_loc=sub_query_start.to(cm.query_start_loc.device),
+        query_start_loc_cpu=sub_query_start,
+        seq_lens=seq_lens,
+        num_reqs=len(chain_requests),
+        num_actual_tokens=int(chain_rows.numel()),
+        max_query_len=int(chain_lengths.max()),
+        max_seq_len=int((upper if upper is not None else seq_lens).max()),
+        block_table_tensor=per_request(cm.block_table_tensor),
+        slot_mapping=cm.slot_mapping[rows],
+        positions=None if cm.positions is None else cm.positions[rows],
+        causal=per_request(cm.causal) if isinstance(cm.causal, torch.Tensor) else cm.causal,
+        seq_lens_cpu_upper_bound=upper,
+        is_prefilling=per_request(cm.is_prefilling),
+        encoder_seq_lens=per_request(cm.encoder_seq_lens),
+        encoder_seq_lens_cpu=per_request(cm.encoder_seq_lens_cpu),
+        dcp_local_seq_lens=per_request(cm.dcp_local_seq_lens),
+        dcp_local_seq_lens_cpu_upper_bound=per_request(cm.dcp_local_seq_lens_cpu_upper_bound),
+        req_idx=per_request(cm.req_idx),
+        mm_req_doc_ranges=ranges,
+        rswa_prefix_lens=per_request(cm.rswa_prefix_lens),
+        replayssm_decode_base_cpu=per_request(cm.replayssm_decode_base_cpu),
+        logits_indices_padded=None,  # kv-sharing fast prefill indexes the full batch
+        num_logits_indices=None,
+        max_logits_per_req=None,
+        _num_computed_tokens_cache=None,
+        _token_to_req_indices_cache=None,
+    )
+    return sub, chain_rows
+
+
 class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     """vLLM's builder; inside :func:`verifying` it builds :class:`TreeVerifyMetadata` instead."""
 
@@ -214,35 +283,8 @@ class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def _build_verify(self, common_prefix_len, cm, forward: TreeVerifyForward) -> TreeVerifyMetadata:
         step = forward.step
-        num_reqs = cm.num_reqs
-        query_start = cm.query_start_loc_cpu[: num_reqs + 1].long()
-        is_tree = torch.zeros(num_reqs, dtype=torch.bool)
-        is_tree[step.batch_rows] = True
-        chain_requests = (~is_tree).nonzero().flatten()
-        chain = chain_rows = None
-        if chain_requests.numel():
-            lengths = query_start[1:] - query_start[:-1]
-            chain_lengths = lengths[chain_requests]
-            chain_rows = torch.cat([
-                torch.arange(int(query_start[r]), int(query_start[r + 1])) for r in chain_requests.tolist()
-            ])
-            sub_query_start = torch.zeros(len(chain_requests) + 1, dtype=cm.query_start_loc.dtype)
-            sub_query_start[1:] = chain_lengths.cumsum(0)
-            seq_lens = cm.seq_lens[chain_requests]
-            sub = dataclasses.replace(
-                cm,
-                query_start_loc=sub_query_start.to(cm.query_start_loc.device),
-                query_start_loc_cpu=sub_query_start,
-                seq_lens=seq_lens,
-                num_reqs=len(chain_requests),
-                num_actual_tokens=int(chain_rows.numel()),
-                max_query_len=int(chain_lengths.max()),
-                max_seq_len=int(seq_lens.max()),
-                block_table_tensor=cm.block_table_tensor[chain_requests],
-                slot_mapping=cm.slot_mapping[chain_rows],
-                positions=None if cm.positions is None else cm.positions[chain_rows],
-            )
-            chain = super().build(common_prefix_len, sub)
+        sub, chain_rows = split_verify_batch(cm, step)
+        chain = None if sub is None else super().build(common_prefix_len, sub)
         block_table = cm.block_table_tensor[step.batch_rows]
         forward.block_table = block_table
         return TreeVerifyMetadata(

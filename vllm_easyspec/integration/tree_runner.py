@@ -171,7 +171,8 @@ class TreeVerifier:
             return
         step = TreeVerifyStep(requests)
         rows, positions = step.row_positions()
-        runner.positions[rows] = positions.to(runner.positions.dtype)
+        runner.positions[rows.to(runner.positions.device)] = positions.to(runner.positions.device,
+                                                                            runner.positions.dtype)
         self.forward = TreeVerifyForward(step)
         self.stats.steps += 1
         self.stats.tree_requests += len(requests)
