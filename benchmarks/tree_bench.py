@@ -53,11 +53,12 @@ def wide_choices(nodes: int) -> list[list[int]]:
 
 
 # EAGLE-2 dynamic trees per node budget: expand the top_k of every depth, keep the budget best nodes.
+# Two levels (one draft forward after the first pass) keep drafting cheap; budget 32 goes one level deeper.
 DYNAMIC: dict[int, dict[str, int]] = {
-    4: {"top_k": 2, "depth": 3, "budget": 4},
-    8: {"top_k": 4, "depth": 3, "budget": 8},
-    16: {"top_k": 4, "depth": 4, "budget": 16},
-    32: {"top_k": 8, "depth": 4, "budget": 32},
+    4: {"top_k": 2, "depth": 2, "budget": 4},
+    8: {"top_k": 4, "depth": 2, "budget": 8},
+    16: {"top_k": 8, "depth": 2, "budget": 16},
+    32: {"top_k": 8, "depth": 3, "budget": 32},
 }
 
 
@@ -144,11 +145,11 @@ def compare(args: argparse.Namespace) -> None:
         target, draft, hetero = PAIRS[pair]
         setups = [Setup("vanilla", "no speculation")]
         for budget in args.budgets:
-            setups.append(easyspec_chain(draft, hetero, budget))
+            setups.append(vllm_chain(draft, hetero, budget))
             setups += tree_setups(draft, hetero, budget)
         for k in args.extra_chains:
             if k not in args.budgets:
-                setups.append(easyspec_chain(draft, hetero, k))
+                setups.append(vllm_chain(draft, hetero, k))
         rows = run_setups(setups, _workload(args, target, args.batch), repeats=args.repeats)
         _write(rows, f"tree_compare_{pair}", f"Tree vs chain at equal node budgets, pair ({pair}): {draft} -> {target}, "
                                              f"batch {args.batch}, {args.dtype}")
