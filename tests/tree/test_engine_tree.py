@@ -42,7 +42,7 @@ def _generate(llm, requests, **common) -> list[tuple[list[int], str, str]]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = [SamplingParams(temperature=0.0, **(options | common)) for _, options in requests]
+    params = [SamplingParams(**({"temperature": 0.0} | options | common)) for _, options in requests]
     prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt, _ in requests]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return [(list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason) for o in outputs]
@@ -124,16 +124,26 @@ FALLBACK_REQUESTS = [
     ([1, 40, 41, 42], {"max_tokens": 25, "ignore_eos": True, "presence_penalty": 1.0, "frequency_penalty": 0.5}),
     ([1, 33, 17, 50], {"max_tokens": 25, "ignore_eos": True}),
     ([1, 12, 13], {"max_tokens": 15, "min_tokens": 10}),  # trees mask stop tokens by depth themselves
+    ([1, 21, 22, 23], {"max_tokens": 20, "ignore_eos": True, "temperature": 0.8, "seed": 3}),  # sampled, beside greedy ones
+    ([1, 30, 31], {"max_tokens": 20, "ignore_eos": True, "temperature": 1.0, "top_k": 5, "top_p": 0.9}),
 ]
 FALLBACKS = 3  # requests 1, 2 and 3 carry options a tree cannot honour
+SAMPLED = {6, 7}  # their outputs are random draws; the greedy requests beside them must equal vanilla
 
 
 def test_requests_a_tree_cannot_honour_fall_back_and_equal_vanilla(llm_pool, tree_llama_dir, tiny_llama_draft_dir):
+    """A mixed batch: plain greedy requests, requests that fall back, a min_tokens request and sampled
+    requests (temperature, top-k, top-p, seed) together; every deterministic output equals vanilla's."""
     expected = _vanilla(llm_pool, tree_llama_dir, "fallback", FALLBACK_REQUESTS)
     llm = llm_pool.get(tree_llama_dir, speculative_config=_spec(tiny_llama_draft_dir),
                        additional_config=_tree("static", layer_parallel_size=1))
     before = llm.collective_rpc(read_tree_stats)[0]
-    assert _generate(llm, FALLBACK_REQUESTS) == expected
+    outputs = _generate(llm, FALLBACK_REQUESTS)
+    for index, (output, reference) in enumerate(zip(outputs, expected, strict=True)):
+        if index in SAMPLED:
+            assert len(output[0]) == FALLBACK_REQUESTS[index][1]["max_tokens"]
+        else:
+            assert output == reference, index
     after = llm.collective_rpc(read_tree_stats)[0]
     assert after["requests_without_speculation"] - before["requests_without_speculation"] == FALLBACKS
     assert after["tree_requests"] > before["tree_requests"]  # the other requests still used trees

@@ -134,18 +134,26 @@ def _refusal(isa: str, dtype: torch.dtype, reason: str) -> str:
 class PagedKVReader:
     """Gathers the first ``lengths[r]`` positions of requests ``r`` from one layer's paged cache.
 
-    The gather index depends only on the block tables, lengths and layout, so it is built once per forward
-    (:meth:`index`) and used for every layer with that layout (:meth:`gather`).
+    The gather plan depends only on the block tables, lengths and layout, so it is built once per forward
+    (:meth:`index`) and used for every layer with that layout (:meth:`gather`). The ``vec`` layout (keys
+    ``[dim, block_size]`` then values ``[block_size, dim]`` per block and head) is read as strided views of
+    whole blocks; any other permutation through a flat element index.
     """
 
     def __init__(self, layout: CpuKVLayout) -> None:
         self.layout = layout
+        self.is_vec = torch.equal(layout.key_offsets, _vec_offsets(layout, keys=True)) and torch.equal(
+            layout.value_offsets, _vec_offsets(layout, keys=False)
+        )
 
-    def index(self, block_table: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat cache indices ``[R, heads, max(lengths), dim]`` of the keys and of the values (positions past
-        a request's length point at its first element; mask them)."""
+    def index(self, block_table: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The gather plan: block ids ``[R, blocks]`` (``vec``) or flat cache indices of the keys and of the
+        values ``[R, heads, max(lengths), dim]``; positions past a request's length are padding (mask them)."""
         layout = self.layout
         width = max(int(lengths.max()), 1) if lengths.numel() else 1
+        if self.is_vec:
+            num_blocks = -(-width // layout.block_size)
+            return (block_table[:, :num_blocks].long(),)
         positions = torch.arange(width, dtype=torch.int64)
         blocks = block_table.long().gather(
             1, (positions // layout.block_size).clamp(max=block_table.shape[1] - 1)[None].expand(len(block_table), -1)
@@ -161,9 +169,29 @@ class PagedKVReader:
 
         return flat(layout.key_offsets), flat(layout.value_offsets)
 
-    @staticmethod
-    def gather(kv_cache: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[R, heads, L, dim]`` of one layer's cache at a precomputed :meth:`index`."""
+    def gather(self, kv_cache: torch.Tensor, index: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[R, heads, L, dim]`` of one layer's cache at a precomputed :meth:`index` (``L``
+        is at least the longest length; the rest is padding)."""
+        if self.is_vec:
+            (blocks,) = index
+            num_blocks, heads, block_size, fused = kv_cache.shape
+            dim = fused // 2
+            requests, per_request = blocks.shape
+            picked = kv_cache.view(num_blocks, heads, 2, block_size * dim).index_select(0, blocks.flatten())
+            keys = picked[:, :, 0].view(requests, per_request, heads, dim, block_size).permute(0, 2, 1, 4, 3)
+            values = picked[:, :, 1].view(requests, per_request, heads, block_size, dim).permute(0, 2, 1, 3, 4)
+            shape = (requests, heads, per_request * block_size, dim)
+            return keys.reshape(shape), values.reshape(shape)
         flat = kv_cache.view(-1)
         key_index, value_index = index
         return flat[key_index], flat[value_index]
+
+
+def _vec_offsets(layout: CpuKVLayout, keys: bool) -> torch.Tensor:
+    """Offsets of the ``vec`` layout: per (head), keys ``[dim, block_size]``, then values ``[block_size, dim]``."""
+    t, h, d = torch.meshgrid(torch.arange(layout.block_size), torch.arange(layout.num_kv_heads),
+                             torch.arange(layout.head_size), indexing="ij")
+    per_head = 2 * layout.block_size * layout.head_size
+    if keys:
+        return h * per_head + d * layout.block_size + t
+    return h * per_head + layout.block_size * layout.head_size + t * layout.head_size + d

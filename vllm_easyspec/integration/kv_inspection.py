@@ -70,5 +70,8 @@ def _read_layers(worker: Any, names: list[str], num_positions: int) -> dict[str,
         _, num_kv_heads, block_size, fused = kv_cache.shape
         reader = PagedKVReader(probe_cpu_kv_layout(layer.isa, kv_cache.dtype, num_kv_heads, block_size, fused // 2))
         keys, values = reader.gather(kv_cache, reader.index(block_table, lengths))
-        result[name] = {"key": keys[0].transpose(0, 1).clone(), "value": values[0].transpose(0, 1).clone()}
+        result[name] = {
+            "key": keys[0, :, :num_positions].transpose(0, 1).clone(),
+            "value": values[0, :, :num_positions].transpose(0, 1).clone(),
+        }
     return result

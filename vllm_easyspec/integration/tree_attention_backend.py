@@ -86,15 +86,21 @@ class _PrefixIndexCache:
     def __init__(self, block_table: torch.Tensor, lengths: torch.Tensor) -> None:
         self.block_table = block_table
         self.lengths = lengths
-        self._index: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._plans: dict[tuple, tuple[PagedKVReader, tuple[torch.Tensor, ...]]] = {}
 
     def gather(self, layer: Any, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         num_blocks, kv_heads, block_size, fused = kv_cache.shape
         key = (layer.isa, kv_cache.dtype, kv_heads, block_size, fused // 2)
-        if key not in self._index:
-            reader = PagedKVReader(probe_cpu_kv_layout(*key))
-            self._index[key] = reader.index(self.block_table, self.lengths)
-        return PagedKVReader.gather(kv_cache, self._index[key])
+        if key not in self._plans:
+            reader = _reader(*key)
+            self._plans[key] = (reader, reader.index(self.block_table, self.lengths))
+        reader, plan = self._plans[key]
+        return reader.gather(kv_cache, plan)
+
+
+@functools.lru_cache(maxsize=16)
+def _reader(isa: str, dtype: torch.dtype, kv_heads: int, block_size: int, head_size: int) -> PagedKVReader:
+    return PagedKVReader(probe_cpu_kv_layout(isa, dtype, kv_heads, block_size, head_size))
 
 
 @dataclass
@@ -107,6 +113,9 @@ class TreeVerifyMetadata:
     forward: TreeVerifyForward
     query_rows: torch.Tensor  # [R, W] flattened row of each query (padding repeats the root)
     valid_rows: torch.Tensor  # [R, W]
+    valid_flat_rows: torch.Tensor  # forward rows of the real (non-padding) queries
+    valid_flat_index: torch.Tensor  # their places in the [R * W] query layout
+    single: tuple[int, int] | None  # (first, end) forward rows when the step has one tree request
     tree_mask: torch.Tensor  # [R, W, W]
     prefix_lens: torch.Tensor  # [R] = P, the cached prefix is positions < P
     prefix: _PrefixIndexCache
@@ -294,6 +303,9 @@ class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             forward=forward,
             query_rows=step.attention_rows(),
             valid_rows=step.valid_rows,
+            valid_flat_rows=step.attention_rows()[step.valid_rows],
+            valid_flat_index=step.valid_rows.flatten().nonzero().flatten(),
+            single=None if len(step) > 1 else (int(step.query_starts[0]), int(step.query_starts[0]) + step.width),
             tree_mask=step.attention_mask,
             prefix_lens=step.prefix_lens,
             prefix=_PrefixIndexCache(block_table, step.prefix_lens),
@@ -318,14 +330,25 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             chain_out = torch.empty((rows.numel(), *output.shape[1:]), dtype=output.dtype)
             super().forward(layer, query[rows], key[rows], value[rows], kv_cache, meta.chain, chain_out)
             output[rows] = chain_out
-        rows = meta.query_rows
-        tree_key = key[rows].transpose(1, 2)  # [R, Hkv, W, D]
-        tree_value = value[rows].transpose(1, 2)
+        if meta.single is not None:  # one tree: its rows are one slice of the batch, no gathers
+            first, end = meta.single
+            tree_query = query[first:end].unsqueeze(0)
+            tree_key = key[first:end].transpose(0, 1).unsqueeze(0).clone()  # [1, Hkv, W, D], kept past the layer
+            tree_value = value[first:end].transpose(0, 1).unsqueeze(0).clone()
+        else:
+            rows = meta.query_rows
+            tree_query = query[rows]
+            tree_key = key[rows].transpose(1, 2)  # [R, Hkv, W, D]
+            tree_value = value[rows].transpose(1, 2)
         prefix_key, prefix_value = meta.prefix.gather(layer, kv_cache)
         out = attention_over_prefix_and_tree(
-            query[rows], prefix_key, prefix_value, meta.prefix_lens, tree_key, tree_value, meta.tree_mask, self.scale
+            tree_query, prefix_key, prefix_value, meta.prefix_lens, tree_key, tree_value, meta.tree_mask, self.scale
         )
-        output[rows[meta.valid_rows]] = out[meta.valid_rows].to(output.dtype)
+        if meta.single is not None:
+            output[first:end] = out[0]
+        else:
+            output.index_copy_(0, meta.valid_flat_rows, out.reshape(-1, *out.shape[2:]).index_select(
+                0, meta.valid_flat_index).to(output.dtype))
         meta.forward.kept_kv[layer.layer_name] = VerifyKV(
             tree_key, tree_value, kv_cache.shape[2], functools.partial(_write_cpu_cache, layer, kv_cache)
         )

@@ -128,8 +128,6 @@ class TreeDrafting:
         if mapping is not None:
             tokens = mapping.map_draft_to_target_ids(tokens)
         verifier = self.verifier
-        if verifier is None:
-            return tokens
         req_ids = list(proposer.easyspec_runner.input_batch.req_ids[:batch_size])
         token_lists = tokens.tolist()
         parent_lists = trees.parents.tolist()
@@ -148,7 +146,7 @@ class TreeDrafting:
                 draw_mode=trees.draw_modes[row],
                 draft_probs=probs,
             )
-        verifier.propose(req_ids, pending, no_drafts)
+        verifier.propose(pending, no_drafts)
         return tokens
 
 

@@ -111,7 +111,7 @@ class TreeVerifier:
             logger.info("easyspec.tree: request %s is served without speculation (%s)", req_id, reason)
         return reason
 
-    def propose(self, req_ids: list[str], trees: dict[str, PendingTree], no_drafts: set[str]) -> None:
+    def propose(self, trees: dict[str, PendingTree], no_drafts: set[str]) -> None:
         """The drafter's output of this step: trees for ``trees``' requests, no drafts for ``no_drafts``."""
         live = set(self.runner.requests)
         self.pending = {req_id: tree for req_id, tree in self.pending.items() if req_id in live} | trees

@@ -41,14 +41,16 @@ class TreeRejectionSampler(RejectionSampler):
         step = forward.step
         batch = len(metadata.num_draft_tokens)
         width = metadata.max_spec_len + 1
-        bonus = self.sampler(
-            logits=logits[metadata.bonus_logits_indices],
-            sampling_metadata=replace(sampling_metadata, max_num_logprobs=-1),
-            predict_bonus_token=True,
-            logprobs_mode_override="processed_logits" if self.is_processed_logprobs_mode else "raw_logits",
-        )
         output = torch.full((batch, width), PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=logits.device)
-        output[:, 0] = bonus.sampled_token_ids[:, 0].to(torch.int32)
+        bonus = None
+        if len(step) < batch or sampling_metadata.max_num_logprobs is not None:  # some rows have no tree
+            bonus = self.sampler(
+                logits=logits[metadata.bonus_logits_indices],
+                sampling_metadata=replace(sampling_metadata, max_num_logprobs=-1),
+                predict_bonus_token=True,
+                logprobs_mode_override="processed_logits" if self.is_processed_logprobs_mode else "raw_logits",
+            )
+            output[:, 0] = bonus.sampled_token_ids[:, 0].to(torch.int32)
 
         first_logit_row = (metadata.cu_num_sampled_tokens.long() - (self._num_drafts(metadata) + 1)).cpu()
         (banned_requests, banned_columns), banned_tokens = step.banned_stop_tokens()
@@ -64,13 +66,17 @@ class TreeRejectionSampler(RejectionSampler):
                 continue
             indices, trees = group
             rows = step.batch_rows[indices]
-            logit_rows = torch.cat([
-                torch.arange(int(first_logit_row[r]), int(first_logit_row[r]) + int(n) + 1)
-                for r, n in zip(rows.tolist(), trees.num_nodes.tolist(), strict=True)
-            ])
+            if len(indices) == 1:  # one request: its logit rows are one slice, [1, 1 + n, V]
+                first = int(first_logit_row[rows[0]])
+                tree_logits = logits[first : first + int(trees.num_nodes[0]) + 1].unsqueeze(0)
+            else:
+                tree_logits = logits[torch.cat([
+                    torch.arange(int(first_logit_row[r]), int(first_logit_row[r]) + int(n) + 1)
+                    for r, n in zip(rows.tolist(), trees.num_nodes.tolist(), strict=True)
+                ]).to(logits.device)]
             result = tree_rejection_sample(
                 trees,
-                logits[logit_rows.to(logits.device)],
+                tree_logits,
                 temperature=_rows_of(sampling_metadata.temperature, rows),
                 top_k=_rows_of(sampling_metadata.top_k, rows),
                 top_p=_rows_of(sampling_metadata.top_p, rows),
