@@ -221,18 +221,18 @@ def ablation_table(rows: list[dict[str, Any]]) -> str:
 
 
 def e2e(args: argparse.Namespace) -> None:
-    """The default pair end to end: vanilla, vLLM's draft_model at its best k, EasySpec chain, EasySpec tree."""
+    """The default pair end to end: vanilla, vLLM's draft_model at its best k, EasySpec chain, EasySpec trees
+    (the fastest tree of the compare run, and a two-level tree whose second level runs fuzzy)."""
     target, draft, hetero = PAIRS["c"]
-    tree = json.loads(args.tree)
+    fuzzy = {"layer_parallel_size": args.n, "mode": "fused"}
     for batch in args.batches:
         setups = [
             Setup("vanilla", "no speculation"),
             vllm_chain(draft, hetero, args.chain_k),
-            easyspec_chain(draft, hetero, args.chain_k, layer_parallel_size=args.n, mode="fused"),
-            easyspec_tree("easyspec-tree", draft, hetero, tree, layer_parallel_size=args.n, mode="fused"),
+            easyspec_chain(draft, hetero, args.chain_k, **fuzzy),
+            easyspec_tree(f"tree-wide-{args.wide}", draft, hetero, {"choices": wide_choices(args.wide)}),
+            easyspec_tree("tree-dynamic-8", draft, hetero, DYNAMIC[8], **fuzzy),
         ]
-        if args.n > 1:
-            setups.append(easyspec_tree("easyspec-tree", draft, hetero, tree))
         rows = run_setups(setups, _workload(args, target, batch), repeats=args.repeats)
         _write(rows, f"tree_e2e_b{batch}", f"Default pair end to end, batch {batch}, {args.dtype}")
 
@@ -285,9 +285,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
     parser.add_argument("--ablation-pair", default="b", choices=sorted(PAIRS))
-    parser.add_argument("--chain-k", type=int, default=2, help="e2e: k of the chains")
+    parser.add_argument("--chain-k", type=int, default=1, help="e2e: k of the chains (the fastest chain: 1)")
     parser.add_argument("--n", type=int, default=2, help="e2e: EasySpec layer_parallel_size")
-    parser.add_argument("--tree", default=json.dumps({"choices": wide_choices(8)}), help="e2e: the tree (JSON)")
+    parser.add_argument("--wide", type=int, default=4, help="e2e: root children of the depth-1 tree")
     args = parser.parse_args()
     {"verify": verify, "compare": compare, "ablation": ablation, "e2e": e2e, "plot": plot}[args.part](args)
 
