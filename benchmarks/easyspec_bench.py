@@ -38,8 +38,9 @@ PAIRS: dict[str, tuple[str, str, bool]] = {
 }
 
 
-def _spec(draft: str, hetero: bool) -> dict[str, Any]:
-    spec: dict[str, Any] = {"method": "draft_model", "model": str(fetch_model(draft)), "num_speculative_tokens": K}
+def draft_model_spec(draft: str, hetero: bool, k: int = K) -> dict[str, Any]:
+    """vLLM's speculative config for ``draft`` with ``k`` speculative tokens (across vocabularies if ``hetero``)."""
+    spec: dict[str, Any] = {"method": "draft_model", "model": str(fetch_model(draft)), "num_speculative_tokens": k}
     if hetero:
         spec["use_heterogeneous_vocab"] = True
     return spec
@@ -47,7 +48,7 @@ def _spec(draft: str, hetero: bool) -> dict[str, Any]:
 
 def _easyspec_setup(name: str, draft: str, hetero: bool, tp: int = 1, **options: Any) -> Setup:
     described = ", ".join(f"{k}={v}" for k, v in options.items()) or "exact drafting (N=1)"
-    spec = _spec(draft, hetero)
+    spec = draft_model_spec(draft, hetero)
     if tp > 1 and options.get("mode") == "tensor_parallel":
         spec["draft_tensor_parallel_size"] = 1  # the draft is replicated on every rank (SmolLM2: 9 heads)
     return Setup(
@@ -112,7 +113,7 @@ def e2e(args: argparse.Namespace) -> None:
         setups = [
             Setup(name="vanilla", description="no speculation, TP 1"),
             Setup(name=f"easyspec_e2e_b{batch}_draft_model", description="vLLM draft_model (no plugin options)",
-                  speculative_config=_spec(draft, hetero)),  # fmt: skip
+                  speculative_config=draft_model_spec(draft, hetero)),  # fmt: skip
             _easyspec_setup(f"easyspec_e2e_b{batch}_fused_n{args.n}", draft, hetero,
                             layer_parallel_size=args.n, mode="fused"),  # fmt: skip
             Setup(name=f"easyspec_e2e_b{batch}_vanilla_tp2", description="no speculation, TP 2",

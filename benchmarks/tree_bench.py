@@ -21,6 +21,7 @@ import json
 import sys
 from typing import Any
 
+from benchmarks.easyspec_bench import PAIRS, draft_model_spec  # pairs (a), (b), (c) as documented above
 from benchmarks.harness import (
     DEFAULT_REPEATS,
     RESULTS_DIR,
@@ -32,14 +33,6 @@ from benchmarks.harness import (
     write_results,
 )
 from vllm_easyspec.models import fetch_model
-
-SMOL = "smollm2-135m-instruct"
-QWEN = "qwen2.5-coder-0.5b-instruct"
-PAIRS: dict[str, tuple[str, str, bool]] = {
-    "a": (SMOL, SMOL, False),
-    "b": (QWEN, QWEN, False),
-    "c": (QWEN, SMOL, True),
-}
 
 
 def chain_choices(nodes: int) -> list[list[int]]:
@@ -62,27 +55,20 @@ DYNAMIC: dict[int, dict[str, int]] = {
 }
 
 
-def _spec(draft: str, hetero: bool, nodes: int) -> dict[str, Any]:
-    spec: dict[str, Any] = {"method": "draft_model", "model": str(fetch_model(draft)), "num_speculative_tokens": nodes}
-    if hetero:
-        spec["use_heterogeneous_vocab"] = True
-    return spec
-
-
 def vllm_chain(draft: str, hetero: bool, k: int) -> Setup:
-    return Setup(f"vllm-chain-{k}", f"vLLM draft_model chain, k={k}", speculative_config=_spec(draft, hetero, k))
+    return Setup(f"vllm-chain-{k}", f"vLLM draft_model chain, k={k}", speculative_config=draft_model_spec(draft, hetero, k))
 
 
 def easyspec_chain(draft: str, hetero: bool, k: int, **options: Any) -> Setup:
     suffix = _option_suffix(options)
     return Setup(f"easyspec-chain-{k}{suffix}", f"EasySpec chain, k={k} {options or ''}".strip(),
-                 speculative_config=_spec(draft, hetero, k), additional_config={"easyspec": options})
+                 speculative_config=draft_model_spec(draft, hetero, k), additional_config={"easyspec": options})
 
 
 def easyspec_tree(name: str, draft: str, hetero: bool, tree: dict[str, Any], **options: Any) -> Setup:
     nodes = len(tree["choices"]) if "choices" in tree else tree["budget"]
     return Setup(f"{name}{_option_suffix(options)}", f"EasySpec tree {json.dumps(tree)} {options or ''}".strip(),
-                 speculative_config=_spec(draft, hetero, nodes),
+                 speculative_config=draft_model_spec(draft, hetero, nodes),
                  additional_config={"easyspec": {"tree": tree} | options})
 
 

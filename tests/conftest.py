@@ -68,3 +68,11 @@ def llm_pool():
     pool = EnginePool()
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="module")
+def real_pair():
+    """The default real pair (target, draft): Qwen2.5-Coder-0.5B-Instruct and SmolLM2-135M-Instruct."""
+    from vllm_easyspec.models import fetch_model
+
+    return fetch_model("qwen2.5-coder-0.5b-instruct"), fetch_model("smollm2-135m-instruct")

@@ -52,3 +52,13 @@ def shutdown_engine(engine: Any) -> None:
     engine.llm_engine.engine_core.shutdown()
     del engine
     gc.collect()
+
+
+def greedy_tokens(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy output token ids of ``prompts`` (token-id lists), EOS ignored."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]

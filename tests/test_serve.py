@@ -4,6 +4,7 @@ with one line naming the fix."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -56,6 +57,22 @@ def _wait_healthy(process: subprocess.Popen, port: int, timeout: float = 240.0) 
     raise AssertionError("vllm serve did not become healthy in time")
 
 
+@contextlib.contextmanager
+def _serving(command: list[str], port: int, log_path: Path):
+    """A running ``vllm-easyspec serve`` (healthy on ``port``), stopped on exit; its output goes to ``log_path``."""
+    with log_path.open("w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        try:
+            _wait_healthy(process, port)
+            yield process
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
 def test_vllm_serve_with_plugin_is_greedy_exact(tmp_path, llm_pool, tiny_llama_dir, tiny_llama_draft_dir):
     from vllm import SamplingParams
 
@@ -69,10 +86,7 @@ def test_vllm_serve_with_plugin_is_greedy_exact(tmp_path, llm_pool, tiny_llama_d
         tiny_llama_dir, port, "--speculative-config", json.dumps(spec), "--additional-config",
         json.dumps({"easyspec": {}}),
     )  # fmt: skip
-    log = (tmp_path / "serve.log").open("w")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-    try:
-        _wait_healthy(process, port)
+    with _serving(command, port, tmp_path / "serve.log"):
         body = {"model": str(tiny_llama_dir), "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0.0,
                 "ignore_eos": True}  # fmt: skip
         completion = _post(port, "/v1/completions", body)
@@ -81,13 +95,6 @@ def test_vllm_serve_with_plugin_is_greedy_exact(tmp_path, llm_pool, tiny_llama_d
             metrics = response.read().decode()
         drafts = [line for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_drafts")]
         assert drafts and float(drafts[0].split()[-1]) > 0
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
 
 
 def test_vllm_serve_rejects_bad_options_in_one_line(tiny_llama_dir, tiny_llama_draft_dir):
@@ -126,10 +133,7 @@ def test_vllm_serve_with_trees_is_greedy_exact(tmp_path, llm_pool, tiny_llama_di
     command = _serve_command(
         tiny_llama_dir, port, "--speculative-config", json.dumps(spec), "--additional-config", json.dumps(tree),
     )  # fmt: skip
-    log = (tmp_path / "serve.log").open("w")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-    try:
-        _wait_healthy(process, port)
+    with _serving(command, port, tmp_path / "serve.log"):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
 
         def complete(index: int) -> str:
@@ -154,13 +158,6 @@ def test_vllm_serve_with_trees_is_greedy_exact(tmp_path, llm_pool, tiny_llama_di
         # a tree step verifies all six nodes: draft tokens per draft is the tree's node count
         assert counters["vllm:spec_decode_num_draft_tokens_total"] == 6 * counters["vllm:spec_decode_num_drafts_total"]
         assert len(per_depth) == 6 and float(per_depth[0].split()[-1]) > 0
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
 
 
 def test_vllm_serve_rejects_a_bad_tree_in_one_line(tiny_llama_dir, tiny_llama_draft_dir):

@@ -5,6 +5,7 @@ process and tensor_parallel on 2 CPU ranks. Run with ``pytest -m slow tests/easy
 from __future__ import annotations
 
 import pytest
+from engine_pool import greedy_tokens
 
 from vllm_easyspec.integration.draft_proposer import read_drafting_stats
 from vllm_easyspec.models import prompt_token_ids
@@ -13,13 +14,6 @@ pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 32
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-
-
-@pytest.fixture(scope="module")
-def real_pair():
-    from vllm_easyspec.models import fetch_model
-
-    return fetch_model("qwen2.5-coder-0.5b-instruct"), fetch_model("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +26,7 @@ def prompt_ids(real_pair):
 
 
 def _greedy(llm, prompts) -> list[list[int]]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    return greedy_tokens(llm, prompts, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

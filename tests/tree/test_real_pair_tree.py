@@ -5,6 +5,7 @@ fuzzy drafting, at batch 1 and in a batch of 4. Run with ``pytest -m slow tests/
 from __future__ import annotations
 
 import pytest
+from engine_pool import greedy_tokens
 
 from vllm_easyspec.integration.tree_runner import read_tree_stats
 from vllm_easyspec.models import prompt_token_ids
@@ -21,13 +22,6 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def real_pair():
-    from vllm_easyspec.models import fetch_model
-
-    return fetch_model("qwen2.5-coder-0.5b-instruct"), fetch_model("smollm2-135m-instruct")
-
-
-@pytest.fixture(scope="module")
 def prompt_ids(real_pair):
     from transformers import AutoTokenizer
 
@@ -36,12 +30,7 @@ def prompt_ids(real_pair):
 
 
 def _greedy(llm, prompts) -> list[list[int]]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    return greedy_tokens(llm, prompts, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -248,7 +248,48 @@ def split_verify_batch(cm, step: TreeVerifyStep):
     return sub, chain_rows
 
 
-class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+def refuse_unsupported_layers(vllm_config, layer_names, no_window: Any) -> None:
+    """Start-up self-check shared by the tree backends: refuse tree mode for attention layers whose features
+    tree attention does not implement (``no_window`` is the backend's value for "no sliding window")."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    for name, layer in get_layers_from_vllm_config(vllm_config, Attention, layer_names).items():
+        impl = layer.impl
+        window = getattr(impl, "sliding_window", no_window)
+        unsupported = [
+            what for what, present in (
+                ("a sliding window", (tuple(window) if isinstance(window, list | tuple) else window)
+                 not in (no_window, None)),
+                ("ALiBi", getattr(impl, "alibi_slopes", None) is not None),
+                ("a logits soft cap", bool(getattr(impl, "logits_soft_cap", 0))),
+                ("attention sinks", getattr(impl, "sinks", None) is not None),
+                ("chunked local attention", getattr(impl, "chunk_lookback", -1) != -1),
+            ) if present
+        ]
+        if unsupported:
+            raise EasySpecConfigError(
+                f"easyspec.tree: attention layer {name} uses {' and '.join(unsupported)}, which tree "
+                "attention does not implement; remove easyspec.tree to use chain speculation with this model"
+            )
+
+
+class TreeVerifyBuilderMixin:
+    """``build`` of a tree backend's metadata builder: vLLM's own, except while the runner builds a verify
+    step's metadata (:func:`verifying`), when the backend's ``_build_verify`` builds tree metadata."""
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        forward = _ACTIVE_VERIFY.get()
+        if forward is None:
+            return self.build_without_trees(common_prefix_len, common_attn_metadata, fast_build)
+        return self._build_verify(common_prefix_len, common_attn_metadata, forward)
+
+    def build_without_trees(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        """vLLM's builder (the next class in the MRO); used for the requests without a tree too."""
+        return super().build(common_prefix_len, common_attn_metadata, fast_build)
+
+
+class TreeCPUAttentionMetadataBuilder(TreeVerifyBuilderMixin, CPUAttentionMetadataBuilder):
     """vLLM's builder; inside :func:`verifying` it builds :class:`TreeVerifyMetadata` instead."""
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
@@ -259,41 +300,18 @@ class TreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def _check_tree_support(self, layer_names, vllm_config) -> None:
         """Start-up self-check: refuse tree mode where tree attention would not be exact."""
-        from vllm.config import get_layers_from_vllm_config
-        from vllm.model_executor.layers.attention import Attention
-
         dtype = vllm_config.model_config.dtype if self.kv_cache_dtype in ("auto", None) else None
         if dtype is None:
             raise EasySpecConfigError(
                 f"easyspec.tree supports only unquantized KV caches, got kv_cache_dtype {self.kv_cache_dtype!r}"
             )
         probe_cpu_kv_layout(self.isa, dtype, self.num_kv_heads, self.block_size, self.head_dim)
-        for name, layer in get_layers_from_vllm_config(vllm_config, Attention, layer_names).items():
-            impl = layer.impl
-            unsupported = [
-                what for what, present in (
-                    ("a sliding window", getattr(impl, "sliding_window", -1) not in (-1, None)),
-                    ("ALiBi", getattr(impl, "alibi_slopes", None) is not None),
-                    ("a logits soft cap", bool(getattr(impl, "logits_soft_cap", 0))),
-                    ("attention sinks", getattr(impl, "sinks", None) is not None),
-                ) if present
-            ]
-            if unsupported:
-                raise EasySpecConfigError(
-                    f"easyspec.tree: attention layer {name} uses {' and '.join(unsupported)}, which tree "
-                    "attention does not implement; remove easyspec.tree to use chain speculation with this model"
-                )
-
-    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
-        forward = _ACTIVE_VERIFY.get()
-        if forward is None:
-            return super().build(common_prefix_len, common_attn_metadata, fast_build)
-        return self._build_verify(common_prefix_len, common_attn_metadata, forward)
+        refuse_unsupported_layers(vllm_config, layer_names, no_window=-1)
 
     def _build_verify(self, common_prefix_len, cm, forward: TreeVerifyForward) -> TreeVerifyMetadata:
         step = forward.step
         sub, chain_rows = split_verify_batch(cm, step)
-        chain = None if sub is None else super().build(common_prefix_len, sub)
+        chain = None if sub is None else self.build_without_trees(common_prefix_len, sub)
         block_table = cm.block_table_tensor[step.batch_rows]
         forward.block_table = block_table
         return TreeVerifyMetadata(

@@ -46,11 +46,12 @@ from vllm.v1.attention.backends.triton_attn import (
 
 from vllm_easyspec.easyspec.config import EasySpecConfigError, parse_easyspec_config
 from vllm_easyspec.integration.tree_attention_backend import (
-    _ACTIVE_VERIFY,
     TreeLevelMetadata,
+    TreeVerifyBuilderMixin,
     TreeVerifyForward,
     VerifyKV,
     _per_request,
+    refuse_unsupported_layers,
     split_verify_batch,
 )
 from vllm_easyspec.tree.attention import attention_over_prefix_and_tree
@@ -81,7 +82,7 @@ def _tree_configured(vllm_config) -> bool:
     return easyspec is not None and easyspec.tree is not None
 
 
-class TreeTritonAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
+class TreeTritonAttentionMetadataBuilder(TreeVerifyBuilderMixin, TritonAttentionMetadataBuilder):
     """vLLM's Triton builder; inside :func:`verifying` it builds :class:`TreeTritonVerifyMetadata` instead."""
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
@@ -108,37 +109,18 @@ class TreeTritonAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
                 "easyspec.tree: this model uses reference sliding-window attention, which tree attention does "
                 "not implement; remove easyspec.tree to use chain speculation with this model"
             )
-        for name, layer in get_layers_from_vllm_config(vllm_config, Attention, layer_names).items():
-            impl = layer.impl
-            if is_quantized_kv_cache(impl.kv_cache_dtype):
+        for layer in get_layers_from_vllm_config(vllm_config, Attention, layer_names).values():
+            if is_quantized_kv_cache(layer.impl.kv_cache_dtype):
                 raise EasySpecConfigError(
-                    f"easyspec.tree supports only unquantized KV caches, got kv_cache_dtype {impl.kv_cache_dtype!r}"
+                    f"easyspec.tree supports only unquantized KV caches, got kv_cache_dtype "
+                    f"{layer.impl.kv_cache_dtype!r}"
                 )
-            unsupported = [
-                what for what, present in (
-                    ("a sliding window", tuple(getattr(impl, "sliding_window", (-1, -1))) != (-1, -1)),
-                    ("ALiBi", getattr(impl, "alibi_slopes", None) is not None),
-                    ("a logits soft cap", bool(getattr(impl, "logits_soft_cap", 0))),
-                    ("attention sinks", getattr(impl, "sinks", None) is not None),
-                    ("chunked local attention", getattr(impl, "chunk_lookback", -1) != -1),
-                ) if present
-            ]
-            if unsupported:
-                raise EasySpecConfigError(
-                    f"easyspec.tree: attention layer {name} uses {' and '.join(unsupported)}, which tree "
-                    "attention does not implement; remove easyspec.tree to use chain speculation with this model"
-                )
-
-    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
-        forward = _ACTIVE_VERIFY.get()
-        if forward is None:
-            return super().build(common_prefix_len, common_attn_metadata, fast_build)
-        return self._build_verify(common_prefix_len, common_attn_metadata, forward)
+        refuse_unsupported_layers(vllm_config, layer_names, no_window=(-1, -1))
 
     def _build_verify(self, common_prefix_len, cm, forward: TreeVerifyForward) -> TreeTritonVerifyMetadata:
         step = forward.step
         sub, chain_rows = split_verify_batch(cm, step)
-        chain = None if sub is None else super().build(common_prefix_len, sub)
+        chain = None if sub is None else self.build_without_trees(common_prefix_len, sub)
         device = self.device
         rows = step.attention_rows()
         cu_query_lens = torch.zeros(len(step) + 1, dtype=torch.int32)
