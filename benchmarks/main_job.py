@@ -1,6 +1,6 @@
 """The main job on built-in defaults: fetch the default pair and compare, side by side in one run,
-vanilla vLLM, vLLM's built-in ``draft_model`` and the plugin's drafter with the same draft, and (for the
-default target) vLLM's ``eagle3`` with this project's committed head, the best configuration measured.
+vanilla vLLM, vLLM's built-in ``draft_model``, the plugin's EasySpec chain drafter and its token tree with
+the same draft, and (for the default target) vLLM's ``eagle3`` with this project's committed head.
 
 Run from the repository root: ``python -m benchmarks.main_job`` (the README's first command does this).
 """
@@ -26,6 +26,10 @@ from vllm_easyspec.models import DEFAULT_DRAFT, DEFAULT_TARGET, MODELS, ModelFet
 # The plugin's drafter as the main job runs it: EasySpec fused fuzzy drafting, groups of 2, calibrated.
 PLUGIN_ADDITIONAL_CONFIG: dict = {"easyspec": {"layer_parallel_size": 2, "mode": "fused"}}
 PLUGIN_DESCRIPTION = "vllm-easyspec EasySpec drafter (fused, N=2, every_round calibration), same draft"
+# The plugin's token tree as the main job runs it: the fastest tree on this pair in
+# benchmarks/results/tree_compare_c.md (python -m benchmarks.tree_bench compare --pairs c): the four most
+# likely root children, one draft forward per step.
+PLUGIN_TREE: dict = {"choices": [[0], [1], [2], [3]]}
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EAGLE3_HEAD = REPO_ROOT / "heads" / "qwen2.5-coder-0.5b-instruct-eagle3"
 # The fastest k at batch 1 in benchmarks/results/eagle_speed_b1.md (python -m benchmarks.eagle_bench speed).
@@ -56,6 +60,11 @@ def main_setups(draft: str, k: int, target_is_default: bool) -> list[Setup]:
         Setup("vanilla", "vLLM without speculation"),
         Setup("vllm-draft_model", f"vLLM built-in draft_model, k={k}", speculative_config=speculative),
         Setup("easyspec", PLUGIN_DESCRIPTION, speculative_config=speculative, additional_config=PLUGIN_ADDITIONAL_CONFIG),
+        Setup(
+            "easyspec-tree", f"vllm-easyspec token tree {PLUGIN_TREE['choices']}, same draft",
+            speculative_config=speculative | {"num_speculative_tokens": len(PLUGIN_TREE["choices"])},
+            additional_config={"easyspec": {"tree": PLUGIN_TREE}},
+        ),
     ]
     if target_is_default and (EAGLE3_HEAD / "config.json").is_file():
         eagle3 = {"method": "eagle3", "model": str(EAGLE3_HEAD), "num_speculative_tokens": EAGLE3_K}
