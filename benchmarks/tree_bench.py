@@ -48,6 +48,7 @@ def wide_choices(nodes: int) -> list[list[int]]:
 # EAGLE-2 dynamic trees per node budget: expand the top_k of every depth, keep the budget best nodes.
 # Two levels (one draft forward after the first pass) keep drafting cheap; budget 32 goes one level deeper.
 DYNAMIC: dict[int, dict[str, int]] = {
+    2: {"top_k": 2, "depth": 2, "budget": 2},
     4: {"top_k": 2, "depth": 2, "budget": 4},
     8: {"top_k": 4, "depth": 2, "budget": 8},
     16: {"top_k": 8, "depth": 2, "budget": 16},
@@ -261,8 +262,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("part", choices=("verify", "compare", "ablation", "e2e", "plot"))
     parser.add_argument("--pairs", nargs="*", default=["c", "a", "b"], choices=sorted(PAIRS))
-    parser.add_argument("--budgets", type=int, nargs="*", default=[4, 8, 16])
-    parser.add_argument("--extra-chains", type=int, nargs="*", default=[1, 2], help="compare: shorter chains too")
+    parser.add_argument("--budgets", type=int, nargs="*", default=[2, 4, 8, 16])
+    parser.add_argument("--extra-chains", type=int, nargs="*", default=[1], help="compare: shorter chains too")
     parser.add_argument("--nodes", type=int, nargs="*", default=[4, 8, 16, 32], help="verify: node counts")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
