@@ -673,11 +673,13 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def write_results(rows: list[dict[str, Any]], stem: str, title: str, command: str) -> dict[str, Path]:
+def write_results(rows: list[dict[str, Any]], stem: str, title: str, command: str, summary: str = "") -> dict[str, Path]:
+    """Write ``stem``.json/.md/.png; ``summary`` (markdown) follows the table in the .md file."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     paths = {ext: RESULTS_DIR / f"{stem}.{ext}" for ext in ("json", "md", "png")}
     paths["json"].write_text(json.dumps({"title": title, "command": command, "rows": rows}, indent=2) + "\n")
-    paths["md"].write_text(f"# {title}\n\nCommand: `{command}`\n\n{markdown_table(rows)}\n")
+    tail = f"\n{summary}\n" if summary else ""
+    paths["md"].write_text(f"# {title}\n\nCommand: `{command}`\n\n{markdown_table(rows)}\n{tail}")
     plot(rows, paths["png"], title)
     return paths
 

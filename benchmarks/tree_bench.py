@@ -105,8 +105,7 @@ def verify(args: argparse.Namespace) -> None:
             setups.append(easyspec_tree(f"tree-dynamic-{nodes}", draft, hetero, DYNAMIC[nodes]))
         rows = run_setups(setups, _workload(args, target, batch), repeats=args.repeats)
         _write(rows, f"tree_verify_b{batch}", f"Target forward per decode step: tree vs chain vs one token, pair (c), "
-                                              f"batch {batch}, {args.dtype}")
-        print(verify_table(rows))
+                                              f"batch {batch}, {args.dtype}", verify_table(rows))
 
 
 def verify_table(rows: list[dict[str, Any]]) -> str:
@@ -139,8 +138,7 @@ def compare(args: argparse.Namespace) -> None:
                 setups.append(vllm_chain(draft, hetero, k))
         rows = run_setups(setups, _workload(args, target, args.batch), repeats=args.repeats)
         _write(rows, f"tree_compare_{pair}", f"Tree vs chain at equal node budgets, pair ({pair}): {draft} -> {target}, "
-                                             f"batch {args.batch}, {args.dtype}")
-        print(best_summary(rows))
+                                             f"batch {args.batch}, {args.dtype}", best_summary(rows))
 
 
 def best_summary(rows: list[dict[str, Any]]) -> str:
@@ -185,8 +183,8 @@ def ablation(args: argparse.Namespace) -> None:
                 setups.append(easyspec_tree(f"width{width}", draft, hetero, tree, **options))
     rows = run_setups(setups, _workload(args, target, args.batch), repeats=args.repeats)
     _write(rows, f"tree_ablation_{args.ablation_pair}", f"Tree width x layer_parallel_size x calibration, pair "
-                                                        f"({args.ablation_pair}), batch {args.batch}, {args.dtype}")
-    print(ablation_table(rows))
+                                                        f"({args.ablation_pair}), batch {args.batch}, {args.dtype}",
+           ablation_table(rows))
 
 
 def ablation_table(rows: list[dict[str, Any]]) -> str:
@@ -251,10 +249,11 @@ def plot(args: argparse.Namespace) -> None:
     fig.savefig(RESULTS_DIR / "tree_acceptance_per_depth.png", dpi=110)
 
 
-def _write(rows: list[dict[str, Any]], stem: str, title: str) -> None:
+def _write(rows: list[dict[str, Any]], stem: str, title: str, summary: str = "") -> None:
     command = "python -m benchmarks.tree_bench " + " ".join(sys.argv[1:])
-    paths = write_results(rows, stem, title, command)
+    paths = write_results(rows, stem, title, command, summary)
     print(markdown_table(rows))
+    print(summary)
     print(f"results: {paths['md']}")
 
 
