@@ -82,12 +82,21 @@ def _option_suffix(options: dict[str, Any]) -> str:
     return "".join(f"-{p}" for p in parts)
 
 
+# Deeper EAGLE-2 trees (four levels: three draft forwards after the first pass), the ablation's shapes:
+# more acceptance per step for more drafting time.
+DEEP: dict[int, dict[str, int]] = {8: {"top_k": 2, "depth": 4, "budget": 8}, 16: {"top_k": 4, "depth": 4, "budget": 16}}
+
+
 def tree_setups(draft: str, hetero: bool, budget: int, **options: Any) -> list[Setup]:
-    """The tree shapes compared at one node budget: all root children (depth 1), and EAGLE-2 dynamic."""
-    return [
+    """The tree shapes compared at one node budget: all root children (depth 1), EAGLE-2 dynamic with two
+    levels, and (budgets 8 and 16) EAGLE-2 dynamic with four levels."""
+    setups = [
         easyspec_tree(f"tree-wide-{budget}", draft, hetero, {"choices": wide_choices(budget)}, **options),
         easyspec_tree(f"tree-dynamic-{budget}", draft, hetero, DYNAMIC[budget], **options),
     ]
+    if budget in DEEP:
+        setups.append(easyspec_tree(f"tree-deep-{budget}", draft, hetero, DEEP[budget], **options))
+    return setups
 
 
 def _workload(args: argparse.Namespace, target: str, batch: int) -> Workload:
@@ -168,8 +177,7 @@ def best_summary(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-ABLATION_WIDTHS = {1: {"choices": chain_choices(4)}, 2: {"top_k": 2, "depth": 4, "budget": 8},
-                   4: {"top_k": 4, "depth": 4, "budget": 16}}
+ABLATION_WIDTHS = {1: {"choices": chain_choices(4)}, 2: DEEP[8], 4: DEEP[16]}
 
 
 def ablation(args: argparse.Namespace) -> None:
