@@ -19,12 +19,12 @@ Invariants:
   ``vllm_easyspec.integration.drafting_timer.time_steps``) and the drafter inside it; verify seconds per
   step = (step seconds - drafting seconds) / steps. For vanilla, verify is the whole decode step.
 - Identity is judged against the setup named ``vanilla``: its first run also replays the timed request with
-  ``logprobs=2`` on an engine started with ``logprobs_mode="raw_logits"`` (untimed, after a prefix-cache
-  reset and the same warm-up, and checked to give the same tokens), which records vanilla's top-2 token ids
-  and raw logits at every output position. A setup whose tokens differ from vanilla's is a near-tie only
-  when, at the first differing position of that prompt, its token is vanilla's second choice and vanilla's
-  top-2 logit margin is within the rounding of the run's dtype (``classify_identity``); anything else is a
-  failure, printed as ``LOSSLESS CHECK FAILED``. Other setups' sampling parameters are never changed.
+  ``logprobs=TOP_LOGITS_RECORDED`` on an engine started with ``logprobs_mode="raw_logits"`` (untimed, after
+  a prefix-cache reset and the same warm-up, and checked to give the same tokens), which records vanilla's
+  top token ids and raw logits at every output position. A setup whose tokens differ from vanilla's is a
+  near-tie only when, at the first differing position of that prompt, its token is among vanilla's recorded
+  top tokens and vanilla's logit margin between its own token and the setup's is within the rounding of the
+  run's dtype (``classify_identity``); anything else is a failure, printed as ``LOSSLESS CHECK FAILED``. Other setups' sampling parameters are never changed.
 
 Row schema (``ROW_FIELDS``): later issues add setups, never new scripts or fields with other meanings.
 """
@@ -117,6 +117,7 @@ def engine_env(tensor_parallel_size: int) -> dict[str, str]:
 
 
 VANILLA = "vanilla"  # the baseline setup every ratio and identity check refers to
+TOP_LOGITS_RECORDED = 5  # vanilla's choices recorded per output position for the identity check
 DEFAULT_REPEATS = 3
 
 
@@ -145,8 +146,10 @@ def run_setups(
     bar = tqdm(schedule, desc="runs", unit="run", disable=not progress)
     for round_index, name in bar:
         bar.set_postfix_str(f"{name} (round {round_index + 1}/{repeats})")
-        record_top2 = name == VANILLA and round_index == 0
-        raw.append(_run_in_child(by_name[name], workload, round_index, record_top2) | {"round": round_index})
+        record_top_logits = name == VANILLA and round_index == 0
+        raw.append(
+            _run_in_child(by_name[name], workload, round_index, record_top_logits) | {"round": round_index}
+        )
     rows = finalize_rows(raw, order=names)
     report_identity(rows)
     return rows
@@ -197,9 +200,9 @@ def finalize_rows(raw: list[dict[str, Any]], order: list[str] | None = None) -> 
 
 
 def _vanilla_reference(vanilla_runs: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The vanilla run that recorded top-2 logits (its first), else its first run."""
-    with_top2 = [r for r in vanilla_runs if r.get("vanilla_top2") is not None]
-    return (with_top2 or vanilla_runs or [None])[0]
+    """The vanilla run that recorded its top logits (its first), else its first run."""
+    with_top = [r for r in vanilla_runs if r.get("vanilla_top") is not None]
+    return (with_top or vanilla_runs or [None])[0]
 
 
 def _identity_over_runs(
@@ -211,7 +214,7 @@ def _identity_over_runs(
     seen = set()
     for result in results:
         verdict = classify_identity(
-            result["token_ids"], reference["token_ids"], reference.get("vanilla_top2"), dtype
+            result["token_ids"], reference["token_ids"], reference.get("vanilla_top"), dtype
         )
         for d in verdict["divergences"]:
             key = (d["prompt"], d["position"], d["setup_token"])
@@ -220,9 +223,9 @@ def _identity_over_runs(
                 divergences.append(d | {"round": result.get("round")})
     if name == VANILLA and reference.get("logprobs_tokens_match") is False:
         divergences.append(
-            {"prompt": None, "position": None, "margin": None, "threshold": None, "vanilla_top2": None,
+            {"prompt": None, "position": None, "margin": None, "threshold": None, "vanilla_top": None,
              "vanilla_token": None, "setup_token": None, "near_tie": False,
-             "reason": "vanilla's tokens changed when logprobs were requested: the top-2 record is not of this path"}
+             "reason": "vanilla's tokens changed when logprobs were requested: the top-logit record is not of this path"}
         )  # fmt: skip
     if not divergences:
         identity = "identical"
@@ -269,23 +272,26 @@ def ulp(x: float, dtype: str) -> float:
 
 
 def near_tie_threshold(top_logit: float, dtype: str) -> float:
-    """Largest top-2 margin that rounding of the run's dtype can flip: 2 ulp of the top logit."""
+    """Largest logit margin that rounding of the run's dtype can flip: 2 ulp of the top logit."""
     return 2 * ulp(top_logit, dtype)
 
 
 def classify_identity(
     setup_ids: list[list[int]],
     vanilla_ids: list[list[int]],
-    vanilla_top2: list[list[list[list[float]]]] | None,
+    vanilla_top: list[list[list[list[float]]]] | None,
     dtype: str,
 ) -> dict[str, Any]:
     """Pure verdict for one run: ``identity`` is "identical", "near-tie" or "FAILED", with one divergence per
-    differing prompt ({prompt, position, margin, threshold, vanilla_top2, vanilla_token, setup_token,
-    near_tie}). ``vanilla_top2[prompt][position]`` is vanilla's [[token, logit], [token, logit]] there.
+    differing prompt ({prompt, position, margin, threshold, vanilla_top, vanilla_token, setup_token,
+    near_tie}). ``vanilla_top[prompt][position]`` is vanilla's [[token, logit], ...] there, best first.
 
     A divergence is a near-tie only when, at the first position where the two differ, (a) the setup's token
-    is vanilla's second choice and (b) vanilla's top-2 margin is <= ``near_tie_threshold`` for ``dtype``.
-    A missing record, or one output ending where the other goes on, is a failure."""
+    is among vanilla's recorded top tokens, (b) vanilla's own token is its (possibly tied) first choice, and
+    (c) the margin, vanilla's first logit minus its logit of the setup's token, is <= ``near_tie_threshold``
+    for ``dtype``. Usually the setup's token is vanilla's second choice; in a three-way tie it can be the
+    third. ``vanilla_top`` of the divergence lists vanilla's choices down to the setup's token (at least
+    two). A missing record, or one output ending where the other goes on, is a failure."""
     if len(setup_ids) != len(vanilla_ids):
         raise ValueError(f"{len(setup_ids)} outputs vs vanilla's {len(vanilla_ids)}")
     divergences = []
@@ -298,25 +304,30 @@ def classify_identity(
         setup_token = ours[position] if position < len(ours) else None
         vanilla_token = theirs[position] if position < len(theirs) else None
         divergence: dict[str, Any] = {
-            "prompt": prompt, "position": position, "margin": None, "threshold": None, "vanilla_top2": None,
+            "prompt": prompt, "position": position, "margin": None, "threshold": None, "vanilla_top": None,
             "vanilla_token": vanilla_token, "setup_token": setup_token, "near_tie": False,
         }  # fmt: skip
         record = None
-        if vanilla_top2 is not None and prompt < len(vanilla_top2) and position < len(vanilla_top2[prompt]):
-            record = vanilla_top2[prompt][position]
+        if vanilla_top is not None and prompt < len(vanilla_top) and position < len(vanilla_top[prompt]):
+            record = vanilla_top[prompt][position]
         if record is not None and len(record) >= 2 and setup_token is not None and vanilla_token is not None:
             # Best first; on an exact tie vanilla's own token counts as its first choice.
-            (first_id, first_logit), (second_id, second_logit) = sorted(
+            ranked = sorted(
                 ((int(t), float(v)) for t, v in record), key=lambda tv: (-tv[1], tv[0] != vanilla_token)
-            )[:2]
-            margin = first_logit - second_logit
+            )
+            first_id, first_logit = ranked[0]
             threshold = near_tie_threshold(first_logit, dtype)
-            divergence |= {
-                "margin": margin,
-                "threshold": threshold,
-                "vanilla_top2": [[first_id, first_logit], [second_id, second_logit]],
-                "near_tie": setup_token == second_id and first_id == vanilla_token and margin <= threshold,
-            }
+            rank = next((i for i, (t, _) in enumerate(ranked) if t == setup_token), None)
+            shown = ranked[: max(2, (rank or 0) + 1)]
+            divergence |= {"threshold": threshold, "vanilla_top": [[t, v] for t, v in shown]}
+            if rank is not None:
+                margin = first_logit - ranked[rank][1]
+                divergence |= {
+                    "margin": margin,
+                    "near_tie": first_id == vanilla_token and margin <= threshold,
+                }
+            else:  # not even among vanilla's recorded choices: at least the margin to the last of them
+                divergence["margin"] = first_logit - ranked[-1][1]
         divergences.append(divergence)
     if not divergences:
         identity = "identical"
@@ -340,7 +351,7 @@ def identity_failures(rows: list[dict[str, Any]]) -> list[str]:
             lines.append(
                 f"LOSSLESS CHECK FAILED: setup {row['setup']}, prompt {d['prompt']}, position {d['position']}, "
                 f"margin {_fmt(d['margin'], '.6g')} (near-tie threshold {_fmt(d['threshold'], '.6g')}), "
-                f"vanilla top-2 {d['vanilla_top2']}, vanilla token {d['vanilla_token']}, "
+                f"vanilla top {d['vanilla_top']}, vanilla token {d['vanilla_token']}, "
                 f"setup token {d['setup_token']}"
             )
     return lines
@@ -358,7 +369,7 @@ def report_identity(rows: list[dict[str, Any]]) -> int:
             if d["near_tie"]:
                 print(
                     f"near-tie (lossless): setup {row['setup']}, prompt {d['prompt']}, position {d['position']}, "
-                    f"margin {d['margin']:.6g} <= {d['threshold']:.6g}, vanilla top-2 {d['vanilla_top2']}"
+                    f"margin {d['margin']:.6g} <= {d['threshold']:.6g}, vanilla top {d['vanilla_top']}"
                 )
     for line in failures:
         print(line, flush=True)
@@ -366,13 +377,15 @@ def report_identity(rows: list[dict[str, Any]]) -> int:
 
 
 def _run_in_child(
-    setup: Setup, workload: Workload, round_index: int = 0, record_top2: bool = False
+    setup: Setup, workload: Workload, round_index: int = 0, record_top_logits: bool = False
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="easyspec-bench-") as scratch:
         request = Path(scratch) / "request.json"
         result = Path(scratch) / "result.json"
         request.write_text(
-            json.dumps({"setup": asdict(setup), "workload": asdict(workload), "record_top2": record_top2})
+            json.dumps(
+                {"setup": asdict(setup), "workload": asdict(workload), "record_top_logits": record_top_logits}
+            )
         )
         env = os.environ | engine_env(setup.tensor_parallel_size) | setup.env
         env["VLLM_CPU_KVCACHE_SPACE"] = str(workload.kv_cache_gib)
@@ -404,7 +417,7 @@ def _child_main(request_path: Path, result_path: Path) -> None:
     request = json.loads(request_path.read_text())
     setup = Setup(**request["setup"])
     workload = Workload(**request["workload"])
-    record_top2 = bool(request.get("record_top2"))
+    record_top_logits = bool(request.get("record_top_logits"))
     tokenizer = AutoTokenizer.from_pretrained(workload.target)
     prompt_ids = [prompt_token_ids(tokenizer, text) for text in workload.prompts]
     engine_options: dict[str, Any] = {}
@@ -487,29 +500,32 @@ def _child_main(request_path: Path, result_path: Path) -> None:
         "engine_start_seconds": engine_start,
         "token_ids": token_ids,
     }
-    if record_top2:
+    if record_top_logits:
         # Untimed replay of the timed request under the same conditions (empty prefix cache, same warm-up),
-        # asking for vanilla's top-2 raw logits at every output position.
+        # asking for vanilla's top raw logits at every output position.
         llm.reset_prefix_cache()
         llm.generate(prompts[:1], warm_up, use_tqdm=False)
-        params_top2 = SamplingParams(
-            temperature=workload.temperature, max_tokens=workload.max_tokens, seed=0, logprobs=2
+        params_top = SamplingParams(
+            temperature=workload.temperature,
+            max_tokens=workload.max_tokens,
+            seed=0,
+            logprobs=TOP_LOGITS_RECORDED,
         )
-        with_logprobs = llm.generate(prompts, params_top2, use_tqdm=False)
+        with_logprobs = llm.generate(prompts, params_top, use_tqdm=False)
         replay_ids = [list(o.outputs[0].token_ids) for o in with_logprobs]
         result["logprobs_tokens_match"] = replay_ids == token_ids
-        result["vanilla_top2"] = [_top2_per_position(o.outputs[0].logprobs) for o in with_logprobs]
+        result["vanilla_top"] = [_top_logits_per_position(o.outputs[0].logprobs) for o in with_logprobs]
     result_path.write_text(json.dumps(result))
 
 
-def _top2_per_position(logprobs) -> list[list[list[float]]]:
-    """[[token, logit], [token, logit]] per output position, best first (values are raw logits here)."""
+def _top_logits_per_position(logprobs) -> list[list[list[float]]]:
+    """[[token, logit], ...] per output position, best first (values are raw logits here)."""
     positions = []
     for entry in logprobs or []:
         ranked = sorted(
             ((int(t), float(lp.logprob)) for t, lp in (entry or {}).items()), key=lambda tv: -tv[1]
         )
-        positions.append([[t, v] for t, v in ranked[:2]])
+        positions.append([[t, v] for t, v in ranked[:TOP_LOGITS_RECORDED]])
     return positions
 
 
@@ -673,7 +689,9 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def write_results(rows: list[dict[str, Any]], stem: str, title: str, command: str, summary: str = "") -> dict[str, Path]:
+def write_results(
+    rows: list[dict[str, Any]], stem: str, title: str, command: str, summary: str = ""
+) -> dict[str, Path]:
     """Write ``stem``.json/.md/.png; ``summary`` (markdown) follows the table in the .md file."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     paths = {ext: RESULTS_DIR / f"{stem}.{ext}" for ext in ("json", "md", "png")}

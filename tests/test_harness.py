@@ -74,9 +74,9 @@ def test_rows_take_medians_and_ratios_against_the_vanilla_median():
 
 
 def test_repeats_that_disagree_are_flagged_and_judged_each():
-    top2 = [[[[5, 10.0], [6, 9.0]], [[7, 10.0], [8, 10.0]]]]
+    top = [[[[5, 10.0], [6, 9.0]], [[7, 10.0], [8, 10.0]]]]
     raw = [
-        _raw("vanilla", 10.0, [[5, 7]], vanilla_top2=top2, logits_dtype="float32"),
+        _raw("vanilla", 10.0, [[5, 7]], vanilla_top=top, logits_dtype="float32"),
         _raw("spec", 12.0, [[5, 7]]),
         _raw("spec", 12.0, [[5, 8]]),  # position 1 is an exact tie: a near-tie in the second run only
     ]
@@ -93,7 +93,7 @@ def test_no_vanilla_leaves_ratios_and_identity_empty():
 
 
 def test_vanilla_whose_tokens_change_with_logprobs_fails():
-    raw = [_raw("vanilla", 10.0, [[1]], vanilla_top2=[[[[1, 3.0], [2, 1.0]]]], logprobs_tokens_match=False)]
+    raw = [_raw("vanilla", 10.0, [[1]], vanilla_top=[[[[1, 3.0], [2, 1.0]]]], logprobs_tokens_match=False)]
     row = finalize_rows(raw)[0]
     assert row["identity"] == "FAILED"
     assert identity_failures([row])[0].startswith("LOSSLESS CHECK FAILED: setup vanilla")
@@ -115,23 +115,23 @@ def test_identical_outputs():
     assert verdict == {"identity": "identical", "divergences": []}
 
 
-def _vanilla_top2(logit_1: float, logit_2: float) -> list:
-    """Prompt 0: vanilla generated [5, 7, 9]; at position 1 its top-2 are 7 and 8."""
-    return [[[[5, 30.0], [6, 20.0]], [[7, logit_1], [8, logit_2]], [[9, 25.0], [3, 1.0]]]]
+def _vanilla_top(logit_1: float, logit_2: float) -> list:
+    """Prompt 0: vanilla generated [5, 7, 9]; at position 1 its top choices are 7, 8 (and 12 at 19.0)."""
+    return [[[[5, 30.0], [6, 20.0]], [[7, logit_1], [8, logit_2], [12, 19.0]], [[9, 25.0], [3, 1.0]]]]
 
 
 def test_near_tie_within_bf16_rounding():
     # top logit 20.0: bf16 ulp 0.125, threshold 0.25; margin 0.125 is one bf16 step.
-    verdict = classify_identity([[5, 8, 4]], [[5, 7, 9]], _vanilla_top2(20.0, 19.875), "bfloat16")
+    verdict = classify_identity([[5, 8, 4]], [[5, 7, 9]], _vanilla_top(20.0, 19.875), "bfloat16")
     assert verdict["identity"] == "near-tie"
     (d,) = verdict["divergences"]
     assert (d["prompt"], d["position"], d["setup_token"], d["vanilla_token"]) == (0, 1, 8, 7)
     assert d["margin"] == 0.125 and d["threshold"] == 0.25 and d["near_tie"]
-    assert d["vanilla_top2"] == [[7, 20.0], [8, 19.875]]
+    assert d["vanilla_top"] == [[7, 20.0], [8, 19.875]]
 
 
 def test_margin_above_rounding_fails():
-    verdict = classify_identity([[5, 8, 4]], [[5, 7, 9]], _vanilla_top2(20.0, 19.5), "bfloat16")
+    verdict = classify_identity([[5, 8, 4]], [[5, 7, 9]], _vanilla_top(20.0, 19.5), "bfloat16")
     assert verdict["identity"] == "FAILED" and verdict["divergences"][0]["margin"] == 0.5
     row = {"setup": "spec", **verdict}
     (line,) = identity_failures([row])
@@ -139,29 +139,45 @@ def test_margin_above_rounding_fails():
     assert "setup token 8" in line
 
 
-def test_divergent_token_that_is_not_the_second_choice_fails():
-    verdict = classify_identity([[5, 11, 4]], [[5, 7, 9]], _vanilla_top2(20.0, 20.0), "bfloat16")
-    assert verdict["identity"] == "FAILED" and verdict["divergences"][0]["margin"] == 0.0
+def test_three_way_tie_within_rounding_is_a_near_tie():
+    # Vanilla's logits 19.125 / 19.0 / 19.0: its third choice is as close to the top as its second.
+    verdict = classify_identity([[5, 12, 4]], [[5, 7, 9]], _vanilla_top(19.125, 19.0), "bfloat16")
+    (d,) = verdict["divergences"]
+    assert verdict["identity"] == "near-tie" and d["margin"] == 0.125 and d["threshold"] == 0.25
+    assert d["vanilla_top"] == [[7, 19.125], [8, 19.0], [12, 19.0]]
+
+
+def test_lower_choice_outside_rounding_fails():
+    verdict = classify_identity([[5, 12, 4]], [[5, 7, 9]], _vanilla_top(20.0, 19.875), "bfloat16")
+    (d,) = verdict["divergences"]
+    assert verdict["identity"] == "FAILED" and d["margin"] == 1.0 and not d["near_tie"]
+
+
+def test_divergent_token_outside_the_record_fails():
+    verdict = classify_identity([[5, 11, 4]], [[5, 7, 9]], _vanilla_top(20.0, 20.0), "bfloat16")
+    (d,) = verdict["divergences"]
+    assert verdict["identity"] == "FAILED" and not d["near_tie"]
+    assert d["margin"] == 1.0  # at least the margin to vanilla's last recorded choice
 
 
 def test_float32_threshold_is_tight():
     # The bf16 near-tie above is far outside float32 rounding (threshold 2 * 2**-19 at 20.0).
-    assert classify_identity([[5, 8, 4]], [[5, 7, 9]], _vanilla_top2(20.0, 19.875), "float32")["identity"] == "FAILED"
+    assert classify_identity([[5, 8, 4]], [[5, 7, 9]], _vanilla_top(20.0, 19.875), "float32")["identity"] == "FAILED"
     close = 20.0 - 2**-19
-    verdict = classify_identity([[5, 8, 4]], [[5, 7, 9]], _vanilla_top2(20.0, close), "float32")
+    verdict = classify_identity([[5, 8, 4]], [[5, 7, 9]], _vanilla_top(20.0, close), "float32")
     assert verdict["identity"] == "near-tie" and verdict["divergences"][0]["threshold"] == 2**-18
 
 
 def test_missing_record_or_early_stop_fails():
     assert classify_identity([[5, 8]], [[5, 7]], None, "bfloat16")["identity"] == "FAILED"
-    verdict = classify_identity([[5]], [[5, 7, 9]], _vanilla_top2(20.0, 20.0), "bfloat16")
+    verdict = classify_identity([[5]], [[5, 7, 9]], _vanilla_top(20.0, 20.0), "bfloat16")
     assert verdict["identity"] == "FAILED" and verdict["divergences"][0]["setup_token"] is None
 
 
 def test_one_divergence_per_prompt_and_the_worst_wins():
     vanilla = [[5, 7, 9], [5, 7, 9]]
-    top2 = _vanilla_top2(20.0, 19.875) * 2
-    verdict = classify_identity([[5, 8, 1], [5, 7, 2]], vanilla, top2, "bfloat16")
+    top = _vanilla_top(20.0, 19.875) * 2
+    verdict = classify_identity([[5, 8, 1], [5, 7, 2]], vanilla, top, "bfloat16")
     assert [d["prompt"] for d in verdict["divergences"]] == [0, 1]
     assert [d["near_tie"] for d in verdict["divergences"]] == [True, False]  # prompt 1: 2 vs 9 at margin 24
     assert verdict["identity"] == "FAILED"

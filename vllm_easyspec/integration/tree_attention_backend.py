@@ -86,16 +86,20 @@ class _PrefixIndexCache:
     def __init__(self, block_table: torch.Tensor, lengths: torch.Tensor) -> None:
         self.block_table = block_table
         self.lengths = lengths
+        self.max_length = max(int(lengths.max()), 1) if lengths.numel() else 1
         self._plans: dict[tuple, tuple[PagedKVReader, tuple[torch.Tensor, ...]]] = {}
 
     def gather(self, layer: Any, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[R, heads, max(lengths), dim]``; whole-block padding is cut off, so attention
+        never spends work on positions no request has."""
         num_blocks, kv_heads, block_size, fused = kv_cache.shape
         key = (layer.isa, kv_cache.dtype, kv_heads, block_size, fused // 2)
         if key not in self._plans:
             reader = _reader(*key)
             self._plans[key] = (reader, reader.index(self.block_table, self.lengths))
         reader, plan = self._plans[key]
-        return reader.gather(kv_cache, plan)
+        keys, values = reader.gather(kv_cache, plan)
+        return keys[:, :, : self.max_length], values[:, :, : self.max_length]
 
 
 @functools.lru_cache(maxsize=16)
