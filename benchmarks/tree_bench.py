@@ -237,7 +237,7 @@ def plot(args: argparse.Namespace) -> None:
     import matplotlib.pyplot as plt
 
     pairs = [p for p in args.pairs if (RESULTS_DIR / f"tree_compare_{p}.json").exists()]
-    fig, axes = plt.subplots(1, max(len(pairs), 1), figsize=(5.5 * max(len(pairs), 1), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, max(len(pairs), 1), figsize=(max(5.5 * len(pairs), 7.5), 4.6), squeeze=False)
     for axis, pair in zip(axes[0], pairs, strict=False):
         rows = json.loads((RESULTS_DIR / f"tree_compare_{pair}.json").read_text())["rows"]
         for row in rows:
@@ -252,7 +252,7 @@ def plot(args: argparse.Namespace) -> None:
         axis.set_ylim(0, 1)
         axis.xaxis.get_major_locator().set_params(integer=True)
         axis.legend(fontsize=6)
-    fig.suptitle("Acceptance per depth: chains (dashed) vs trees (solid) at equal node budgets")
+    fig.suptitle("Acceptance per depth: chains (dashed) vs trees (solid) at equal node budgets", fontsize=10)
     fig.tight_layout()
     fig.savefig(RESULTS_DIR / "tree_acceptance_per_depth.png", dpi=110)
 
