@@ -180,7 +180,8 @@ class TreeVerifier:
 
     def finish_step(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """After sampling: the accepted branch moves to ``P + 1 .. P + a`` in the target's cache and in the
-        runner's input ids (from which the drafter's first pass reads the verified tokens)."""
+        runner's input ids and positions (from which the drafter's first pass reads the verified tokens:
+        rows ``P + 1 .. P + a`` must be the branch at linear positions, not tree nodes at ``P + depth``)."""
         forward = self.forward
         self.forward = None
         if forward is None:
@@ -199,6 +200,8 @@ class TreeVerifier:
         rows = step.query_starts[branch.request_index] + branch.destination - step.prefix_lens[branch.request_index]
         input_ids = self.runner.input_ids.gpu
         input_ids[rows.to(input_ids.device)] = branch.tokens.to(input_ids.device, input_ids.dtype)
+        positions = self.runner.positions
+        positions[rows.to(positions.device)] = branch.destination.to(positions.device, positions.dtype)
 
 
 def read_tree_stats(worker) -> dict[str, int] | None:
