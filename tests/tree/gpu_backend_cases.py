@@ -287,11 +287,17 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
         width = max(len(p) for p in accepted)
         accepted_nodes = torch.tensor([p + [-1] * (width - len(p)) for p in accepted])
         num_accepted = torch.tensor([len(p) for p in accepted])
-        runner = types.SimpleNamespace(input_ids=types.SimpleNamespace(
-            gpu=torch.zeros(num_tokens_padded, dtype=torch.int32, device=dev)))
+        runner = types.SimpleNamespace(
+            input_ids=types.SimpleNamespace(gpu=torch.zeros(num_tokens_padded, dtype=torch.int32, device=dev)),
+            positions=torch.zeros(num_tokens_padded, dtype=torch.int64, device=dev),
+        )
         verifier = TreeVerifier(runner=runner, config=None)
         verifier.forward = forward
         verifier.finish_step(accepted_nodes, num_accepted)
+        for request in tree_requests:  # the branch's rows P + 1 .. P + a now carry linear positions
+            a = len(accepted[tree_requests.index(request)])
+            rows = request.query_start + 1 + torch.arange(a)
+            assert runner.positions[rows].tolist() == list(range(request.prefix_len + 1, request.prefix_len + 1 + a))
 
     # ---- expectations ------------------------------------------------------------------------------------
     key_cache, value_cache = fa_views(written, head_size)
