@@ -3,6 +3,10 @@
 - greedy output with trees equals output without speculation, token for token, on Llama, Qwen2 and
   Mixtral targets, static and dynamic trees, exact (N=1) and fuzzy (N=2) drafting, at batch 1 and in a
   mixed batch of 8 (different prompt lengths, stop strings, EOS, max_tokens);
+- with the target as its own draft, every depth of the tree's top-1 path is accepted in a mixed batch (each
+  frontier row of a draft level forward has its own position);
+- prompt-lookup candidates merged into the trees are accepted and outputs stay exact;
+- the tree size follows the batch (``budget_by_batch``) without changing outputs;
 - after a tree run the target's KV cache holds the verified chain (the accepted branches were moved);
 - requests whose options a tree cannot honour are served without speculation and still equal vanilla;
 - aborted requests, preemption and recomputation, and trees cut short by the token budget;
@@ -94,6 +98,58 @@ def test_greedy_trees_equal_vanilla(llm_pool, request, tiny_llama_draft_dir, tar
     drafting = llm.collective_rpc(read_drafting_stats)[0]
     if n > 1:
         assert drafting["fuzzy_forwards"] > 0 and drafting["exact_forwards"] > 0
+
+
+def test_a_draft_equal_to_the_target_gets_its_whole_top_path_accepted_in_a_batch(llm_pool, tree_llama_dir):
+    """With the target as its own draft (float32), the tree's top-1 path is the target's greedy path, so every
+    depth of it is accepted in every step, alone and in the mixed batch of 8. Each level forward must give
+    every frontier row its own position ``P + depth``; a row with another request's position (or with a
+    position read past the end of the positions tensor) drafts children the target rejects."""
+    vanilla = _vanilla(llm_pool, tree_llama_dir, "mixed", MIXED)  # before the engine whose counters are read
+    llm = llm_pool.get(tree_llama_dir, speculative_config=_spec(tree_llama_dir), additional_config=_tree("static"))
+    before = read_spec_decode_counters(llm)
+    assert _generate(llm, MIXED) == vanilla
+    counters = read_spec_decode_counters(llm) - before
+    depth = 3  # the static tree's top-1 path: [0], [0, 0], [0, 0, 0]
+    assert counters.num_drafts > len(MIXED)
+    assert counters.accepted_per_position[:depth] == (counters.num_drafts,) * depth
+
+
+def test_prompt_lookup_nodes_merged_into_trees_are_accepted_and_exact(llm_pool, tree_llama_dir, tiny_llama_draft_dir):
+    """``sources.prompt_lookup`` merges the continuation of the latest earlier n-gram match into every tree.
+    The tiny target's greedy outputs fall into loops, which lookup predicts, so merged nodes get accepted
+    (they would not, with a wrong history); outputs still equal vanilla's in a mixed batch."""
+    vanilla = _vanilla(llm_pool, tree_llama_dir, "mixed", MIXED)
+    tree = {"choices": [[0], [1], [0, 0]], "sources": {"prompt_lookup": {"nodes": 4, "min_match": 1, "max_match": 3}}}
+    llm = llm_pool.get(tree_llama_dir, speculative_config=_spec(tiny_llama_draft_dir),
+                       additional_config={"easyspec": {"tree": tree}})
+    before = llm.collective_rpc(read_tree_stats)[0]
+    assert _generate(llm, MIXED) == vanilla
+    stats = llm.collective_rpc(read_tree_stats)[0]
+    added = stats["source_nodes"] - before["source_nodes"]
+    accepted = stats["source_nodes_accepted"] - before["source_nodes_accepted"]
+    assert stats["chain_fallbacks"] == 0
+    assert 0 < accepted <= stats["accepted"] - before["accepted"] and 0 < accepted <= added
+
+
+def test_tree_size_follows_the_batch_and_outputs_stay_exact(llm_pool, tree_llama_dir, tiny_llama_draft_dir):
+    """``budget_by_batch``: alone a request verifies whole trees; from 2 running requests on one node each,
+    from 6 on none. Switching size between steps keeps every output equal to vanilla."""
+    single, mixed = _vanilla(llm_pool, tree_llama_dir, "single", SINGLE), _vanilla(llm_pool, tree_llama_dir, "mixed", MIXED)
+    tree = STATIC | {"budget_by_batch": {"2": 1, "6": 0}}
+    llm = llm_pool.get(tree_llama_dir, speculative_config=_spec(tiny_llama_draft_dir),
+                       additional_config={"easyspec": {"tree": tree}})
+    nodes = len(STATIC["choices"])
+    before = llm.collective_rpc(read_tree_stats)[0]
+    assert _generate(llm, SINGLE) == single
+    alone = llm.collective_rpc(read_tree_stats)[0]
+    assert alone["last_node_limit"] == nodes and alone["steps_without_speculation"] == 0
+    assert alone["nodes_verified"] - before["nodes_verified"] == nodes * (alone["tree_requests"] - before["tree_requests"]) > 0
+    assert _generate(llm, MIXED) == mixed
+    batched = llm.collective_rpc(read_tree_stats)[0]
+    tree_requests = batched["tree_requests"] - alone["tree_requests"]
+    assert batched["steps_without_speculation"] > 0  # eight requests start together
+    assert 0 < batched["nodes_verified"] - alone["nodes_verified"] < nodes * tree_requests
 
 
 def test_target_kv_after_trees_is_the_verified_chain(llm_pool, tree_llama_dir, tiny_llama_draft_dir):

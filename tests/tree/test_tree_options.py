@@ -22,6 +22,13 @@ from vllm_easyspec.integration.config_checks import prepare_tree_engine_args
         ({"choices": [[0]], "top_k": 2}, "not both"),
         ({"top_k": 2, "depth": 2, "budget": 3, "draw": "sample"}, "needs a static tree"),
         ({"choices": [[0]], "width": 3}, "unknown option easyspec.tree.width"),
+        ({"choices": [[0], [1]], "draw": "sample", "sources": {"prompt_lookup": {"nodes": 2}}}, "need draw = 'top_k'"),
+        ({"choices": [[i] for i in range(120)], "sources": {"prompt_lookup": {"nodes": 9}}}, "lower sources"),
+        ({"choices": [[0]], "sources": {"prompt_lookup": {"nodes": 0}}}, "nodes"),
+        ({"choices": [[0]], "sources": {"prompt_lookup": {"nodes": 2, "min_match": 3, "max_match": 2}}},
+         "raise max_match"),
+        ({"choices": [[0], [1]], "budget_by_batch": {"0": 1}}, "must be >= 1"),
+        ({"choices": [[0], [1]], "budget_by_batch": {"4": 3}}, "between 0 (no speculation) and the tree's 2 nodes"),
     ],
 )
 def test_invalid_trees_name_the_field_and_the_fix(tree, message):
@@ -37,6 +44,12 @@ def test_valid_trees_know_their_node_count():
                                                   "layer_parallel_size": 2}}).tree
     assert (static.num_nodes, static.max_depth) == (3, 2)
     assert (dynamic.num_nodes, dynamic.max_depth, dynamic.candidate_count) == (12, 3, 36)
+    merged = parse_easyspec_config({"easyspec": {"tree": {"choices": [[0], [1]],
+                                                          "sources": {"prompt_lookup": {"nodes": 3}}}}}).tree
+    assert (merged.drafted_nodes, merged.num_nodes) == (2, 5)
+    following = parse_easyspec_config({"easyspec": {"tree": {"top_k": 2, "depth": 2, "budget": 6,
+                                                             "budget_by_batch": {"4": 2, "16": 0}}}}).tree
+    assert [following.node_limit(batch) for batch in (1, 3, 4, 15, 16, 64)] == [6, 6, 2, 2, 0, 0]
 
 
 def _engine_args(tiny_llama_dir, tiny_llama_draft_dir, spec_extra: dict, tree: dict | None = None):

@@ -39,7 +39,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from vllm_easyspec.easyspec.config import EasySpecConfigError, parse_easyspec_config
-from vllm_easyspec.integration.cpu_kv_layout import PagedKVReader, probe_cpu_kv_layout
+from vllm_easyspec.integration.cpu_kv_layout import GatherPlan, PagedKVReader, probe_cpu_kv_layout
 from vllm_easyspec.tree.attention import attention_over_prefix_and_tree
 from vllm_easyspec.tree.verify_step import TreeVerifyStep
 
@@ -86,20 +86,17 @@ class _PrefixIndexCache:
     def __init__(self, block_table: torch.Tensor, lengths: torch.Tensor) -> None:
         self.block_table = block_table
         self.lengths = lengths
-        self.max_length = max(int(lengths.max()), 1) if lengths.numel() else 1
-        self._plans: dict[tuple, tuple[PagedKVReader, tuple[torch.Tensor, ...]]] = {}
+        self._plans: dict[tuple, tuple[PagedKVReader, GatherPlan]] = {}
 
     def gather(self, layer: Any, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[R, heads, max(lengths), dim]``; whole-block padding is cut off, so attention
-        never spends work on positions no request has."""
+        """Keys and values ``[R, heads, max(lengths), dim]`` of one layer."""
         num_blocks, kv_heads, block_size, fused = kv_cache.shape
         key = (layer.isa, kv_cache.dtype, kv_heads, block_size, fused // 2)
         if key not in self._plans:
             reader = _reader(*key)
             self._plans[key] = (reader, reader.index(self.block_table, self.lengths))
         reader, plan = self._plans[key]
-        keys, values = reader.gather(kv_cache, plan)
-        return keys[:, :, : self.max_length], values[:, :, : self.max_length]
+        return reader.gather(kv_cache, plan)
 
 
 @functools.lru_cache(maxsize=16)

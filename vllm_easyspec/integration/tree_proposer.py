@@ -12,7 +12,10 @@ One drafting step is:
    :class:`~vllm_easyspec.integration.tree_attention_backend.TreeLevelMetadata` to the draft prefix and
    their ancestors; they write nothing to the cache. With ``layer_parallel_size`` > 1 these forwards run
    fuzzy (EasySpec), in ``fused`` or ``tensor_parallel`` mode;
-3. the trees go to the runner's verifier and their nodes, parents first, to the scheduler as the
+3. with ``sources.prompt_lookup``, the continuation of the context's latest earlier n-gram match is merged
+   into each greedy or top-k tree (:mod:`vllm_easyspec.tree.merging`); with ``budget_by_batch``, each tree
+   keeps only the first nodes the batch size allows (none: no speculation this step);
+4. the trees go to the runner's verifier and their nodes, parents first, to the scheduler as the
    request's speculative tokens.
 
 With ``use_heterogeneous_vocab`` the draft scores only tokens that map into the target vocabulary, and
@@ -26,8 +29,10 @@ from vllm.forward_context import set_forward_context
 
 from vllm_easyspec.integration.tree_attention_backend import DraftTreeAttention, TreeLevelMetadata
 from vllm_easyspec.integration.tree_runner import PendingTree
+from vllm_easyspec.tree.building import ChildDrawMode
 from vllm_easyspec.tree.config import TreeConfig
 from vllm_easyspec.tree.drafting import LevelwiseTreeDraft
+from vllm_easyspec.tree.merging import merge_path, prompt_lookup
 
 SAMPLING_EPS = 1e-5  # vLLM's greedy threshold on temperature
 
@@ -67,7 +72,8 @@ class TreeDrafting:
             tokens = draft.frontier_tokens()
             width = tokens.shape[1]
             metadata = TreeLevelMetadata(state=state, width=width, tree_mask=draft.frontier_mask())
-            positions = (root_positions[:, None] + draft.frontier_depth).reshape(-1)
+            # one position per frontier row (vLLM's rotary op reads one per token, unchecked)
+            positions = root_positions.repeat_interleave(width) + draft.frontier_depth
             with set_forward_context(
                 {name: metadata for name in layer_names}, proposer.vllm_config,
                 num_tokens=batch_size * width, slot_mapping={},
@@ -78,7 +84,7 @@ class TreeDrafting:
                     inputs_embeds=None,
                 )
             draft.expand(self._logits(hidden[: batch_size * width]).view(batch_size, width, -1))
-        return self._hand_over(draft.build(), batch_size)
+        return self._hand_over(draft.build(), batch_size, next_token_ids)
 
     # ------------------------------------------------------------------------------------------ steps
     def _first_pass(self, target_token_ids, target_positions, target_hidden_states, next_token_ids,
@@ -120,8 +126,10 @@ class TreeDrafting:
             logits = proposer.vocab_mapping.constrain_draft_logits(logits)
         return logits
 
-    def _hand_over(self, trees, batch_size: int) -> torch.Tensor:
-        """Map to target ids, give the trees to the runner's verifier, return ``[B, N]`` node tokens."""
+    def _hand_over(self, trees, batch_size: int, next_token_ids: torch.Tensor) -> torch.Tensor:
+        """Map to target ids, merge the sources' candidates in, give the trees to the runner's verifier, and
+        return ``[B, N]`` node tokens (a tree with fewer than ``N`` nodes is cut to its own size later, in
+        :meth:`~vllm_easyspec.integration.tree_runner.TreeVerifier.trim_drafts`)."""
         proposer = self.proposer
         tokens = trees.tokens
         mapping = proposer.vocab_mapping if proposer.use_heterogeneous_vocab else None
@@ -131,23 +139,50 @@ class TreeDrafting:
         req_ids = list(proposer.easyspec_runner.input_batch.req_ids[:batch_size])
         token_lists = tokens.tolist()
         parent_lists = trees.parents.tolist()
+        lookup = None if self.config.sources is None else self.config.sources.prompt_lookup
+        node_limit = self.config.node_limit(batch_size)
+        verifier.stats.last_node_limit = node_limit
+        verifier.stats.steps_without_speculation += node_limit == 0
         pending: dict[str, PendingTree] = {}
         no_drafts: set[str] = set()
         for row, req_id in enumerate(req_ids):
-            if verifier.fallback_reason(req_id) is not None:
+            if verifier.fallback_reason(req_id) is not None or node_limit == 0:
                 no_drafts.add(req_id)
                 continue
             probs = trees.draft_probs.get(row)
             if probs is not None and mapping is not None:
                 probs = _to_target_vocab(probs, mapping)
-            pending[req_id] = PendingTree(
+            tree = PendingTree(
                 tokens=token_lists[row],
                 parents=parent_lists[row],
                 draw_mode=trees.draw_modes[row],
                 draft_probs=probs,
+                drafted=len(token_lists[row]),
             )
+            if lookup is not None and tree.draw_mode is ChildDrawMode.WITHOUT_REPLACEMENT:
+                path = prompt_lookup(self._history(row, req_id, int(next_token_ids[row])),
+                                     lookup.min_match, lookup.max_match, self.config.max_depth + lookup.nodes)
+                tree.tokens, tree.parents, added = merge_path(tree.tokens, tree.parents, path, lookup.nodes)
+                verifier.stats.source_nodes += added
+            tree.tokens, tree.parents = tree.tokens[:node_limit], tree.parents[:node_limit]  # still a tree
+            pending[req_id] = tree
         verifier.propose(pending, no_drafts)
-        return tokens
+        if lookup is None:
+            return tokens
+        out = torch.zeros(batch_size, self.config.num_nodes, dtype=tokens.dtype, device=tokens.device)
+        out[:, : tokens.shape[1]] = tokens
+        for row, req_id in enumerate(req_ids):
+            if req_id in pending:
+                merged = pending[req_id].tokens
+                out[row, : len(merged)] = torch.tensor(merged, dtype=tokens.dtype)
+        return out
+
+    def _history(self, row: int, req_id: str, next_token: int) -> list[int]:
+        """The request's tokens through this step's bonus token (target vocabulary): the runner's token ids
+        (not yet holding this step's output when the drafter runs), the accepted branch, the bonus token."""
+        batch = self.proposer.easyspec_runner.input_batch
+        known = batch.token_ids_cpu[row, : int(batch.num_tokens_no_spec[row])].tolist()
+        return known + self.verifier.last_branch.get(req_id, []) + [next_token]
 
 
 def _greedy_rows(sampling_metadata, batch_size: int) -> tuple[list[bool], torch.Tensor | None]:

@@ -72,6 +72,7 @@ class PendingTree:
     parents: list[int]
     draw_mode: ChildDrawMode
     draft_probs: torch.Tensor | None = None  # [n + 1, V], i.i.d.-drawn trees only
+    drafted: int | None = None  # nodes before this index were drafted, the rest merged from sources
 
 
 @dataclass
@@ -85,6 +86,10 @@ class TreeStats:
     chain_fallbacks: int = 0  # scheduled drafts that matched no proposed tree, verified as a chain
     truncated_trees: int = 0  # trees the scheduler cut short (token budget, model length)
     requests_without_speculation: int = 0
+    source_nodes: int = 0  # nodes merged in from sources (prompt lookup), scheduled or not
+    source_nodes_accepted: int = 0
+    last_node_limit: int = 0  # nodes per tree that budget_by_batch allowed at the last drafting step
+    steps_without_speculation: int = 0  # drafting steps at a batch size budget_by_batch gives no nodes
 
 
 @dataclass
@@ -97,6 +102,7 @@ class TreeVerifier:
     no_drafts: set[str] = field(default_factory=set)
     drafted_this_step: bool = False
     forward: TreeVerifyForward | None = None
+    last_branch: dict[str, list[int]] = field(default_factory=dict)  # tokens each request accepted this step
     stats: TreeStats = field(default_factory=TreeStats)
     _explained: set[str] = field(default_factory=set)
 
@@ -120,10 +126,13 @@ class TreeVerifier:
         self.drafted_this_step = True
 
     def trim_drafts(self, drafts) -> None:
-        """``take_draft_token_ids``: requests without speculation (or a step without drafting) get none."""
+        """``take_draft_token_ids``: requests without speculation (or a step without drafting) get none, and
+        trees smaller than the widest (sources added fewer nodes) get their own node count."""
         for index, req_id in enumerate(drafts.req_ids):
             if not self.drafted_this_step or req_id in self.no_drafts:
                 drafts.draft_token_ids[index] = []
+            elif req_id in self.pending:
+                drafts.draft_token_ids[index] = drafts.draft_token_ids[index][: len(self.pending[req_id].tokens)]
         self.drafted_this_step = False
 
     # ------------------------------------------------------------------------------------------ verifying
@@ -134,6 +143,7 @@ class TreeVerifier:
         batch = runner.input_batch
         query_start = runner.query_start_loc.np
         requests: list[TreeRequest] = []
+        self.last_branch = {}
         for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
             tokens = list(drafts)
             if -1 in tokens:  # grammar-rejected drafts are never scheduled for tree requests; be safe
@@ -146,11 +156,13 @@ class TreeVerifier:
             if pending is not None and pending.tokens[:n] == tokens:
                 self.stats.truncated_trees += n < len(pending.tokens)
                 parents = pending.parents[:n]
+                drafted = n if pending.drafted is None else min(n, pending.drafted)
                 mode = pending.draw_mode
                 probs = None if pending.draft_probs is None else pending.draft_probs[: n + 1]
             else:  # not drafted by this drafter as a tree: any fixed drafts verify exactly as a chain
                 self.stats.chain_fallbacks += 1
                 parents, mode, probs = list(range(-1, n - 1)), ChildDrawMode.WITHOUT_REPLACEMENT, None
+                drafted = n
             state = runner.requests[req_id]
             params = state.sampling_params
             banned_depth = 0
@@ -166,6 +178,8 @@ class TreeVerifier:
                 draft_probs=probs,
                 stop_tokens_banned_below_depth=banned_depth,
                 stop_token_ids=tuple(sorted(params.all_stop_token_ids)) if banned_depth > 0 else (),
+                req_id=req_id,
+                drafted_nodes=drafted,
             ))
         if not requests:
             return
@@ -191,6 +205,10 @@ class TreeVerifier:
         self.stats.accepted += len(branch)
         if not len(branch):
             return
+        from_sources = branch.source_column - 1 >= step.drafted_nodes[branch.request_index]
+        self.stats.source_nodes_accepted += int(from_sources.sum())
+        for index, token in zip(branch.request_index.tolist(), branch.tokens.tolist(), strict=True):
+            self.last_branch.setdefault(step.requests[index].req_id, []).append(token)
         block_table = forward.block_table.long()
         for kept in forward.kept_kv.values():
             blocks = block_table[branch.request_index, branch.destination // kept.block_size]

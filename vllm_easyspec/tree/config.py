@@ -11,6 +11,13 @@ Two shapes, exactly one per config:
   nodes of each depth, then keep the ``budget`` nodes with the highest cumulative draft log-probability.
   Dynamic trees are deterministic functions of the context, so they always verify as top-k children.
 
+Either shape may take ``"sources": {"prompt_lookup": {"nodes": n, "min_match": 2, "max_match": 4}}``: the
+continuation of the context's latest earlier n-gram match is merged into every greedy or ``top_k`` tree
+(:mod:`vllm_easyspec.tree.merging`), as up to ``n`` extra nodes.
+
+``"budget_by_batch": {"4": 4, "8": 1, "16": 0}`` makes the tree follow the batch: from 4 running requests on
+each tree keeps its first 4 nodes, from 8 on one node (a chain of 1), from 16 on none (no speculation).
+
 Invariant: a ``TreeConfig`` that exists describes a tree of 1..:data:`MAX_TREE_NODES` nodes whose
 parents come first; :attr:`TreeConfig.num_nodes` is what ``num_speculative_tokens`` must equal.
 """
@@ -19,9 +26,39 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .building import MAX_TREE_NODES, ChildDrawMode, StaticTreeTemplate
+
+
+class PromptLookupSource(BaseModel):
+    """``sources.prompt_lookup``: merge the tokens that followed the longest earlier match of the context's
+    last ``min_match``..``max_match`` tokens (vLLM ``ngram``'s idea) into the tree, as up to ``nodes`` nodes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    nodes: int = Field(ge=1)
+    min_match: int = Field(default=2, ge=1)
+    max_match: int = Field(default=4, ge=1)
+
+    @model_validator(mode="after")
+    def _check_match(self) -> PromptLookupSource:
+        if self.max_match < self.min_match:
+            raise ValueError(f"max_match = {self.max_match} is below min_match = {self.min_match}; "
+                             "raise max_match or lower min_match")
+        return self
+
+
+class TreeSources(BaseModel):
+    """``sources``: candidates merged into the drafted tree (:mod:`vllm_easyspec.tree.merging`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prompt_lookup: PromptLookupSource | None = None
+
+    @property
+    def extra_nodes(self) -> int:
+        return 0 if self.prompt_lookup is None else self.prompt_lookup.nodes
 
 
 class TreeConfig(BaseModel):
@@ -32,6 +69,46 @@ class TreeConfig(BaseModel):
     depth: int | None = None
     budget: int | None = None
     draw: Literal["top_k", "sample"] = "top_k"
+    sources: TreeSources | None = None
+    # running requests -> most nodes per request from that batch size on (0: no speculation)
+    budget_by_batch: dict[int, int] | None = None
+
+    def node_limit(self, running_requests: int) -> int:
+        """Most nodes a request's tree may keep when the drafter's batch has ``running_requests`` requests:
+        the entry of ``budget_by_batch`` with the largest batch size not above it, else every node. A tree
+        cut to its first ``k`` nodes is a tree (parents come first)."""
+        limit = self.num_nodes
+        for batch, nodes in sorted((self.budget_by_batch or {}).items()):
+            if batch <= running_requests:
+                limit = nodes
+        return min(limit, self.num_nodes)
+
+    def _check_budget_by_batch(self) -> TreeConfig:
+        for batch, nodes in (self.budget_by_batch or {}).items():
+            if batch < 1:
+                raise ValueError(f"budget_by_batch has batch size {batch}; batch sizes (the keys) must be >= 1")
+            if not 0 <= nodes <= self.num_nodes:
+                raise ValueError(
+                    f"budget_by_batch gives {nodes} nodes at batch size {batch}; node counts (the values) must be "
+                    f"between 0 (no speculation) and the tree's {self.num_nodes} nodes"
+                )
+        return self
+
+    def _check_sources(self) -> TreeConfig:
+        if self.sources is None or not self.sources.extra_nodes:
+            return self._check_budget_by_batch()
+        if self.draw == "sample":
+            raise ValueError(
+                "sources need draw = 'top_k': merged candidates are deterministic children, which multi-step "
+                "speculative sampling over i.i.d. draws cannot verify; remove draw or remove sources"
+            )
+        if self.num_nodes > MAX_TREE_NODES:
+            raise ValueError(
+                f"the tree ({self.drafted_nodes} nodes) plus sources ({self.sources.extra_nodes} nodes) has "
+                f"{self.num_nodes} nodes, more than vLLM's limit of {MAX_TREE_NODES} speculative tokens; "
+                "lower sources.prompt_lookup.nodes or the tree's size"
+            )
+        return self._check_budget_by_batch()
 
     @model_validator(mode="after")
     def _check_shape(self) -> TreeConfig:
@@ -51,7 +128,7 @@ class TreeConfig(BaseModel):
                     f"speculative tokens; use at most {MAX_TREE_NODES} choices"
                 )
             StaticTreeTemplate.from_choices(self.choices)  # parents first, no duplicates
-            return self
+            return self._check_sources()
         if len(given) != 3:
             missing = [name for name, value in dynamic.items() if value is None]
             raise ValueError(
@@ -79,7 +156,7 @@ class TreeConfig(BaseModel):
                 "draw = 'sample' needs a static tree (choices); dynamic trees are deterministic and always "
                 "verify as top-k children, so remove draw or use choices"
             )
-        return self
+        return self._check_sources()
 
     @property
     def is_static(self) -> bool:
@@ -92,11 +169,17 @@ class TreeConfig(BaseModel):
         return self.top_k + (self.depth - 1) * self.top_k * self.top_k
 
     @property
-    def num_nodes(self) -> int:
+    def drafted_nodes(self) -> int:
+        """Nodes the drafter drafts (the static template's, or the dynamic budget)."""
         if self.choices is not None:
             return len(self.choices)
         assert self.budget is not None
         return self.budget
+
+    @property
+    def num_nodes(self) -> int:
+        """Most nodes a request's tree can have: the drafted ones plus those the sources may add."""
+        return self.drafted_nodes + (0 if self.sources is None else self.sources.extra_nodes)
 
     @property
     def max_depth(self) -> int:
@@ -119,5 +202,9 @@ class TreeConfig(BaseModel):
 
     def describe(self) -> str:
         if self.choices is not None:
-            return f"static tree, {self.num_nodes} nodes, depth {self.max_depth}, draw {self.draw}"
-        return f"dynamic tree (EAGLE-2), top_k {self.top_k}, depth {self.depth}, budget {self.budget}"
+            text = f"static tree, {self.drafted_nodes} nodes, depth {self.max_depth}, draw {self.draw}"
+        else:
+            text = f"dynamic tree (EAGLE-2), top_k {self.top_k}, depth {self.depth}, budget {self.budget}"
+        if self.sources is not None and self.sources.prompt_lookup is not None:
+            text += f", plus up to {self.sources.prompt_lookup.nodes} prompt-lookup nodes"
+        return text

@@ -1,0 +1,56 @@
+"""Merging candidates from other sources into a drafted token tree (SpecInfer's merge-based construction).
+
+A *source* proposes one path of tokens after the root, a deterministic function of the context: today
+prompt lookup (:func:`prompt_lookup`, the n-gram idea of vLLM's ``ngram`` method), which wins where the
+output repeats the prompt (code edits). :func:`merge_path` walks the path down the tree: while the path's
+token is already a child of the current node the walk follows it (shared prefixes become one node), and the
+rest of the path is appended as new nodes, at most ``max_new`` of them.
+
+Invariants: the merged tree keeps every node of the drafted tree at its index, new nodes come after them
+(parents first), and siblings stay distinct tokens. Children that are deterministic functions of the context
+verify exactly as top-k children (recursive rejection sampling with one-hot draft distributions), so merging
+is lossless for trees drawn ``WITHOUT_REPLACEMENT``; a tree whose children were sampled i.i.d. from the draft
+cannot take them (its multi-step speculative sampling rule assumes every sibling came from ``q``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def prompt_lookup(history: Sequence[int], min_match: int, max_match: int, length: int) -> list[int]:
+    """The up to ``length`` tokens that followed the most recent earlier occurrence of the longest suffix of
+    ``history`` of ``max_match`` down to ``min_match`` tokens; empty if no such suffix occurred before."""
+    if length < 1 or min_match < 1:
+        return []
+    tokens = list(history)
+    total = len(tokens)
+    for size in range(min(max_match, total - 1), min_match - 1, -1):
+        suffix = tokens[total - size:]
+        for start in range(total - size - 1, -1, -1):  # most recent first; the suffix itself is excluded
+            if tokens[start:start + size] == suffix:
+                return tokens[start + size:start + size + length]
+    return []
+
+
+def merge_path(tokens: Sequence[int], parents: Sequence[int], path: Sequence[int],
+               max_new: int) -> tuple[list[int], list[int], int]:
+    """``(tokens, parents, nodes added)`` of the tree with ``path`` (tokens after the root) merged in."""
+    tokens, parents = list(tokens), list(parents)
+    children: dict[int, dict[int, int]] = {}
+    for node, (token, parent) in enumerate(zip(tokens, parents, strict=True)):
+        children.setdefault(parent, {}).setdefault(token, node)
+    current, added = -1, 0
+    for token in path:
+        existing = children.get(current, {}).get(token)
+        if existing is not None:
+            current = existing
+            continue
+        if added >= max_new:
+            break
+        tokens.append(token)
+        parents.append(current)
+        current = len(tokens) - 1
+        children.setdefault(parents[-1], {})[token] = current
+        added += 1
+    return tokens, parents, added
