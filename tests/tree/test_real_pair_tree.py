@@ -29,13 +29,9 @@ def prompt_ids(real_pair):
     return [prompt_token_ids(tokenizer, text) for text in TEXTS]
 
 
-def _greedy(llm, prompts) -> list[list[int]]:
-    return greedy_tokens(llm, prompts, MAX_TOKENS)
-
-
 @pytest.fixture(scope="module")
 def vanilla_tokens(llm_pool, real_pair, prompt_ids):
-    return _greedy(llm_pool.get(real_pair[0], max_model_len=1024), prompt_ids)
+    return greedy_tokens(llm_pool.get(real_pair[0], max_model_len=1024), prompt_ids, MAX_TOKENS)
 
 
 @pytest.mark.parametrize(
@@ -51,7 +47,7 @@ def test_real_pair_trees_equal_vanilla(llm_pool, real_pair, prompt_ids, vanilla_
         speculative_config={"method": "draft_model", "model": str(draft), "use_heterogeneous_vocab": True},
         additional_config={"easyspec": {"tree": tree, "layer_parallel_size": n}},
     )
-    assert _greedy(llm, prompt_ids[:1]) == vanilla_tokens[:1]
-    assert _greedy(llm, prompt_ids) == vanilla_tokens
+    assert greedy_tokens(llm, prompt_ids[:1], MAX_TOKENS) == vanilla_tokens[:1]
+    assert greedy_tokens(llm, prompt_ids, MAX_TOKENS) == vanilla_tokens
     stats = llm.collective_rpc(read_tree_stats)[0]
     assert stats["steps"] > 0 and 0 < stats["accepted"] < stats["nodes_verified"]

@@ -131,6 +131,15 @@ def _refusal(isa: str, dtype: torch.dtype, reason: str) -> str:
     )
 
 
+@dataclass(frozen=True)
+class GatherPlan:
+    """Where :meth:`PagedKVReader.gather` reads: ``width`` = the longest length, and the block ids
+    ``[R, blocks]`` (``vec``) or the flat cache indices of the keys and of the values ``[R, heads, width, dim]``."""
+
+    width: int
+    indices: tuple[torch.Tensor, ...]
+
+
 class PagedKVReader:
     """Gathers the first ``lengths[r]`` positions of requests ``r`` from one layer's paged cache.
 
@@ -146,14 +155,14 @@ class PagedKVReader:
             layout.value_offsets, _vec_offsets(layout, keys=False)
         )
 
-    def index(self, block_table: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The gather plan: block ids ``[R, blocks]`` (``vec``) or flat cache indices of the keys and of the
-        values ``[R, heads, max(lengths), dim]``; positions past a request's length are padding (mask them)."""
+    def index(self, block_table: torch.Tensor, lengths: torch.Tensor) -> GatherPlan:
+        """The gather plan of requests with these block tables and lengths (positions past a request's own
+        length, up to the longest, are padding: mask them)."""
         layout = self.layout
         width = max(int(lengths.max()), 1) if lengths.numel() else 1
         if self.is_vec:
             num_blocks = -(-width // layout.block_size)
-            return (block_table[:, :num_blocks].long(),)
+            return GatherPlan(width, (block_table[:, :num_blocks].long(),))
         positions = torch.arange(width, dtype=torch.int64)
         blocks = block_table.long().gather(
             1, (positions // layout.block_size).clamp(max=block_table.shape[1] - 1)[None].expand(len(block_table), -1)
@@ -167,13 +176,13 @@ class PagedKVReader:
             inner = torch.where(valid[:, :, None, None], inner[None], inner[:1][None])  # [R, L, H, D]
             return (base[:, :, None, None] + inner).permute(0, 2, 1, 3).contiguous()
 
-        return flat(layout.key_offsets), flat(layout.value_offsets)
+        return GatherPlan(width, (flat(layout.key_offsets), flat(layout.value_offsets)))
 
-    def gather(self, kv_cache: torch.Tensor, index: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[R, heads, L, dim]`` of one layer's cache at a precomputed :meth:`index` (``L``
-        is at least the longest length; the rest is padding)."""
+    def gather(self, kv_cache: torch.Tensor, plan: GatherPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[R, heads, plan.width, dim]`` of one layer's cache (the ``vec`` layout reads whole
+        blocks and cuts them to the width, so attention never spends work on positions no request has)."""
         if self.is_vec:
-            (blocks,) = index
+            (blocks,) = plan.indices
             num_blocks, heads, block_size, fused = kv_cache.shape
             dim = fused // 2
             requests, per_request = blocks.shape
@@ -181,9 +190,9 @@ class PagedKVReader:
             keys = picked[:, :, 0].view(requests, per_request, heads, dim, block_size).permute(0, 2, 1, 4, 3)
             values = picked[:, :, 1].view(requests, per_request, heads, block_size, dim).permute(0, 2, 1, 3, 4)
             shape = (requests, heads, per_request * block_size, dim)
-            return keys.reshape(shape), values.reshape(shape)
+            return keys.reshape(shape)[:, :, : plan.width], values.reshape(shape)[:, :, : plan.width]
         flat = kv_cache.view(-1)
-        key_index, value_index = index
+        key_index, value_index = plan.indices
         return flat[key_index], flat[value_index]
 
 
