@@ -93,14 +93,17 @@ class Workload:
     kv_cache_gib: int = 2
 
 
-def load_prompts(limit: int | None = None, kinds: tuple[str, ...] | None = None) -> list[str]:
+DEFAULT_PROMPT_KINDS = ("chat", "code", "math")  # the default mix; "edit" prompts are asked for by name
+
+
+def load_prompts(limit: int | None = None, kinds: tuple[str, ...] = DEFAULT_PROMPT_KINDS) -> list[str]:
     entries = json.loads(PROMPTS_FILE.read_text())["prompts"]
-    texts = [e["text"] for e in entries if kinds is None or e["kind"] in kinds]
+    texts = [e["text"] for e in entries if e["kind"] in kinds]
     if limit is not None:
-        # Interleave kinds so a short run still covers chat, code and math.
+        # Interleave kinds so a short run still covers each of them.
         by_kind: dict[str, list[str]] = {}
         for entry in entries:
-            if kinds is None or entry["kind"] in kinds:
+            if entry["kind"] in kinds:
                 by_kind.setdefault(entry["kind"], []).append(entry["text"])
         texts = [t for group in zip(*by_kind.values()) for t in group][:limit]
     return texts

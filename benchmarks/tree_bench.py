@@ -5,6 +5,7 @@ engine processes, medians with their min-max).
     python -m benchmarks.tree_bench compare    # tree vs chain at equal node budgets, pairs a, b, c
     python -m benchmarks.tree_bench ablation   # EasySpec Figure-4 analog: tree width x N x calibration, pair b
     python -m benchmarks.tree_bench e2e        # pair c at batch 1 and 8: vanilla, vLLM, EasySpec chain and tree
+    python -m benchmarks.tree_bench lookup     # pair c, default and code-edit prompts: trees + prompt lookup
     python -m benchmarks.tree_bench plot       # acceptance per depth, chain vs tree, from the compare results
 
 Pairs: (a) SmolLM2-135M drafting for itself, (b) Qwen2.5-Coder-0.5B drafting for itself, (c) SmolLM2-135M
@@ -23,6 +24,7 @@ from typing import Any
 
 from benchmarks.easyspec_bench import PAIRS, draft_model_spec  # pairs (a), (b), (c) as documented above
 from benchmarks.harness import (
+    DEFAULT_PROMPT_KINDS,
     DEFAULT_REPEATS,
     RESULTS_DIR,
     Setup,
@@ -33,6 +35,7 @@ from benchmarks.harness import (
     write_results,
 )
 from vllm_easyspec.models import fetch_model
+from vllm_easyspec.tree.config import TreeConfig
 
 
 def chain_choices(nodes: int) -> list[list[int]]:
@@ -67,7 +70,7 @@ def easyspec_chain(draft: str, hetero: bool, k: int, **options: Any) -> Setup:
 
 
 def easyspec_tree(name: str, draft: str, hetero: bool, tree: dict[str, Any], **options: Any) -> Setup:
-    nodes = len(tree["choices"]) if "choices" in tree else tree["budget"]
+    nodes = TreeConfig(**tree).num_nodes
     return Setup(f"{name}{_option_suffix(options)}", f"EasySpec tree {json.dumps(tree)} {options or ''}".strip(),
                  speculative_config=draft_model_spec(draft, hetero, nodes),
                  additional_config={"easyspec": {"tree": tree} | options})
@@ -230,6 +233,32 @@ def e2e(args: argparse.Namespace) -> None:
         _write(rows, f"tree_e2e_b{batch}", f"Default pair end to end, batch {batch}, {args.dtype}")
 
 
+def lookup(args: argparse.Namespace) -> None:
+    """Trees with prompt-lookup candidates merged in, on the default prompt mix and on code edits (prompts that
+    ask for their own code back, changed): vanilla, vLLM ``ngram``, vLLM's fastest draft_model chain, the
+    4-wide tree, and the same tree plus up to ``--lookup-nodes`` prompt-lookup nodes."""
+    target, draft, hetero = PAIRS["c"]
+    with_lookup = {"choices": wide_choices(args.wide),
+                   "sources": {"prompt_lookup": {"nodes": args.lookup_nodes, "min_match": 2, "max_match": 4}}}
+    for name, kinds in (("default", DEFAULT_PROMPT_KINDS), ("edit", ("edit",))):
+        if name not in args.sets:
+            continue
+        setups = [
+            Setup("vanilla", "no speculation"),
+            Setup(f"vllm-ngram-{args.lookup_nodes}", "vLLM ngram, lookup 2..4",
+                  speculative_config={"method": "ngram", "num_speculative_tokens": args.lookup_nodes,
+                                      "prompt_lookup_min": 2, "prompt_lookup_max": 4}),
+            vllm_chain(draft, hetero, args.chain_k),
+            easyspec_tree(f"tree-wide-{args.wide}", draft, hetero, {"choices": wide_choices(args.wide)}),
+            easyspec_tree(f"tree-wide-{args.wide}-lookup-{args.lookup_nodes}", draft, hetero, with_lookup),
+        ]
+        workload = Workload(target=str(fetch_model(target)), prompts=load_prompts(limit=args.prompts, kinds=kinds),
+                            max_tokens=args.max_tokens, batch_size=args.batch, dtype=args.dtype)
+        rows = run_setups(setups, workload, repeats=args.repeats)
+        _write(rows, f"tree_lookup_{name}", f"Trees plus prompt lookup, pair (c), {name} prompts, batch {args.batch}, "
+                                            f"{args.dtype}")
+
+
 def plot(args: argparse.Namespace) -> None:
     import matplotlib
 
@@ -267,7 +296,7 @@ def _write(rows: list[dict[str, Any]], stem: str, title: str, summary: str = "")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=("verify", "compare", "ablation", "e2e", "plot"))
+    parser.add_argument("part", choices=("verify", "compare", "ablation", "e2e", "lookup", "plot"))
     parser.add_argument("--pairs", nargs="*", default=["c", "a", "b"], choices=sorted(PAIRS))
     parser.add_argument("--budgets", type=int, nargs="*", default=[2, 4, 8, 16])
     parser.add_argument("--extra-chains", type=int, nargs="*", default=[1], help="compare: shorter chains too")
@@ -281,9 +310,12 @@ def main() -> None:
     parser.add_argument("--ablation-pair", default="b", choices=sorted(PAIRS))
     parser.add_argument("--chain-k", type=int, default=1, help="e2e: k of the chains (the fastest chain: 1)")
     parser.add_argument("--n", type=int, default=2, help="e2e: EasySpec layer_parallel_size")
-    parser.add_argument("--wide", type=int, default=4, help="e2e: root children of the depth-1 tree")
+    parser.add_argument("--wide", type=int, default=4, help="e2e, lookup: root children of the depth-1 tree")
+    parser.add_argument("--lookup-nodes", type=int, default=4, help="lookup: prompt-lookup nodes (and ngram's k)")
+    parser.add_argument("--sets", nargs="*", default=["default", "edit"], choices=("default", "edit"),
+                        help="lookup: prompt sets (edit: code edits, which repeat their input after some prose)")
     args = parser.parse_args()
-    {"verify": verify, "compare": compare, "ablation": ablation, "e2e": e2e, "plot": plot}[args.part](args)
+    {"verify": verify, "compare": compare, "ablation": ablation, "e2e": e2e, "lookup": lookup, "plot": plot}[args.part](args)
 
 
 if __name__ == "__main__":
