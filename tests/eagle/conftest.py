@@ -24,3 +24,28 @@ def tiny_text_dir(tmp_path_factory) -> Path:
     return d
 
 
+
+
+# The tiny Llama is close to a bigram model, so a head learns it within a few dozen steps and
+# accepts often enough for the replay comparison and the distribution tests to mean something.
+@pytest.fixture(scope="session")
+def trained_tiny_heads(tmp_path_factory, tiny_llama_dir, tiny_text_dir):
+    """``heads(fmt)``: the directory of a head trained on the tiny Llama (``eagle`` or ``eagle3``), trained
+    once per session."""
+    from eagle_helpers import train_args
+
+    from vllm_easyspec.eagle.trainer import train
+
+    trained: dict[str, Path] = {}
+
+    def heads(fmt: str) -> Path:
+        if fmt not in trained:
+            tmp = tmp_path_factory.mktemp(f"trained_{fmt}")
+            extra = ["--max-steps", "40", "--eval-every", "40", "--save-every", "40", "--lr", "3e-3"]
+            if fmt == "eagle3":
+                extra += ["--draft-vocab-size", "48"]
+            train(train_args(tiny_llama_dir, tmp / "head", tmp / "w", tiny_text_dir, fmt, extra))
+            trained[fmt] = tmp / "head"
+        return trained[fmt]
+
+    return heads

@@ -14,12 +14,10 @@ from pathlib import Path
 
 import pytest
 from distribution import ALPHA, run_distribution_test
-from eagle_helpers import train_args
 from reference_checkpoint import build_reference_checkpoint
 
 from vllm_easyspec.eagle.checkpoint import load_head
 from vllm_easyspec.eagle.simulate import replay_acceptance
-from vllm_easyspec.eagle.trainer import train
 from vllm_easyspec.metrics import read_spec_decode_counters
 
 PROMPTS = [[1, 17, 42, 5, 33, 9], [1, 4, 8, 15, 16, 23, 42, 7]]
@@ -61,17 +59,9 @@ def test_reference_layout_loads_in_vllm(request, tmp_path, llm_pool, target_name
     assert h.cfg.format == fmt
 
 
-# The tiny Llama is close to a bigram model, so a head learns it within a few dozen steps and
-# accepts often enough for the replay comparison and the distribution test to mean something.
 @pytest.fixture(scope="module", params=["eagle", "eagle3"])
-def trained_tiny_head(request, tmp_path_factory, tiny_llama_dir, tiny_text_dir) -> tuple[str, Path]:
-    fmt = request.param
-    tmp = tmp_path_factory.mktemp(f"trained_{fmt}")
-    extra = ["--max-steps", "40", "--eval-every", "40", "--save-every", "40", "--lr", "3e-3"]
-    if fmt == "eagle3":
-        extra += ["--draft-vocab-size", "48"]
-    train(train_args(tiny_llama_dir, tmp / "head", tmp / "w", tiny_text_dir, fmt, extra))
-    return fmt, tmp / "head"
+def trained_tiny_head(request, trained_tiny_heads) -> tuple[str, Path]:
+    return request.param, trained_tiny_heads(request.param)
 
 
 def _eagle_engine(llm_pool, target, fmt: str, head: Path):

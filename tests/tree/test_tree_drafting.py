@@ -30,6 +30,7 @@ def draft_with_masks(config: TreeConfig, roots: list[int], greedy: list[bool], g
     while not draft.done:
         tokens = draft.frontier_tokens()
         mask = draft.frontier_mask()
+        parent_columns = draft.frontier_parent_columns()
         stash = len(stash_paths[0])
         assert mask.shape == (batch, tokens.shape[1], stash + tokens.shape[1])
         logits = torch.zeros(batch, tokens.shape[1], VOCAB)
@@ -41,6 +42,8 @@ def draft_with_masks(config: TreeConfig, roots: list[int], greedy: list[bool], g
                 assert mask[b, f, stash + f] and mask[b, f, stash:].sum() == 1  # itself, no sibling
                 parent_path = max(ancestors, key=len) if ancestors else ()
                 assert len(ancestors) == len(parent_path) == draft.frontier_depth - 1  # all ancestors, one per depth
+                column = int(parent_columns[b, f])  # where a drafter reads the parent's output
+                assert (stash_paths[b][column] if column >= 0 else ()) == parent_path
                 path = parent_path + (int(tokens[b, f]),)
                 row_paths.append(path)
                 logits[b, f] = path_logits(roots[b], path)
@@ -117,6 +120,11 @@ def test_verify_step_layout_positions_and_moves():
     assert branch.source_column.tolist() == [1, 3, 4, 1]
     assert branch.destination.tolist() == [11, 12, 13, 5]
     assert branch.tokens.tolist() == [5, 7, 8, 9]
+    source, destination = step.branch_rows(branch)  # node 2 (row 6) moves to P + 2 (row 5), node 3 to row 6
+    assert source.tolist() == [4, 6, 7, 9] and destination.tolist() == [4, 5, 6, 9]
+    assert step.left_the_top_path(branch) == set()  # 0, 2, 3: each its parent's first child
+    other = step.accepted_moves(torch.tensor([[1, -1], [0, -1]]), torch.tensor([1, 1]))
+    assert step.left_the_top_path(other) == {0}  # node 1 is the root's second child
 
 
 def test_verify_step_rejects_a_node_before_its_parent():

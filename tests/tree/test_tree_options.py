@@ -81,9 +81,16 @@ def test_num_speculative_tokens_mismatch_names_both_fields(tiny_llama_dir, tiny_
     assert "set num_speculative_tokens to 4" in message
 
 
-def test_trees_need_a_draft_model(tiny_llama_dir, tiny_llama_draft_dir):
+def test_trees_need_a_draft_model_or_an_eagle_head(tiny_llama_dir, tiny_llama_draft_dir):
     args = _engine_args(tiny_llama_dir, tiny_llama_draft_dir, {"method": "ngram"})
-    with pytest.raises(EasySpecConfigError, match="needs --speculative-config with \"method\": \"draft_model\""):
+    with pytest.raises(EasySpecConfigError, match="\"method\" one of draft_model, eagle, eagle3 .* got method 'ngram'"):
+        prepare_tree_engine_args(args)
+
+
+def test_layer_parallel_options_are_refused_for_an_eagle_tree(tiny_llama_dir, tiny_llama_draft_dir):
+    args = _engine_args(tiny_llama_dir, tiny_llama_draft_dir, {"method": "eagle3"})
+    args.additional_config["easyspec"]["layer_parallel_size"] = 2
+    with pytest.raises(EasySpecConfigError, match="layer_parallel_size / layer_groups group a draft model's layers"):
         prepare_tree_engine_args(args)
 
 

@@ -12,6 +12,9 @@ from vllm_easyspec.easyspec.config import EasySpecConfigError, parse_easyspec_co
 logger = init_logger(__name__)
 
 
+TREE_METHODS = ("draft_model", "eagle", "eagle3")  # speculative methods whose drafter can draft trees
+
+
 def install() -> None:
     from vllm.config.speculative import SpeculativeConfig
     from vllm.engine.arg_utils import EngineArgs
@@ -49,10 +52,16 @@ def prepare_tree_engine_args(engine_args) -> None:
         return
     spec = engine_args.speculative_config
     method = None if not isinstance(spec, dict) else spec.get("method")
-    if method != "draft_model":
+    if method not in TREE_METHODS:
         raise EasySpecConfigError(
-            f"easyspec.tree needs --speculative-config with \"method\": \"draft_model\" (a draft model drafts "
-            f"the tree), got method {method!r}; use a draft model, or remove easyspec.tree for a chain"
+            f"easyspec.tree needs --speculative-config with \"method\" one of {', '.join(TREE_METHODS)} (a draft "
+            f"model or an EAGLE head drafts the tree), got method {method!r}; use one of those, or remove "
+            "easyspec.tree"
+        )
+    if method != "draft_model" and easyspec.is_fuzzy:
+        raise EasySpecConfigError(
+            f"easyspec.layer_parallel_size / layer_groups group a draft model's layers, but method {method!r} "
+            "drafts with a one-layer EAGLE head; remove them, or use \"method\": \"draft_model\""
         )
     nodes = easyspec.tree.num_nodes
     given = spec.get("num_speculative_tokens")
@@ -95,6 +104,10 @@ def validate_engine_config(vllm_config) -> None:
     if easyspec is None:
         return
     spec = vllm_config.speculative_config
+    if easyspec.tree is not None and spec is not None and spec.method in TREE_METHODS:
+        _validate_tree_engine_config(vllm_config)
+        if spec.method != "draft_model":
+            return  # an EAGLE head drafts the tree; prepare_tree_engine_args refused draft-model-only options
     if spec is None or spec.method != "draft_model":
         logger.warning(
             "additional_config.easyspec is set but speculative decoding is not method 'draft_model' "
@@ -114,23 +127,26 @@ def validate_engine_config(vllm_config) -> None:
         from vllm_easyspec.integration.fuzzy_models import check_fuzzy_architecture
 
         check_fuzzy_architecture(spec.draft_model_config.hf_config.architectures, spec.draft_model_config.hf_text_config)
-    if easyspec.tree is not None:
-        if vllm_config.model_config.uses_mrope:
-            raise EasySpecConfigError(
-                "easyspec.tree gives tree nodes RoPE positions prefix + depth, which M-RoPE targets do not "
-                "support; remove easyspec.tree to use chain speculation with this model"
-            )
-        if vllm_config.parallel_config.pipeline_parallel_size > 1:
-            raise EasySpecConfigError(
-                "easyspec.tree does not support pipeline parallelism; remove easyspec.tree or use "
-                "--pipeline-parallel-size 1"
-            )
-        kv_cache_dtype = vllm_config.cache_config.cache_dtype
-        if kv_cache_dtype not in ("auto", None):
-            raise EasySpecConfigError(
-                f"easyspec.tree reads the paged KV cache for tree attention and supports only unquantized "
-                f"caches, but --kv-cache-dtype is {kv_cache_dtype!r}; remove --kv-cache-dtype or easyspec.tree"
-            )
+
+
+def _validate_tree_engine_config(vllm_config) -> None:
+    """What a token tree needs from the target engine, whichever drafter drafts it."""
+    if vllm_config.model_config.uses_mrope:
+        raise EasySpecConfigError(
+            "easyspec.tree gives tree nodes RoPE positions prefix + depth, which M-RoPE targets do not "
+            "support; remove easyspec.tree to use chain speculation with this model"
+        )
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise EasySpecConfigError(
+            "easyspec.tree does not support pipeline parallelism; remove easyspec.tree or use "
+            "--pipeline-parallel-size 1"
+        )
+    kv_cache_dtype = vllm_config.cache_config.cache_dtype
+    if kv_cache_dtype not in ("auto", None):
+        raise EasySpecConfigError(
+            f"easyspec.tree reads the paged KV cache for tree attention and supports only unquantized "
+            f"caches, but --kv-cache-dtype is {kv_cache_dtype!r}; remove --kv-cache-dtype or easyspec.tree"
+        )
 
 
 def _verify_equal_vocab_size(self) -> None:

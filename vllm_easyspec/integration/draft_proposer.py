@@ -30,7 +30,7 @@ logger = init_logger(__name__)
 
 LOG_EVERY_STEPS = 200
 
-_PROPOSE_SIGNATURE = inspect.signature(SpecDecodeBaseProposer.propose)
+PROPOSE_SIGNATURE = inspect.signature(SpecDecodeBaseProposer.propose)
 
 
 @dataclass
@@ -44,6 +44,16 @@ class DraftingStats:
     @property
     def seconds_per_step(self) -> float:
         return self.drafting_seconds / self.steps if self.steps else 0.0
+
+    def count_step(self, started: float, draft_token_ids: torch.Tensor) -> None:
+        """One ``propose`` call that began at ``time.perf_counter()`` = ``started`` and returned these drafts."""
+        if draft_token_ids.is_cuda:
+            torch.cuda.synchronize(draft_token_ids.device)
+        self.drafting_seconds += time.perf_counter() - started
+        self.steps += 1
+        self.drafted_requests += int(draft_token_ids.shape[0])
+        if self.steps % LOG_EVERY_STEPS == 0:
+            logger.info("EasySpec drafting: %d steps, %.2f ms per step", self.steps, 1e3 * self.seconds_per_step)
 
 
 class EasySpecDraftProposer(DraftModelProposer):
@@ -142,7 +152,7 @@ class EasySpecDraftProposer(DraftModelProposer):
         start = time.perf_counter()
         bound = None
         if self.is_fuzzy or self.record_block_tables or self.tree_drafting is not None:
-            bound = _PROPOSE_SIGNATURE.bind(self, *args, **kwargs)
+            bound = PROPOSE_SIGNATURE.bind(self, *args, **kwargs)
             cad = bound.arguments["common_attn_metadata"]
             if self.record_block_tables:
                 self._record_block_tables(cad)
@@ -160,16 +170,7 @@ class EasySpecDraftProposer(DraftModelProposer):
             draft_token_ids = self.tree_drafting.propose(**arguments)
         else:
             draft_token_ids = super().propose(*args, **kwargs)
-        if draft_token_ids.is_cuda:
-            torch.cuda.synchronize(draft_token_ids.device)
-        stats = self.drafting_stats
-        stats.drafting_seconds += time.perf_counter() - start
-        stats.steps += 1
-        stats.drafted_requests += int(draft_token_ids.shape[0])
-        if stats.steps % LOG_EVERY_STEPS == 0:
-            logger.info(
-                "EasySpec drafting: %d steps, %.2f ms per step", stats.steps, 1e3 * stats.seconds_per_step
-            )
+        self.drafting_stats.count_step(start, draft_token_ids)
         return draft_token_ids
 
     def _batch_has_prompt_tokens(self, batch: int) -> bool:
@@ -194,14 +195,14 @@ class EasySpecDraftProposer(DraftModelProposer):
 def read_drafting_stats(worker) -> dict[str, Any] | None:
     """Worker-side reader for ``LLM.collective_rpc``: this rank's drafting counters, or None."""
     drafter = getattr(worker.model_runner, "drafter", None)
-    if not isinstance(drafter, EasySpecDraftProposer) or drafter.easyspec_config is None:
+    if getattr(drafter, "easyspec_config", None) is None:  # not one of the plugin's proposers in use
         return None
     stats = drafter.drafting_stats
     result: dict[str, Any] = asdict(stats) | {"seconds_per_step": stats.seconds_per_step}
-    if drafter.calibration is not None:
+    if getattr(drafter, "calibration", None) is not None:
         result["exact_first_forwards"] = drafter.calibration.exact_first_forwards
         result["fuzzy_first_forwards"] = drafter.calibration.fuzzy_first_forwards
-    if drafter.fuzzy_controller is not None:
+    if getattr(drafter, "fuzzy_controller", None) is not None:
         counts = drafter.fuzzy_controller.counts
         result |= {
             "exact_forwards": counts.exact,
@@ -209,7 +210,7 @@ def read_drafting_stats(worker) -> dict[str, Any] | None:
             "fused_group_calls": counts.fused_groups,
             "parallel_group_calls": counts.parallel_groups,
         }
-    if drafter.layer_grouping is not None:
+    if getattr(drafter, "layer_grouping", None) is not None:
         result["mode"] = drafter.layer_grouping.mode
         result["groups"] = [list(g) for g in drafter.layer_grouping.groups]
     return result
@@ -218,5 +219,5 @@ def read_drafting_stats(worker) -> dict[str, Any] | None:
 def reset_drafting_stats(worker) -> None:
     """Worker-side: zero this rank's drafting counters (benchmarks call it after warm-up)."""
     drafter = getattr(worker.model_runner, "drafter", None)
-    if isinstance(drafter, EasySpecDraftProposer):
+    if getattr(drafter, "easyspec_config", None) is not None:
         drafter.drafting_stats = DraftingStats()

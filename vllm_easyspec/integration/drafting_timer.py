@@ -1,8 +1,8 @@
 """Drafting-stage time per step for any proposer, vLLM's built-in ones included.
 
-The plugin's own drafter (``EasySpecDraftProposer`` with an ``easyspec`` config) times itself. For every
-other proposer (``EagleProposer``, ``NgramProposer``, a plain ``draft_model``), ``time_drafter`` wraps the
-``propose`` bound method of this worker's drafter instance -- it replaces, on that one instance only,
+The plugin's own drafters (``EasySpecDraftProposer`` with an ``easyspec`` config, ``EasySpecEagleProposer``)
+time themselves. For every other proposer (``EagleProposer``, ``NgramProposer``, a plain ``draft_model``),
+``time_drafter`` wraps the ``propose`` bound method of this worker's drafter instance -- it replaces, on that one instance only,
 vLLM's ``SpecDecodeBaseProposer.propose`` / ``NgramProposer.propose`` -- so that benchmarks report
 drafting time at the same boundary (one ``drafter.propose`` call per engine step) for every method.
 
@@ -20,13 +20,14 @@ from typing import Any
 
 import torch
 
-from vllm_easyspec.integration.draft_proposer import DraftingStats, EasySpecDraftProposer
+from vllm_easyspec.integration.draft_proposer import DraftingStats
 
 _TIMER_ATTRIBUTE = "_easyspec_drafting_timer"
 
 
 def _self_timed(drafter: Any) -> bool:
-    return isinstance(drafter, EasySpecDraftProposer) and drafter.easyspec_config is not None
+    """The plugin's proposers time themselves when an ``easyspec`` config is in use."""
+    return getattr(drafter, "easyspec_config", None) is not None
 
 
 def time_drafter(worker: Any) -> bool:

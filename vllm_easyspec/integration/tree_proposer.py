@@ -1,4 +1,6 @@
-"""The draft model drafts the tree: the tree path of :class:`~vllm_easyspec.integration.draft_proposer.EasySpecDraftProposer`.
+"""The drafter drafts the tree: the tree path of the plugin's draft-model proposer
+(:class:`~vllm_easyspec.integration.draft_proposer.EasySpecDraftProposer`) and of its EAGLE proposer
+(:class:`~vllm_easyspec.integration.eagle_proposer.EasySpecEagleProposer`).
 
 One drafting step is:
 
@@ -17,6 +19,12 @@ One drafting step is:
    keeps only the first nodes the batch size allows (none: no speculation this step);
 4. the trees go to the runner's verifier and their nodes, parents first, to the scheduler as the
    request's speculative tokens.
+
+An EAGLE head also reads a hidden state per row: in the first pass the target's, of the accepted branch
+(:meth:`~vllm_easyspec.integration.tree_runner.TreeVerifier.branch_hidden_states` moves the winning nodes'
+states to the branch's rows, whichever branch won); at every level each node gets the state the head
+produced for its parent (the root's for depth 1). Its logits are over the target vocabulary already (an
+EAGLE-3 head maps its draft vocabulary through ``d2t``).
 
 With ``use_heterogeneous_vocab`` the draft scores only tokens that map into the target vocabulary, and
 node tokens (and an i.i.d. tree's draft probabilities) are mapped to target ids.
@@ -55,7 +63,12 @@ class TreeDrafting:
         proposer = self.proposer
         proposer._last_draft_probs = None
         batch_size = common_attn_metadata.batch_size()
-        root_hidden, root_positions, cad = self._first_pass(
+        feeds_hidden = proposer.pass_hidden_states_to_model  # an EAGLE head: each node reads its parent's state
+        if feeds_hidden:
+            target_hidden_states = self.verifier.branch_hidden_states(target_hidden_states)
+            if proposer.method == "eagle3":
+                target_hidden_states = proposer.model.combine_hidden_states(target_hidden_states)
+        root_hidden, root_feed, root_positions, cad = self._first_pass(
             target_token_ids, target_positions, target_hidden_states, next_token_ids,
             token_indices_to_sample, common_attn_metadata, mm_embed_inputs, num_rejected_tokens_gpu,
         )
@@ -68,21 +81,28 @@ class TreeDrafting:
             block_table=cad.block_table_tensor[:batch_size],
         )
         layer_names = list(proposer._draft_attn_layer_names)
+        stash_feed = None if root_feed is None else root_feed.new_zeros(batch_size, 0, root_feed.shape[-1])
         while not draft.done:
             tokens = draft.frontier_tokens()
             width = tokens.shape[1]
             metadata = TreeLevelMetadata(state=state, width=width, tree_mask=draft.frontier_mask())
             # one position per frontier row (vLLM's rotary op reads one per token, unchecked)
             positions = root_positions.repeat_interleave(width) + draft.frontier_depth
+            inputs = {
+                "input_ids": tokens.reshape(-1).to(proposer.input_ids.dtype),
+                "positions": positions.to(proposer.positions.dtype),
+                "inputs_embeds": None,
+            }
+            if feeds_hidden:
+                inputs["hidden_states"] = _parent_states(root_feed, stash_feed, draft.frontier_parent_columns())
             with set_forward_context(
                 {name: metadata for name in layer_names}, proposer.vllm_config,
                 num_tokens=batch_size * width, slot_mapping={},
             ):
-                hidden = proposer.model(
-                    input_ids=tokens.reshape(-1).to(proposer.input_ids.dtype),
-                    positions=positions.to(proposer.positions.dtype),
-                    inputs_embeds=None,
-                )
+                output = proposer.model(**inputs)
+            hidden, feed = output if proposer.model_returns_tuple() else (output, output)
+            if feeds_hidden:
+                stash_feed = torch.cat([stash_feed, feed[: batch_size * width].view(batch_size, width, -1)], dim=1)
             draft.expand(self._logits(hidden[: batch_size * width]).view(batch_size, width, -1))
         return self._hand_over(draft.build(), batch_size, next_token_ids)
 
@@ -90,7 +110,8 @@ class TreeDrafting:
     def _first_pass(self, target_token_ids, target_positions, target_hidden_states, next_token_ids,
                     token_indices_to_sample, cad, mm_embed_inputs, num_rejected_tokens_gpu):
         """vLLM's first drafter forward (``SpecDecodeBaseProposer.propose`` up to its first sample), which
-        this path runs as is; returns the roots' hidden states and positions, and the metadata."""
+        this path runs as is; returns the roots' hidden states (for logits, and the state an EAGLE head feeds
+        its children, or None for a draft model), their positions, and the metadata."""
         proposer = self.proposer
         num_tokens, token_indices_to_sample, cad = proposer.set_inputs_first_pass(
             target_token_ids=target_token_ids,
@@ -113,10 +134,10 @@ class TreeDrafting:
             num_tokens_across_dp=num_tokens_across_dp, cudagraph_runtime_mode=cudagraph_mode,
             slot_mapping=proposer._get_slot_mapping(slot_mapping_size, cad.slot_mapping),
         ):
-            hidden = proposer.model(**model_kwargs)
-        if proposer.model_returns_tuple():
-            hidden = hidden[0]
-        return hidden[token_indices_to_sample], proposer.positions[token_indices_to_sample], cad
+            output = proposer.model(**model_kwargs)
+        hidden, feed = output if proposer.model_returns_tuple() else (output, None)
+        root_feed = None if feed is None else feed[token_indices_to_sample]
+        return hidden[token_indices_to_sample], root_feed, proposer.positions[token_indices_to_sample], cad
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits over the draft vocabulary (restricted to target-mappable tokens if heterogeneous)."""
@@ -183,6 +204,17 @@ class TreeDrafting:
         batch = self.proposer.easyspec_runner.input_batch
         known = batch.token_ids_cpu[row, : int(batch.num_tokens_no_spec[row])].tolist()
         return known + self.verifier.last_branch.get(req_id, []) + [next_token]
+
+
+def _parent_states(root: torch.Tensor, stash: torch.Tensor, parent_columns: torch.Tensor) -> torch.Tensor:
+    """``[B * F, H]``: for each frontier node the state its parent produced (the root's for depth-1 nodes)."""
+    batch, width = parent_columns.shape
+    if stash.shape[1] == 0:
+        return root[:, None, :].expand(batch, width, -1).reshape(batch * width, -1)
+    index = parent_columns.clamp(min=0).to(stash.device)[:, :, None].expand(-1, -1, stash.shape[-1])
+    from_stash = stash.gather(1, index)
+    is_root = (parent_columns < 0).to(stash.device)[:, :, None]
+    return torch.where(is_root, root[:, None, :], from_stash).reshape(batch * width, -1)
 
 
 def _greedy_rows(sampling_metadata, batch_size: int) -> tuple[list[bool], torch.Tensor | None]:

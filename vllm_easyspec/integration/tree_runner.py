@@ -88,6 +88,7 @@ class TreeStats:
     requests_without_speculation: int = 0
     source_nodes: int = 0  # nodes merged in from sources (prompt lookup), scheduled or not
     source_nodes_accepted: int = 0
+    off_top_path_branches: int = 0  # accepted branches with a node that is not its parent's first child
     last_node_limit: int = 0  # nodes per tree that budget_by_batch allowed at the last drafting step
     steps_without_speculation: int = 0  # drafting steps at a batch size budget_by_batch gives no nodes
 
@@ -103,6 +104,8 @@ class TreeVerifier:
     drafted_this_step: bool = False
     forward: TreeVerifyForward | None = None
     last_branch: dict[str, list[int]] = field(default_factory=dict)  # tokens each request accepted this step
+    # (source rows, destination rows) of this step's accepted nodes in the verify forward, or None
+    branch_rows: tuple[torch.Tensor, torch.Tensor] | None = None
     stats: TreeStats = field(default_factory=TreeStats)
     _explained: set[str] = field(default_factory=set)
 
@@ -144,6 +147,7 @@ class TreeVerifier:
         query_start = runner.query_start_loc.np
         requests: list[TreeRequest] = []
         self.last_branch = {}
+        self.branch_rows = None
         for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
             tokens = list(drafts)
             if -1 in tokens:  # grammar-rejected drafts are never scheduled for tree requests; be safe
@@ -207,6 +211,7 @@ class TreeVerifier:
             return
         from_sources = branch.source_column - 1 >= step.drafted_nodes[branch.request_index]
         self.stats.source_nodes_accepted += int(from_sources.sum())
+        self.stats.off_top_path_branches += len(step.left_the_top_path(branch))
         for index, token in zip(branch.request_index.tolist(), branch.tokens.tolist(), strict=True):
             self.last_branch.setdefault(step.requests[index].req_id, []).append(token)
         block_table = forward.block_table.long()
@@ -215,11 +220,21 @@ class TreeVerifier:
             slots = blocks * kept.block_size + branch.destination % kept.block_size
             kept.write(kept.key[branch.request_index, :, branch.source_column],
                        kept.value[branch.request_index, :, branch.source_column], slots)
-        rows = step.query_starts[branch.request_index] + branch.destination - step.prefix_lens[branch.request_index]
+        self.branch_rows = step.branch_rows(branch)
+        rows = self.branch_rows[1]
         input_ids = self.runner.input_ids.gpu
         input_ids[rows.to(input_ids.device)] = branch.tokens.to(input_ids.device, input_ids.dtype)
         positions = self.runner.positions
         positions[rows.to(positions.device)] = branch.destination.to(positions.device, positions.dtype)
+
+
+    def branch_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The verify forward's per-row hidden states with each accepted node's state moved to its branch row
+        ``P + 1 .. P + a`` (where :meth:`finish_step` moved its token); rows of other steps are unchanged."""
+        if self.branch_rows is None:
+            return hidden_states
+        source, destination = (rows.to(hidden_states.device) for rows in self.branch_rows)
+        return hidden_states.index_copy(0, destination, hidden_states[source])
 
 
 def read_tree_stats(worker) -> dict[str, int] | None:
@@ -234,11 +249,16 @@ class TreeRunnerMixin:
     tree_verifier: TreeVerifier | None = None
 
     def _setup_tree_verifier(self) -> None:
+        from vllm_easyspec.integration.eagle_proposer import TREE_EAGLE_METHODS, EasySpecEagleProposer
         from vllm_easyspec.integration.tree_sampler import TreeRejectionSampler
 
         easyspec = parse_easyspec_config(self.vllm_config.additional_config)
         if easyspec is None or easyspec.tree is None or getattr(self, "drafter", None) is None:
             return
+        if self.speculative_config.method in TREE_EAGLE_METHODS:
+            # Replaces GPUModelRunner.drafter (the vLLM EagleProposer that GPUModelRunner.__init__ built, before
+            # any model is loaded) for this runner: the plugin's EAGLE proposer drafts the trees.
+            self.drafter = EasySpecEagleProposer(self.vllm_config, self.device, self)
         self.tree_verifier = TreeVerifier(self, easyspec.tree)
         # Replaces GPUModelRunner.rejection_sampler (vLLM's RejectionSampler) for this runner.
         self.rejection_sampler = TreeRejectionSampler(

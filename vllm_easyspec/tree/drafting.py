@@ -122,6 +122,16 @@ class LevelwiseTreeDraft:
         itself = torch.eye(width, dtype=torch.bool, device=self.device).expand(self.batch, -1, -1)
         return torch.cat([ancestors, itself], dim=2)
 
+    def frontier_parent_columns(self) -> torch.Tensor:
+        """``[B, F]`` stash column of each frontier node's parent, -1 for children of the root. A drafter that
+        feeds each node its parent's output (an EAGLE head's hidden state) reads the stash with these."""
+        frontier = self._frontier_ids()
+        parents = torch.where(frontier >= 0, self._parent_table().gather(1, frontier.clamp(min=0)), -1)
+        if self.stash.shape[1] == 0:
+            return torch.full_like(parents, -1)
+        column = (self.stash[:, None, :] == parents[:, :, None]).int().argmax(dim=2)
+        return torch.where(parents >= 0, column, -1)
+
     # ------------------------------------------------------------------------------------------ expansion
     def expand(self, logits: torch.Tensor) -> None:
         """Children of the frontier from its draft logits ``[B, F, V]``; the frontier joins the stash."""

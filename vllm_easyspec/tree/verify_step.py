@@ -134,6 +134,24 @@ class TreeVerifyStep:
         tokens = self.trees.tokens.gather(1, accepted_nodes.clamp(min=0))[keep]
         return AcceptedBranch(request_index, source_column, destination, tokens)
 
+    def branch_rows(self, branch: AcceptedBranch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(source, destination) flattened forward rows of the accepted nodes: the row where each node was
+        verified, and the row of its linear position ``P + depth``, where the next first pass reads it."""
+        starts = self.query_starts[branch.request_index]
+        return starts + branch.source_column, starts + branch.destination - self.prefix_lens[branch.request_index]
+
+    def left_the_top_path(self, branch: AcceptedBranch) -> set[int]:
+        """The requests whose accepted branch holds a node that is not its parent's first child. Siblings come
+        best first in dynamic trees and in static trees listed in rank order (as ``sorted(choices)`` lists
+        them), so there the top-1 path is first children all the way down."""
+        left = set()
+        for index, column in zip(branch.request_index.tolist(), branch.source_column.tolist(), strict=True):
+            parents = self.requests[index].parents
+            node = column - 1
+            if parents.index(parents[node]) != node:
+                left.add(index)
+        return left
+
 
 @dataclass
 class AcceptedBranch:

@@ -1,0 +1,192 @@
+"""EAGLE heads draft token trees through the plugin's EAGLE proposer (issue 12), on tiny float32 models.
+
+- greedy output with EAGLE trees (static and EAGLE-2 dynamic, EAGLE-1 and EAGLE-3 heads) equals output
+  without speculation, at batch 1 and in a mixed batch of 8, with trained heads and reference-layout heads;
+- a tree verifies more than a chain accepts: nodes at several depths and off the top-1 path are accepted;
+- prompt-lookup candidates merged into EAGLE trees stay exact;
+- at temperature 0.7 the output law with EAGLE trees is the target's (chi-square), and the same test rejects a
+  biased tree verifier;
+- without ``easyspec.tree`` vLLM's own EagleProposer runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+from distribution import ALPHA, install_biased_tree_sampler, restore_tree_sampler, run_distribution_test
+from reference_checkpoint import build_reference_checkpoint
+
+from vllm_easyspec.integration.draft_proposer import read_drafting_stats
+from vllm_easyspec.integration.tree_runner import read_tree_stats
+from vllm_easyspec.metrics import read_spec_decode_counters
+
+STATIC = {"choices": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]}
+DYNAMIC = {"top_k": 3, "depth": 4, "budget": 10}
+TREES = {"static": STATIC, "dynamic": DYNAMIC}
+
+SINGLE = [([1, 5, 9, 13, 17], {"max_tokens": 40, "ignore_eos": True})]
+MIXED = [
+    ([1, 7], {"max_tokens": 40, "ignore_eos": True}),
+    ([1, 40, 41, 42, 43], {"max_tokens": 7, "ignore_eos": True}),
+    ([1] + [3 + (j * 7) % 60 for j in range(16)], {"max_tokens": 25, "stop": ["w22"]}),
+    ([1, 60, 3, 3, 3, 3, 3, 21], {"max_tokens": 33}),
+    ([1, 9, 9], {"max_tokens": 1, "ignore_eos": True}),
+    ([1] + [5 + (j * 13) % 55 for j in range(29)], {"max_tokens": 18, "ignore_eos": True}),
+    ([1, 33, 17, 50, 12, 8, 44, 19, 23, 61, 4, 27], {"max_tokens": 40, "stop": ["w30 w55"]}),
+    ([1, 14, 2, 14], {"max_tokens": 12, "ignore_eos": True}),
+]
+
+
+def _generate(llm, requests, **common) -> list[tuple[list[int], str, str]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = [SamplingParams(**({"temperature": 0.0} | options | common)) for _, options in requests]
+    prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt, _ in requests]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason) for o in outputs]
+
+
+def _eagle_tree_engine(llm_pool, target, fmt: str, head, tree: dict):
+    return llm_pool.get(target, speculative_config={"method": fmt, "model": str(head)},
+                        additional_config={"easyspec": {"tree": tree}})
+
+
+_VANILLA: dict[str, list] = {}
+
+
+def _vanilla(llm_pool, target, name: str, requests) -> list:
+    key = f"{target}:{name}"
+    if key not in _VANILLA:
+        _VANILLA[key] = _generate(llm_pool.get(target), requests)
+    return _VANILLA[key]
+
+
+@pytest.mark.parametrize("fmt", ["eagle", "eagle3"])
+@pytest.mark.parametrize("shape", ["static", "dynamic"])
+def test_greedy_eagle_trees_equal_vanilla(llm_pool, tiny_llama_dir, trained_tiny_heads, fmt, shape):
+    single = _vanilla(llm_pool, tiny_llama_dir, "single", SINGLE)
+    mixed = _vanilla(llm_pool, tiny_llama_dir, "mixed", MIXED)
+    llm = _eagle_tree_engine(llm_pool, tiny_llama_dir, fmt, trained_tiny_heads(fmt), TREES[shape])
+    before = read_spec_decode_counters(llm)
+    assert _generate(llm, SINGLE) == single
+    assert _generate(llm, MIXED) == mixed
+    counters = read_spec_decode_counters(llm) - before
+    stats = llm.collective_rpc(read_tree_stats)[0]
+    assert stats["steps"] > 0 and stats["chain_fallbacks"] == 0
+    # the trained head gets nodes accepted at more than one depth, and not all of them
+    assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens
+    assert len([a for a in counters.accepted_per_position if a]) >= 2
+    drafting = llm.collective_rpc(read_drafting_stats)[0]
+    assert drafting["steps"] > 0 and drafting["seconds_per_step"] > 0
+
+
+def test_reference_layout_heads_draft_exact_trees(llm_pool, tmp_path, tiny_qwen2_dir):
+    """Heads in the reference (SafeAILab) layout load unchanged and draft trees; an EAGLE-3 head with its own
+    draft vocabulary proposes target ids through ``d2t``."""
+    mixed = _vanilla(llm_pool, tiny_qwen2_dir, "mixed", MIXED)
+    for fmt in ("eagle", "eagle3"):
+        head = build_reference_checkpoint(tiny_qwen2_dir, tmp_path / fmt, fmt,
+                                          draft_vocab_size=48 if fmt == "eagle3" else None,
+                                          aux_layer_ids=[1, 2, 5] if fmt == "eagle3" else None)
+        llm = _eagle_tree_engine(llm_pool, tiny_qwen2_dir, fmt, head, DYNAMIC)
+        assert _generate(llm, MIXED) == mixed, fmt
+        assert llm.collective_rpc(read_tree_stats)[0]["nodes_verified"] > 0
+
+
+def test_eagle_trees_accept_nodes_off_the_top_path(llm_pool, tiny_llama_dir, trained_tiny_heads):
+    """A tree pays when a node other than the head's first choice wins: with a trained head some accepted
+    branches leave the top-1 path (static tree: any node but [0], [0, 0], ...), and then the next first pass
+    must read the hidden states of the branch that won."""
+    llm = _eagle_tree_engine(llm_pool, tiny_llama_dir, "eagle3", trained_tiny_heads("eagle3"), STATIC)
+    mixed = _vanilla(llm_pool, tiny_llama_dir, "mixed", MIXED)
+    before = llm.collective_rpc(read_tree_stats)[0]
+    assert _generate(llm, MIXED) == mixed
+    stats = llm.collective_rpc(read_tree_stats)[0]
+    assert stats["off_top_path_branches"] > before["off_top_path_branches"]
+
+
+CHAIN_PROMPTS = [[1, 17, 42, 5, 33, 9], [1, 4, 8, 15, 16, 23, 42, 7]]
+
+
+def _one_by_one(llm, prompts) -> tuple[list[list[int]], object]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    before = read_spec_decode_counters(llm)
+    outputs = []
+    for prompt in prompts:
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)],
+                           SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+        outputs.append(list(out[0].outputs[0].token_ids))
+    return outputs, read_spec_decode_counters(llm) - before
+
+
+def test_the_top_path_of_an_eagle_tree_drafts_what_vllms_eagle_chain_drafts(llm_pool, tiny_llama_dir,
+                                                                          trained_tiny_heads):
+    """The head's forwards over tree levels are vLLM's chain forwards: a tree whose top-1 path is a chain of
+    3 drafts that chain, step for step, so while no other node wins, vLLM's per-position acceptance counts
+    come out identical. With a rank-1 sibling at depth 1 the accepted nodes sit at other rows than their
+    linear positions (the next first pass reads them from the moved rows; the row move itself is checked in
+    tests/tree/test_tree_drafting.py, as this tiny head barely depends on the hidden state)."""
+    head = trained_tiny_heads("eagle")
+    chain = llm_pool.get(tiny_llama_dir, speculative_config={"method": "eagle", "model": str(head),
+                                                             "num_speculative_tokens": 3})
+    expected_outputs, expected = _one_by_one(chain, CHAIN_PROMPTS)
+    assert expected.num_drafts > 0 and expected.accepted_per_position[1] > 0
+    for choices in ([[0], [0, 0], [0, 0, 0]], [[0], [1], [0, 0], [0, 0, 0]]):
+        llm = _eagle_tree_engine(llm_pool, tiny_llama_dir, "eagle", head, {"choices": choices})
+        before = llm.collective_rpc(read_tree_stats)[0]
+        outputs, got = _one_by_one(llm, CHAIN_PROMPTS)
+        off_top = llm.collective_rpc(read_tree_stats)[0]["off_top_path_branches"] - before["off_top_path_branches"]
+        assert outputs == expected_outputs
+        assert off_top == 0, "premise: only top-path nodes won (else the steps differ from the chain's)"
+        assert got.num_drafts == expected.num_drafts, choices
+        assert got.accepted_per_position[:3] == expected.accepted_per_position, choices
+
+
+def test_prompt_lookup_merged_into_eagle_trees_stays_exact(llm_pool, tiny_llama_dir, trained_tiny_heads):
+    mixed = _vanilla(llm_pool, tiny_llama_dir, "mixed", MIXED)
+    tree = DYNAMIC | {"sources": {"prompt_lookup": {"nodes": 4}}}
+    llm = _eagle_tree_engine(llm_pool, tiny_llama_dir, "eagle", trained_tiny_heads("eagle"), tree)
+    assert _generate(llm, MIXED) == mixed
+    stats = llm.collective_rpc(read_tree_stats)[0]
+    assert stats["source_nodes"] > 0 and stats["source_nodes_accepted"] > 0
+
+
+DRAW_MODES = {
+    "iid": {"choices": [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]], "draw": "sample"},
+    "topk": {"top_k": 3, "depth": 3, "budget": 6},
+}
+
+
+@pytest.mark.parametrize("mode", list(DRAW_MODES))
+def test_distribution_with_eagle_trees_matches_target(llm_pool, tiny_llama_dir, trained_tiny_heads, mode):
+    llm = _eagle_tree_engine(llm_pool, tiny_llama_dir, "eagle3", trained_tiny_heads("eagle3"), DRAW_MODES[mode])
+    before = llm.collective_rpc(read_tree_stats)[0]
+    result = run_distribution_test(llm, tiny_llama_dir, temperature=0.7)
+    stats = llm.collective_rpc(read_tree_stats)[0]
+    assert stats["tree_requests"] - before["tree_requests"] >= result.num_samples
+    assert 0 < stats["accepted"] - before["accepted"] < stats["nodes_verified"] - before["nodes_verified"]
+    assert result.p_value >= ALPHA, f"chi2={result.statistic:.1f} dof={result.degrees_of_freedom} p={result.p_value:.2e}"
+
+
+def test_distribution_test_rejects_a_biased_eagle_tree_verifier(llm_pool, tiny_llama_dir, trained_tiny_heads):
+    llm = _eagle_tree_engine(llm_pool, tiny_llama_dir, "eagle3", trained_tiny_heads("eagle3"), DRAW_MODES["topk"])
+    llm.collective_rpc(install_biased_tree_sampler)
+    try:
+        result = run_distribution_test(llm, tiny_llama_dir, temperature=0.7)
+    finally:
+        llm.collective_rpc(restore_tree_sampler)
+    assert result.p_value < ALPHA, f"biased verifier not detected: chi2={result.statistic:.1f} p={result.p_value:.2e}"
+
+
+def test_without_a_tree_vllms_own_eagle_proposer_runs(llm_pool, tiny_llama_dir, trained_tiny_heads):
+    llm = llm_pool.get(tiny_llama_dir, speculative_config={"method": "eagle", "model": str(trained_tiny_heads("eagle")),
+                                                           "num_speculative_tokens": 3})
+
+    def drafter_class(worker) -> str:
+        drafter = worker.model_runner.drafter
+        return f"{type(drafter).__module__}.{type(drafter).__qualname__}"
+
+    assert llm.collective_rpc(drafter_class) == ["vllm.v1.spec_decode.eagle.EagleProposer"]
+    assert llm.collective_rpc(read_tree_stats) == [None]
