@@ -1,13 +1,15 @@
 """EAGLE heads vs the other drafts on Qwen2.5-Coder-0.5B-Instruct, through the shared harness.
 
     python -m benchmarks.eagle_bench speed [--batch 1 4] [--ks 2 3 4 5 6] [--max-tokens 96] [--dtype float32]
+        [--tree-budgets 4 8 16 32] [--lookup-nodes 4] [--no-draft-model] [--no-eagle1]
     python -m benchmarks.eagle_bench replay            # offline acceptance: held-out vs training prompts
     python -m benchmarks.eagle_bench distribution      # T=0.7 engine-level chi-square with EAGLE drafts (tiny target)
 
 Setups (one fresh engine each, same held-out prompts, greedy): vanilla; vLLM ngram (k=4, lookup
 2..4); vLLM draft_model with SmolLM2-135M across vocabularies (k=3); vLLM eagle3 with our head
-``heads/qwen2.5-coder-0.5b-instruct-eagle3`` at k = 2..6; and, for drafting cost only, an untrained
-EAGLE-1 head (full-vocabulary lm_head) at k=3.  The prompts are
+``heads/qwen2.5-coder-0.5b-instruct-eagle3`` at k = 2..6; with ``--tree-budgets``, the plugin's EAGLE-2
+trees with the same head (``EAGLE_TREES``), merged with prompt lookup with ``--lookup-nodes``; and, for
+drafting cost only, an untrained EAGLE-1 head (full-vocabulary lm_head) at k=3.  The prompts are
 ``vllm_easyspec.eagle.prompts.HELDOUT_PROMPTS``: tasks that appear in no training prompt.
 Results: ``benchmarks/results/eagle_speed_b{B}.{json,md,png}``.
 """
@@ -45,9 +47,20 @@ def _untrained_eagle1(target: str) -> Path:
     return out
 
 
+# The plugin's EAGLE-2 dynamic trees at node budgets 4..32: top_k children per kept node, depth levels,
+# budget nodes kept after reranking by cumulative draft log-probability.
+EAGLE_TREES = {
+    4: {"top_k": 2, "depth": 3, "budget": 4},
+    8: {"top_k": 3, "depth": 4, "budget": 8},
+    16: {"top_k": 4, "depth": 5, "budget": 16},
+    32: {"top_k": 6, "depth": 6, "budget": 32},
+}
+
+
 def speed(batches: list[int], ks: list[int], max_tokens: int, num_prompts: int, eagle1: bool,
           ks_batched: list[int] | None = None, dtype: str = "bfloat16",
-          repeats: int = DEFAULT_REPEATS) -> None:
+          repeats: int = DEFAULT_REPEATS, tree_budgets: list[int] = (), draft_model: bool = True,
+          lookup_nodes: int = 0) -> None:
     target = str(fetch_model(QWEN))
     smol = str(fetch_model(SMOL))
     command = "python -m benchmarks.eagle_bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -56,13 +69,23 @@ def speed(batches: list[int], ks: list[int], max_tokens: int, num_prompts: int, 
             Setup("vanilla", "no speculation"),
             Setup("ngram-k4", "vLLM ngram, lookup 2..4",
                   {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}),
-            Setup("smollm2-k3", "vLLM draft_model SmolLM2-135M, heterogeneous vocab",
-                  {"method": "draft_model", "model": smol, "num_speculative_tokens": 3,
-                   "use_heterogeneous_vocab": True}),
         ]
+        if draft_model:
+            setups.append(Setup("smollm2-k3", "vLLM draft_model SmolLM2-135M, heterogeneous vocab",
+                                {"method": "draft_model", "model": smol, "num_speculative_tokens": 3,
+                                 "use_heterogeneous_vocab": True}))
         for k in (ks if b == 1 or not ks_batched else ks_batched):
             setups.append(Setup(f"eagle3-k{k}", "vLLM eagle3, our head",
                                 {"method": "eagle3", "model": str(HEAD3), "num_speculative_tokens": k}))
+        for budget in tree_budgets:
+            tree = EAGLE_TREES[budget]
+            setups.append(Setup(f"eagle3-tree-{budget}", "plugin EAGLE-2 tree, our head",
+                                {"method": "eagle3", "model": str(HEAD3)}, {"easyspec": {"tree": tree}}))
+            if lookup_nodes:
+                merged = tree | {"sources": {"prompt_lookup": {"nodes": lookup_nodes}}}
+                setups.append(Setup(f"eagle3-tree-{budget}+lookup-{lookup_nodes}",
+                                    "plugin EAGLE-2 tree merged with prompt lookup",
+                                    {"method": "eagle3", "model": str(HEAD3)}, {"easyspec": {"tree": merged}}))
         if eagle1 and b == 1:
             setups.append(Setup("eagle1-untrained-k3", "vLLM eagle, random head: drafting cost only",
                                 {"method": "eagle", "model": str(_untrained_eagle1(target)),
@@ -70,7 +93,7 @@ def speed(batches: list[int], ks: list[int], max_tokens: int, num_prompts: int, 
         prompts = HELDOUT_PROMPTS[: max(num_prompts, b)]
         wl = Workload(target=target, prompts=prompts, max_tokens=max_tokens, batch_size=b, dtype=dtype)
         rows = run_setups(setups, wl, repeats=repeats)
-        stem = f"eagle_speed_b{b}" + ("" if dtype == "bfloat16" else f"_{dtype}")
+        stem = f"eagle_{'tree_' if tree_budgets else ''}speed_b{b}" + ("" if dtype == "bfloat16" else f"_{dtype}")
         paths = write_results(rows, stem,
                               f"EAGLE on Qwen2.5-Coder-0.5B, batch {b}, {dtype}, greedy, {len(prompts)} held-out prompts",
                               command)
@@ -179,6 +202,11 @@ if __name__ == "__main__":
                    help="float32 makes output identity with vanilla exact at batch > 1")
     s.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
                    help="engine processes per setup, run interleaved; speeds are medians with their min-max")
+    s.add_argument("--tree-budgets", type=int, nargs="*", default=[], choices=sorted(EAGLE_TREES),
+                   help="also run the plugin's EAGLE-2 dynamic trees at these node budgets")
+    s.add_argument("--lookup-nodes", type=int, default=0,
+                   help="also run each tree merged with this many prompt-lookup nodes")
+    s.add_argument("--no-draft-model", action="store_true", help="skip the SmolLM2 draft_model setup")
     r = sub.add_parser("replay")
     r.add_argument("--num-prompts", type=int, default=8)
     r.add_argument("-k", type=int, default=3)
@@ -187,7 +215,8 @@ if __name__ == "__main__":
     d.add_argument("--num-samples", type=int, default=2000)
     a = ap.parse_args()
     if a.cmd == "speed":
-        speed(a.batch, a.ks, a.max_tokens, a.num_prompts, not a.no_eagle1, a.ks_batched, a.dtype, a.repeats)
+        speed(a.batch, a.ks, a.max_tokens, a.num_prompts, not a.no_eagle1, a.ks_batched, a.dtype, a.repeats,
+              a.tree_budgets, not a.no_draft_model, a.lookup_nodes)
     elif a.cmd == "replay":
         replay(a.num_prompts, a.k, a.max_tokens)
     else:
