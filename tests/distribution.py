@@ -87,10 +87,11 @@ def chi_square_against(law: torch.Tensor, samples: list[tuple[int, int]]) -> Chi
 
 
 def run_distribution_test(
-    llm, model_dir: Path, temperature: float = 1.0, num_samples: int = 4000
+    llm, model_dir: Path, temperature: float = 1.0, num_samples: int = 4000, prompt: list[int] | None = None
 ) -> ChiSquareResult:
-    law = exact_two_token_law(model_dir, PROMPT_TOKEN_IDS, temperature)
-    samples = sample_two_tokens(llm, PROMPT_TOKEN_IDS, temperature, num_samples)
+    prompt = PROMPT_TOKEN_IDS if prompt is None else prompt
+    law = exact_two_token_law(model_dir, prompt, temperature)
+    samples = sample_two_tokens(llm, prompt, temperature, num_samples)
     return chi_square_against(law, samples)
 
 

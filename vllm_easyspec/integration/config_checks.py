@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import functools
 
-from vllm.logger import init_logger
-
 from vllm_easyspec.easyspec.config import EasySpecConfigError, parse_easyspec_config
+from vllm_easyspec.integration import plugin_logger
 
-logger = init_logger(__name__)
+logger = plugin_logger(__name__)
 
 
 TREE_METHODS = ("draft_model", "eagle", "eagle3")  # speculative methods whose drafter can draft trees

@@ -18,15 +18,15 @@ from typing import Any
 import torch
 from torch import nn
 from vllm.config import VllmConfig
-from vllm.logger import init_logger
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
 from vllm_easyspec.easyspec.calibration import CalibrationSchedule
 from vllm_easyspec.easyspec.config import EasySpecConfig, EasySpecConfigError, parse_easyspec_config
 from vllm_easyspec.easyspec.layer_grouping import LayerGrouping, resolve_layer_groups
+from vllm_easyspec.integration import plugin_logger
 
-logger = init_logger(__name__)
+logger = plugin_logger(__name__)
 
 LOG_EVERY_STEPS = 200
 

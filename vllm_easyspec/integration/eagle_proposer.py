@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 from vllm.config import VllmConfig
-from vllm.logger import init_logger
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_easyspec.easyspec.config import EasySpecConfigError, parse_easyspec_config
+from vllm_easyspec.integration import plugin_logger
 from vllm_easyspec.integration.draft_proposer import PROPOSE_SIGNATURE, DraftingStats
 from vllm_easyspec.integration.tree_proposer import TreeDrafting
 
-logger = init_logger(__name__)
+logger = plugin_logger(__name__)
 
 TREE_EAGLE_METHODS = ("eagle", "eagle3")
 

@@ -26,15 +26,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 import torch
-from vllm.logger import init_logger
 
 from vllm_easyspec.easyspec.config import parse_easyspec_config
+from vllm_easyspec.integration import plugin_logger
 from vllm_easyspec.integration.tree_attention_backend import TreeVerifyForward, verifying
 from vllm_easyspec.tree.building import ChildDrawMode
 from vllm_easyspec.tree.config import TreeConfig
 from vllm_easyspec.tree.verify_step import TreeRequest, TreeVerifyStep
 
-logger = init_logger(__name__)
+logger = plugin_logger(__name__)
 
 
 def tree_fallback_reason(params) -> str | None:
