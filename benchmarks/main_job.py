@@ -1,6 +1,7 @@
 """The main job on built-in defaults: fetch the default pair and compare, side by side in one run,
 vanilla vLLM, vLLM's built-in ``draft_model``, the plugin's EasySpec chain drafter and its token tree with
-the same draft, and (for the default target) vLLM's ``eagle3`` with this project's committed head.
+the same draft, and (for the default target) vLLM's ``eagle3`` with this project's committed head and the
+plugin's EAGLE-2 tree with that head merged with prompt lookup.
 
 Run from the repository root: ``python -m benchmarks.main_job`` (the README's first command does this).
 """
@@ -34,6 +35,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 EAGLE3_HEAD = REPO_ROOT / "heads" / "qwen2.5-coder-0.5b-instruct-eagle3"
 # The fastest k at batch 1 in benchmarks/results/eagle_speed_b1.md (python -m benchmarks.eagle_bench speed).
 EAGLE3_K = 3
+# The plugin's EAGLE proposer as the main job runs it: the fastest setup of
+# benchmarks/results/eagle_tree_speed_b1.md (python -m benchmarks.eagle_bench speed --tree-budgets 4 8
+# --lookup-nodes 4): an EAGLE-2 tree of 4 head nodes merged with up to 4 prompt-lookup nodes.
+EAGLE3_TREE: dict = {"top_k": 2, "depth": 3, "budget": 4, "sources": {"prompt_lookup": {"nodes": 4}}}
 
 
 def resolve_model(name_or_path: str) -> str:
@@ -69,6 +74,11 @@ def main_setups(draft: str, k: int, target_is_default: bool) -> list[Setup]:
     if target_is_default and (EAGLE3_HEAD / "config.json").is_file():
         eagle3 = {"method": "eagle3", "model": str(EAGLE3_HEAD), "num_speculative_tokens": EAGLE3_K}
         setups.append(Setup("eagle3-head", f"vLLM eagle3 with this project's head, k={EAGLE3_K}", eagle3))
+        setups.append(Setup(
+            "eagle3-tree", "vllm-easyspec EAGLE-2 tree (4 head nodes + 4 prompt-lookup nodes), same head",
+            speculative_config={"method": "eagle3", "model": str(EAGLE3_HEAD)},
+            additional_config={"easyspec": {"tree": EAGLE3_TREE}},
+        ))
     return setups
 
 

@@ -7,6 +7,9 @@
 - at temperature 0.7 the output law with EAGLE trees is the target's (chi-square), and the same test rejects a
   biased tree verifier;
 - without ``easyspec.tree`` vLLM's own EagleProposer runs.
+
+Marked slow (``pytest -m slow tests/eagle/test_eagle_tree.py``; each starts its own engines): the reference
+layouts, the chain equivalence, vLLM's untouched path, and lookup merged into EAGLE trees greedy.
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ def test_eagle_trees_accept_nodes_off_the_top_path(llm_pool, tiny_llama_dir, tra
     assert stats["off_top_path_branches"] > before["off_top_path_branches"]
 
 
+@pytest.mark.slow
 def test_reference_layout_heads_draft_exact_trees(llm_pool, tmp_path, tiny_qwen2_dir):
     """Heads in the reference (SafeAILab) layout load unchanged and draft trees; an EAGLE-3 head with its own
     draft vocabulary proposes target ids through ``d2t``."""
@@ -120,6 +124,7 @@ def _one_by_one(llm, prompts) -> tuple[list[list[int]], object]:
     return outputs, read_spec_decode_counters(llm) - before
 
 
+@pytest.mark.slow
 def test_the_top_path_of_an_eagle_tree_drafts_what_vllms_eagle_chain_drafts(llm_pool, tiny_llama_dir,
                                                                           trained_tiny_heads):
     """The head's forwards over tree levels are vLLM's chain forwards: a tree whose top-1 path is a chain of
@@ -142,6 +147,7 @@ def test_the_top_path_of_an_eagle_tree_drafts_what_vllms_eagle_chain_drafts(llm_
     assert got.accepted_per_position[:3] == expected.accepted_per_position
 
 
+@pytest.mark.slow
 def test_without_a_tree_vllms_own_eagle_proposer_runs(llm_pool, tiny_llama_dir, trained_tiny_heads):
     llm = llm_pool.get(tiny_llama_dir, speculative_config={"method": "eagle", "model": str(trained_tiny_heads("eagle")),
                                                            "num_speculative_tokens": 3})
@@ -154,6 +160,7 @@ def test_without_a_tree_vllms_own_eagle_proposer_runs(llm_pool, tiny_llama_dir, 
     assert llm.collective_rpc(read_tree_stats) == [None]
 
 
+@pytest.mark.slow
 def test_prompt_lookup_merged_into_eagle_trees_stays_exact(llm_pool, tiny_llama_dir, trained_tiny_heads):
     mixed = _vanilla(llm_pool, tiny_llama_dir, "mixed", MIXED)
     tree = DYNAMIC | {"sources": {"prompt_lookup": {"nodes": 4}}}

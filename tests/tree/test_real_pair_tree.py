@@ -1,8 +1,11 @@
 """Slow: token trees on the default real pair (SmolLM2-135M-Instruct drafting for Qwen2.5-Coder-0.5B-Instruct
 across vocabularies): greedy float32 output equals no speculation, static and dynamic trees, exact and
-fuzzy drafting, at batch 1 and in a batch of 4. Run with ``pytest -m slow tests/tree/test_real_pair_tree.py``."""
+fuzzy drafting, at batch 1 and in a batch of 4; and the committed EAGLE-3 head drafting trees for the default
+target. Run with ``pytest -m slow tests/tree/test_real_pair_tree.py``."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from engine_pool import greedy_tokens
@@ -49,5 +52,32 @@ def test_real_pair_trees_equal_vanilla(llm_pool, real_pair, prompt_ids, vanilla_
     )
     assert greedy_tokens(llm, prompt_ids[:1], MAX_TOKENS) == vanilla_tokens[:1]
     assert greedy_tokens(llm, prompt_ids, MAX_TOKENS) == vanilla_tokens
+    stats = llm.collective_rpc(read_tree_stats)[0]
+    assert stats["steps"] > 0 and 0 < stats["accepted"] < stats["nodes_verified"]
+
+
+HEAD3 = Path(__file__).resolve().parents[2] / "heads" / "qwen2.5-coder-0.5b-instruct-eagle3"
+
+
+@pytest.fixture(scope="module")
+def heldout_ids(real_pair):
+    from transformers import AutoTokenizer
+
+    from vllm_easyspec.eagle.prompts import HELDOUT_PROMPTS
+
+    tokenizer = AutoTokenizer.from_pretrained(real_pair[0])
+    return [prompt_token_ids(tokenizer, text) for text in HELDOUT_PROMPTS[:8]]
+
+
+def test_committed_eagle3_head_trees_equal_vanilla(llm_pool, real_pair, heldout_ids):
+    """The plugin's EAGLE proposer with the committed head drafts EAGLE-2 trees (merged with prompt lookup) for
+    the default target: float32 greedy output equals no speculation at batch 1 and for 8 held-out prompts."""
+    target = real_pair[0]
+    vanilla = greedy_tokens(llm_pool.get(target, max_model_len=1024), heldout_ids, MAX_TOKENS)
+    tree = {"top_k": 2, "depth": 3, "budget": 4, "sources": {"prompt_lookup": {"nodes": 4}}}
+    llm = llm_pool.get(target, max_model_len=1024, speculative_config={"method": "eagle3", "model": str(HEAD3)},
+                       additional_config={"easyspec": {"tree": tree}})
+    assert greedy_tokens(llm, heldout_ids[:1], MAX_TOKENS) == vanilla[:1]
+    assert greedy_tokens(llm, heldout_ids, MAX_TOKENS) == vanilla
     stats = llm.collective_rpc(read_tree_stats)[0]
     assert stats["steps"] > 0 and 0 < stats["accepted"] < stats["nodes_verified"]
