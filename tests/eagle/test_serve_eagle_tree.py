@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import urllib.request
+from pathlib import Path
 
+import pytest
 from serving import free_port, serve_command, serving
 
 MAX_TOKENS = 24
@@ -65,20 +67,31 @@ async def _load(client, model: str) -> list[dict]:
 
 
 def test_serve_with_eagle_trees_holds_a_concurrent_load(tmp_path, llm_pool, tiny_llama_dir, trained_tiny_heads):
+    _serve_under_load(tmp_path, llm_pool, tiny_llama_dir, trained_tiny_heads("eagle3"))
+
+
+@pytest.mark.slow
+def test_serve_with_eagle_trees_on_the_default_target(tmp_path, llm_pool, real_pair):
+    """The same load on Qwen2.5-Coder-0.5B with the committed EAGLE-3 head (float32)."""
+    head = Path(__file__).resolve().parents[2] / "heads" / "qwen2.5-coder-0.5b-instruct-eagle3"
+    _serve_under_load(tmp_path, llm_pool, real_pair[0], head)
+
+
+def _serve_under_load(tmp_path, llm_pool, target, head) -> None:
     import openai
 
-    vanilla = llm_pool.get(tiny_llama_dir)
+    vanilla = llm_pool.get(target)
     expected = {i: _expected_greedy(vanilla, PROMPTS[i], 1.3 if KINDS[i] == "fallback" else 1.0)
                 for i in range(len(PROMPTS)) if KINDS[i] in ("greedy", "fallback")}
     port = free_port()
-    spec = {"method": "eagle3", "model": str(trained_tiny_heads("eagle3"))}
+    spec = {"method": "eagle3", "model": str(head)}
     tree = {"top_k": 3, "depth": 3, "budget": 6, "sources": {"prompt_lookup": {"nodes": 2, "min_match": 1}}}
     command = serve_command(
-        tiny_llama_dir, port, "--speculative-config", json.dumps(spec),
+        target, port, "--speculative-config", json.dumps(spec),
         "--additional-config", json.dumps({"easyspec": {"tree": tree}}), max_num_seqs=16,
     )  # fmt: skip
     with serving(command, port, tmp_path / "serve.log"):
-        model = str(tiny_llama_dir)
+        model = str(target)
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=180)
         results = asyncio.run(_load(client, model))
         assert _healthy(port)
