@@ -100,7 +100,7 @@ class TreeDrafting:
                 num_tokens=batch_size * width, slot_mapping={},
             ):
                 output = proposer.model(**inputs)
-            hidden, feed = output if proposer.model_returns_tuple() else (output, output)
+            hidden, feed = output if proposer.model_returns_tuple() else (output, None)
             if feeds_hidden:
                 stash_feed = torch.cat([stash_feed, feed[: batch_size * width].view(batch_size, width, -1)], dim=1)
             draft.expand(self._logits(hidden[: batch_size * width]).view(batch_size, width, -1))
