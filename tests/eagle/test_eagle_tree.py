@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 from distribution import ALPHA, install_biased_tree_sampler, restore_tree_sampler, run_distribution_test
 from reference_checkpoint import build_reference_checkpoint
+from request_batches import MIXED, SINGLE, generate
 
 from vllm_easyspec.integration.draft_proposer import read_drafting_stats
 from vllm_easyspec.integration.tree_runner import read_tree_stats
@@ -25,29 +26,6 @@ from vllm_easyspec.metrics import read_spec_decode_counters
 STATIC = {"choices": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]}
 DYNAMIC = {"top_k": 3, "depth": 4, "budget": 10}
 TREES = {"static": STATIC, "dynamic": DYNAMIC}
-
-SINGLE = [([1, 5, 9, 13, 17], {"max_tokens": 40, "ignore_eos": True})]
-MIXED = [
-    ([1, 7], {"max_tokens": 40, "ignore_eos": True}),
-    ([1, 40, 41, 42, 43], {"max_tokens": 7, "ignore_eos": True}),
-    ([1] + [3 + (j * 7) % 60 for j in range(16)], {"max_tokens": 25, "stop": ["w22"]}),
-    ([1, 60, 3, 3, 3, 3, 3, 21], {"max_tokens": 33}),
-    ([1, 9, 9], {"max_tokens": 1, "ignore_eos": True}),
-    ([1] + [5 + (j * 13) % 55 for j in range(29)], {"max_tokens": 18, "ignore_eos": True}),
-    ([1, 33, 17, 50, 12, 8, 44, 19, 23, 61, 4, 27], {"max_tokens": 40, "stop": ["w30 w55"]}),
-    ([1, 14, 2, 14], {"max_tokens": 12, "ignore_eos": True}),
-]
-
-
-def _generate(llm, requests, **common) -> list[tuple[list[int], str, str]]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = [SamplingParams(**({"temperature": 0.0} | options | common)) for _, options in requests]
-    prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt, _ in requests]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    return [(list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason) for o in outputs]
-
 
 def _eagle_tree_engine(llm_pool, target, fmt: str, head, tree: dict):
     return llm_pool.get(target, speculative_config={"method": fmt, "model": str(head)},
@@ -60,7 +38,7 @@ _VANILLA: dict[str, list] = {}
 def _vanilla(llm_pool, target, name: str, requests) -> list:
     key = f"{target}:{name}"
     if key not in _VANILLA:
-        _VANILLA[key] = _generate(llm_pool.get(target), requests)
+        _VANILLA[key] = generate(llm_pool.get(target), requests)
     return _VANILLA[key]
 
 
@@ -70,8 +48,8 @@ def test_greedy_eagle_trees_equal_vanilla(llm_pool, tiny_llama_dir, trained_tiny
     mixed = _vanilla(llm_pool, tiny_llama_dir, "mixed", MIXED)
     llm = _eagle_tree_engine(llm_pool, tiny_llama_dir, fmt, trained_tiny_heads(fmt), TREES[shape])
     before = read_spec_decode_counters(llm)
-    assert _generate(llm, SINGLE) == single
-    assert _generate(llm, MIXED) == mixed
+    assert generate(llm, SINGLE) == single
+    assert generate(llm, MIXED) == mixed
     counters = read_spec_decode_counters(llm) - before
     stats = llm.collective_rpc(read_tree_stats)[0]
     assert stats["steps"] > 0 and stats["chain_fallbacks"] == 0
@@ -89,7 +67,7 @@ def test_eagle_trees_accept_nodes_off_the_top_path(llm_pool, tiny_llama_dir, tra
     llm = _eagle_tree_engine(llm_pool, tiny_llama_dir, "eagle3", trained_tiny_heads("eagle3"), STATIC)
     mixed = _vanilla(llm_pool, tiny_llama_dir, "mixed", MIXED)
     before = llm.collective_rpc(read_tree_stats)[0]
-    assert _generate(llm, MIXED) == mixed
+    assert generate(llm, MIXED) == mixed
     stats = llm.collective_rpc(read_tree_stats)[0]
     assert stats["off_top_path_branches"] > before["off_top_path_branches"]
 
@@ -104,7 +82,7 @@ def test_reference_layout_heads_draft_exact_trees(llm_pool, tmp_path, tiny_qwen2
                                           draft_vocab_size=48 if fmt == "eagle3" else None,
                                           aux_layer_ids=[1, 2, 5] if fmt == "eagle3" else None)
         llm = _eagle_tree_engine(llm_pool, tiny_qwen2_dir, fmt, head, DYNAMIC)
-        assert _generate(llm, MIXED) == mixed, fmt
+        assert generate(llm, MIXED) == mixed, fmt
         assert llm.collective_rpc(read_tree_stats)[0]["nodes_verified"] > 0
 
 
@@ -165,7 +143,7 @@ def test_prompt_lookup_merged_into_eagle_trees_stays_exact(llm_pool, tiny_llama_
     mixed = _vanilla(llm_pool, tiny_llama_dir, "mixed", MIXED)
     tree = DYNAMIC | {"sources": {"prompt_lookup": {"nodes": 4}}}
     llm = _eagle_tree_engine(llm_pool, tiny_llama_dir, "eagle", trained_tiny_heads("eagle"), tree)
-    assert _generate(llm, MIXED) == mixed
+    assert generate(llm, MIXED) == mixed
     stats = llm.collective_rpc(read_tree_stats)[0]
     assert stats["source_nodes"] > 0 and stats["source_nodes_accepted"] > 0
 

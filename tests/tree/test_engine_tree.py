@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from request_batches import MIXED, SINGLE, generate
 
 from vllm_easyspec.integration.draft_proposer import read_drafting_stats
 from vllm_easyspec.integration.kv_inspection import read_target_kv, start_recording_block_tables
@@ -27,30 +28,6 @@ STATIC = {"choices": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0
 DYNAMIC = {"top_k": 3, "depth": 3, "budget": 8}
 TREES = {"static": STATIC, "dynamic": DYNAMIC}
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-
-SINGLE = [([1, 5, 9, 13, 17], {"max_tokens": 40, "ignore_eos": True})]
-# Eight requests of different prompt lengths and lengths of output, some ending on a stop string or EOS.
-MIXED = [
-    ([1, 7], {"max_tokens": 40, "ignore_eos": True}),
-    ([1, 40, 41, 42, 43], {"max_tokens": 7, "ignore_eos": True}),
-    ([1] + [3 + (j * 7) % 60 for j in range(16)], {"max_tokens": 25, "stop": ["w22"]}),
-    ([1, 60, 3, 3, 3, 3, 3, 21], {"max_tokens": 33}),
-    ([1, 9, 9], {"max_tokens": 1, "ignore_eos": True}),
-    ([1] + [5 + (j * 13) % 55 for j in range(29)], {"max_tokens": 18, "ignore_eos": True}),
-    ([1, 33, 17, 50, 12, 8, 44, 19, 23, 61, 4, 27], {"max_tokens": 40, "stop": ["w30 w55"]}),
-    ([1, 14, 2, 14], {"max_tokens": 12, "ignore_eos": True}),
-]
-
-
-def _generate(llm, requests, **common) -> list[tuple[list[int], str, str]]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = [SamplingParams(**({"temperature": 0.0} | options | common)) for _, options in requests]
-    prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt, _ in requests]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    return [(list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason) for o in outputs]
-
 
 def _spec(draft_dir) -> dict:
     return {"method": "draft_model", "model": str(draft_dir)}  # num_speculative_tokens follows the tree
@@ -66,7 +43,7 @@ _VANILLA: dict[str, dict[str, list]] = {}
 def _vanilla(llm_pool, target, name: str, requests) -> list:
     cache = _VANILLA.setdefault(str(target), {})
     if name not in cache:
-        cache[name] = _generate(llm_pool.get(target), requests)
+        cache[name] = generate(llm_pool.get(target), requests)
     return cache[name]
 
 
@@ -86,8 +63,8 @@ def test_greedy_trees_equal_vanilla(llm_pool, request, tiny_llama_draft_dir, tar
     single, mixed = _vanilla(llm_pool, target, "single", SINGLE), _vanilla(llm_pool, target, "mixed", MIXED)
     llm = llm_pool.get(target, speculative_config=_spec(tiny_llama_draft_dir),
                        additional_config=_tree(shape, layer_parallel_size=n))
-    assert _generate(llm, SINGLE) == single
-    assert _generate(llm, MIXED) == mixed
+    assert generate(llm, SINGLE) == single
+    assert generate(llm, MIXED) == mixed
     counters = read_spec_decode_counters(llm)
     stats = llm.collective_rpc(read_tree_stats)[0]
     # Trees were verified, some nodes accepted and some not, at more than one depth.
@@ -108,7 +85,7 @@ def test_a_draft_equal_to_the_target_gets_its_whole_top_path_accepted_in_a_batch
     vanilla = _vanilla(llm_pool, tree_llama_dir, "mixed", MIXED)  # before the engine whose counters are read
     llm = llm_pool.get(tree_llama_dir, speculative_config=_spec(tree_llama_dir), additional_config=_tree("static"))
     before = read_spec_decode_counters(llm)
-    assert _generate(llm, MIXED) == vanilla
+    assert generate(llm, MIXED) == vanilla
     counters = read_spec_decode_counters(llm) - before
     depth = 3  # the static tree's top-1 path: [0], [0, 0], [0, 0, 0]
     assert counters.num_drafts > len(MIXED)
@@ -124,7 +101,7 @@ def test_prompt_lookup_nodes_merged_into_trees_are_accepted_and_exact(llm_pool, 
     llm = llm_pool.get(tree_llama_dir, speculative_config=_spec(tiny_llama_draft_dir),
                        additional_config={"easyspec": {"tree": tree}})
     before = llm.collective_rpc(read_tree_stats)[0]
-    assert _generate(llm, MIXED) == vanilla
+    assert generate(llm, MIXED) == vanilla
     stats = llm.collective_rpc(read_tree_stats)[0]
     added = stats["source_nodes"] - before["source_nodes"]
     accepted = stats["source_nodes_accepted"] - before["source_nodes_accepted"]
@@ -141,11 +118,11 @@ def test_tree_size_follows_the_batch_and_outputs_stay_exact(llm_pool, tree_llama
                        additional_config={"easyspec": {"tree": tree}})
     nodes = len(STATIC["choices"])
     before = llm.collective_rpc(read_tree_stats)[0]
-    assert _generate(llm, SINGLE) == single
+    assert generate(llm, SINGLE) == single
     alone = llm.collective_rpc(read_tree_stats)[0]
     assert alone["last_node_limit"] == nodes and alone["steps_without_speculation"] == 0
     assert alone["nodes_verified"] - before["nodes_verified"] == nodes * (alone["tree_requests"] - before["tree_requests"]) > 0
-    assert _generate(llm, MIXED) == mixed
+    assert generate(llm, MIXED) == mixed
     batched = llm.collective_rpc(read_tree_stats)[0]
     tree_requests = batched["tree_requests"] - alone["tree_requests"]
     assert batched["steps_without_speculation"] > 0  # eight requests start together
@@ -161,7 +138,7 @@ def test_target_kv_after_trees_is_the_verified_chain(llm_pool, tree_llama_dir, t
         llm = llm_pool.get(tree_llama_dir, speculative_config=_spec(tiny_llama_draft_dir) | {"num_speculative_tokens": 8},
                            additional_config=additional_config)
         llm.collective_rpc(start_recording_block_tables)
-        ((tokens, _, _),) = _generate(llm, [(prompt[0], {"max_tokens": 30, "ignore_eos": True})])
+        ((tokens, _, _),) = generate(llm, [(prompt[0], {"max_tokens": 30, "ignore_eos": True})])
         return tokens, llm.collective_rpc(read_target_kv, args=(len(prompt[0]) + len(tokens) - 1,))[0]
 
     chain_tokens, chain_kv = target_kv({"easyspec": {}})
@@ -194,7 +171,7 @@ def test_requests_a_tree_cannot_honour_fall_back_and_equal_vanilla(llm_pool, tre
     llm = llm_pool.get(tree_llama_dir, speculative_config=_spec(tiny_llama_draft_dir),
                        additional_config=_tree("static", layer_parallel_size=1))
     before = llm.collective_rpc(read_tree_stats)[0]
-    outputs = _generate(llm, FALLBACK_REQUESTS)
+    outputs = generate(llm, FALLBACK_REQUESTS)
     for index, (output, reference) in enumerate(zip(outputs, expected, strict=True)):
         if index in SAMPLED:
             assert len(output[0]) == FALLBACK_REQUESTS[index][1]["max_tokens"]
@@ -247,7 +224,7 @@ def test_preemption_and_truncated_trees_keep_outputs_exact(
     llm = llm_pool.get(tree_llama_dir, speculative_config=_spec(tiny_llama_draft_dir),
                        additional_config=_tree("dynamic", layer_parallel_size=1),
                        block_size=32, max_model_len=128, max_num_seqs=8, **engine_options)
-    assert _generate(llm, MIXED) == expected
+    assert generate(llm, MIXED) == expected
     stats = llm.collective_rpc(read_tree_stats)[0]
     assert stats["steps"] > 0
     if expect == "preemption":
@@ -263,7 +240,7 @@ def test_tensor_parallel_mode_drafts_trees_on_two_ranks(llm_pool, monkeypatch, t
     llm = llm_pool.get(tree_llama_dir, speculative_config=_spec(tiny_llama_draft_dir),
                        additional_config=_tree("static", layer_parallel_size=2, mode="tensor_parallel"),
                        tensor_parallel_size=2, distributed_executor_backend="mp")
-    assert _generate(llm, SINGLE) == expected
+    assert generate(llm, SINGLE) == expected
     ranks = llm.collective_rpc(read_drafting_stats)
     assert ranks[0]["parallel_group_calls"] == ranks[1]["parallel_group_calls"] > 0
     trees = llm.collective_rpc(read_tree_stats)
