@@ -1,7 +1,8 @@
 """EAGLE heads vs the other drafts on Qwen2.5-Coder-0.5B-Instruct, through the shared harness.
 
     python -m benchmarks.eagle_bench speed [--batch 1 4] [--ks 2 3 4 5 6] [--max-tokens 96] [--dtype float32]
-        [--tree-budgets 4 8 16 32] [--lookup-nodes 4] [--no-draft-model] [--no-eagle1]
+        [--tree-budgets 4 8 16 32] [--lookup-nodes 4] [--lookup-budgets 4] [--policy '{"4": 4}']
+        [--prompts heldout|edit] [--no-draft-model] [--no-eagle1]
     python -m benchmarks.eagle_bench replay            # offline acceptance: held-out vs training prompts
     python -m benchmarks.eagle_bench distribution      # T=0.7 engine-level chi-square with EAGLE drafts (tiny target)
 
@@ -22,7 +23,15 @@ import shlex
 import sys
 from pathlib import Path
 
-from benchmarks.harness import DEFAULT_REPEATS, RESULTS_DIR, Setup, Workload, run_setups, write_results
+from benchmarks.harness import (
+    DEFAULT_REPEATS,
+    RESULTS_DIR,
+    Setup,
+    Workload,
+    load_prompts,
+    run_setups,
+    write_results,
+)
 from vllm_easyspec.eagle.prompts import HELDOUT_PROMPTS
 from vllm_easyspec.models import fetch_model
 
@@ -60,7 +69,8 @@ EAGLE_TREES = {
 def speed(batches: list[int], ks: list[int], max_tokens: int, num_prompts: int, eagle1: bool,
           ks_batched: list[int] | None = None, dtype: str = "bfloat16",
           repeats: int = DEFAULT_REPEATS, tree_budgets: list[int] = (), draft_model: bool = True,
-          lookup_nodes: int = 0) -> None:
+          lookup_nodes: int = 0, lookup_budgets: list[int] | None = None, policy: dict[str, int] | None = None,
+          prompt_set: str = "heldout") -> None:
     target = str(fetch_model(QWEN))
     smol = str(fetch_model(SMOL))
     command = "python -m benchmarks.eagle_bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -81,22 +91,33 @@ def speed(batches: list[int], ks: list[int], max_tokens: int, num_prompts: int, 
             tree = EAGLE_TREES[budget]
             setups.append(Setup(f"eagle3-tree-{budget}", "plugin EAGLE-2 tree, our head",
                                 {"method": "eagle3", "model": str(HEAD3)}, {"easyspec": {"tree": tree}}))
-            if lookup_nodes:
+            if lookup_nodes and (lookup_budgets is None or budget in lookup_budgets):
                 merged = tree | {"sources": {"prompt_lookup": {"nodes": lookup_nodes}}}
                 setups.append(Setup(f"eagle3-tree-{budget}+lookup-{lookup_nodes}",
                                     "plugin EAGLE-2 tree merged with prompt lookup",
                                     {"method": "eagle3", "model": str(HEAD3)}, {"easyspec": {"tree": merged}}))
+                if policy and b > 1:
+                    table = ",".join(f"{k}:{v}" for k, v in policy.items())
+                    setups.append(Setup(f"eagle3-tree-{budget}+lookup-{lookup_nodes}@{table}",
+                                        "the merged tree, node limit following the batch (budget_by_batch)",
+                                        {"method": "eagle3", "model": str(HEAD3)},
+                                        {"easyspec": {"tree": merged | {"budget_by_batch": policy}}}))
         if eagle1 and b == 1:
             setups.append(Setup("eagle1-untrained-k3", "vLLM eagle, random head: drafting cost only",
                                 {"method": "eagle", "model": str(_untrained_eagle1(target)),
                                  "num_speculative_tokens": 3}))
-        prompts = HELDOUT_PROMPTS[: max(num_prompts, b)]
+        if prompt_set == "edit":  # code edits: the answer repeats the prompt's code, where lookup should win
+            prompts = load_prompts(limit=max(num_prompts, b), kinds=("edit",))
+        else:
+            prompts = HELDOUT_PROMPTS[: max(num_prompts, b)]
         wl = Workload(target=target, prompts=prompts, max_tokens=max_tokens, batch_size=b, dtype=dtype)
         rows = run_setups(setups, wl, repeats=repeats)
-        stem = f"eagle_{'tree_' if tree_budgets else ''}speed_b{b}" + ("" if dtype == "bfloat16" else f"_{dtype}")
+        stem = (f"eagle_{'tree_' if tree_budgets else ''}speed{'_edit' if prompt_set == 'edit' else ''}_b{b}"
+                + ("" if dtype == "bfloat16" else f"_{dtype}"))
+        described = "code-edit" if prompt_set == "edit" else "held-out"
         paths = write_results(rows, stem,
-                              f"EAGLE on Qwen2.5-Coder-0.5B, batch {b}, {dtype}, greedy, {len(prompts)} held-out prompts",
-                              command)
+                              f"EAGLE on Qwen2.5-Coder-0.5B, batch {b}, {dtype}, greedy, {len(prompts)} {described} "
+                              "prompts", command)
         print(paths["md"].read_text())
 
 
@@ -206,6 +227,12 @@ if __name__ == "__main__":
                    help="also run the plugin's EAGLE-2 dynamic trees at these node budgets")
     s.add_argument("--lookup-nodes", type=int, default=0,
                    help="also run each tree merged with this many prompt-lookup nodes")
+    s.add_argument("--lookup-budgets", type=int, nargs="*", default=None,
+                   help="merge lookup into the trees of these budgets only (default: every --tree-budgets)")
+    s.add_argument("--policy", type=json.loads, default=None,
+                   help='at batch > 1 also run each merged tree with this budget_by_batch table, e.g. \'{"4": 4}\'')
+    s.add_argument("--prompts", choices=("heldout", "edit"), default="heldout",
+                   help="held-out EAGLE prompts (default) or the code-edit set, where prompt lookup should matter")
     s.add_argument("--no-draft-model", action="store_true", help="skip the SmolLM2 draft_model setup")
     r = sub.add_parser("replay")
     r.add_argument("--num-prompts", type=int, default=8)
@@ -216,7 +243,7 @@ if __name__ == "__main__":
     a = ap.parse_args()
     if a.cmd == "speed":
         speed(a.batch, a.ks, a.max_tokens, a.num_prompts, not a.no_eagle1, a.ks_batched, a.dtype, a.repeats,
-              a.tree_budgets, not a.no_draft_model, a.lookup_nodes)
+              a.tree_budgets, not a.no_draft_model, a.lookup_nodes, a.lookup_budgets, a.policy, a.prompts)
     elif a.cmd == "replay":
         replay(a.num_prompts, a.k, a.max_tokens)
     else:

@@ -170,3 +170,19 @@ def test_eagle2_errors():
         DynamicTopKTreeBuilder(root, top_k=9, max_depth=3, budget=4)
     with pytest.raises(ValueError, match="NaN"):
         DynamicTopKTreeBuilder(torch.full((1, 8), math.nan), top_k=2, max_depth=2, budget=4)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_dynamic_builder_refuses_nan_and_plus_inf_anywhere_in_a_row(bad):
+    from vllm_easyspec.tree.building import DynamicTopKTreeBuilder
+
+    logprobs = torch.log_softmax(torch.randn(2, 50, generator=torch.Generator().manual_seed(0)), dim=-1)
+    root = logprobs.clone()
+    root[1, 37] = bad  # not among the row's top entries before the change
+    with pytest.raises(ValueError, match="root_logprobs contains NaN or \\+inf"):
+        DynamicTopKTreeBuilder(root, top_k=2, max_depth=2, budget=3)
+    builder = DynamicTopKTreeBuilder(logprobs, top_k=2, max_depth=2, budget=3)
+    frontier = logprobs[:, None].repeat(1, 2, 1)
+    frontier[0, 1, 5] = bad
+    with pytest.raises(ValueError, match="frontier_logprobs contains NaN or \\+inf"):
+        builder.expand(frontier)

@@ -40,7 +40,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from vllm_easyspec.easyspec.config import EasySpecConfigError, parse_easyspec_config
 from vllm_easyspec.integration.cpu_kv_layout import GatherPlan, PagedKVReader, probe_cpu_kv_layout
-from vllm_easyspec.tree.attention import attention_over_prefix_and_tree
+from vllm_easyspec.tree.attention import attention_over_prefix_and_tree, prefix_and_tree_bias
 from vllm_easyspec.tree.verify_step import TreeVerifyStep
 
 BACKEND_PATH = "vllm_easyspec.integration.tree_attention_backend.TreeCPUAttentionBackend"
@@ -120,6 +120,20 @@ class TreeVerifyMetadata:
     tree_mask: torch.Tensor  # [R, W, W]
     prefix_lens: torch.Tensor  # [R] = P, the cached prefix is positions < P
     prefix: _PrefixIndexCache
+    biases: dict[tuple, torch.Tensor] = field(default_factory=dict)  # built once, shared by the layers
+
+
+def _attention(meta: TreeVerifyMetadata | TreeLevelMetadata, prefix_lens: torch.Tensor, query: torch.Tensor,
+               prefix_key: torch.Tensor, prefix_value: torch.Tensor, tree_key: torch.Tensor,
+               tree_value: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`attention_over_prefix_and_tree` with the forward's additive mask built by its first layer."""
+    group = query.shape[2] // prefix_key.shape[1]
+    shape = (prefix_key.shape[2], tree_key.shape[2], group, query.dtype)
+    bias = meta.biases.get(shape)
+    if bias is None:
+        bias = meta.biases[shape] = prefix_and_tree_bias(prefix_lens, shape[0], meta.tree_mask, group, query.dtype)
+    return attention_over_prefix_and_tree(query, prefix_key, prefix_value, prefix_lens, tree_key, tree_value,
+                                          meta.tree_mask, scale, bias=bias)
 
 
 @dataclass
@@ -152,6 +166,7 @@ class TreeLevelMetadata:
     state: DraftTreeAttention
     width: int  # F frontier nodes per request
     tree_mask: torch.Tensor  # [B, F, S + F]
+    biases: dict[tuple, torch.Tensor] = field(default_factory=dict)  # built once, shared by the layers
 
     @property
     def num_actual_tokens(self) -> int:
@@ -360,9 +375,8 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             tree_key = key[rows].transpose(1, 2)  # [R, Hkv, W, D]
             tree_value = value[rows].transpose(1, 2)
         prefix_key, prefix_value = meta.prefix.gather(layer, kv_cache)
-        out = attention_over_prefix_and_tree(
-            tree_query, prefix_key, prefix_value, meta.prefix_lens, tree_key, tree_value, meta.tree_mask, self.scale
-        )
+        out = _attention(meta, meta.prefix_lens, tree_query, prefix_key, prefix_value, tree_key, tree_value,
+                         self.scale)
         if meta.single is not None:
             output[first:end] = out[0]
         else:
@@ -383,9 +397,7 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             state.prefix_kv[layer.layer_name] = state.prefix.gather(layer, kv_cache)
         prefix_key, prefix_value = state.prefix_kv[layer.layer_name]
         query = query[:count].reshape(batch, meta.width, *query.shape[1:])
-        out = attention_over_prefix_and_tree(
-            query, prefix_key, prefix_value, state.prefix_lens, tree_key, tree_value, meta.tree_mask, self.scale
-        )
+        out = _attention(meta, state.prefix_lens, query, prefix_key, prefix_value, tree_key, tree_value, self.scale)
         output[:count] = out.reshape(count, *out.shape[2:]).to(output.dtype)
         return output
 

@@ -408,8 +408,10 @@ class StaticTreeBuilder:
 
 
 # ====================================================================== EAGLE-2 dynamic trees
-def _check_finite_or_neg_inf(logprobs: torch.Tensor, name: str) -> None:
-    if bool(torch.isnan(logprobs).any()) or bool((logprobs == float("inf")).any()):
+def _check_finite_or_neg_inf(top_logprobs: torch.Tensor, name: str) -> None:
+    """Checks the ``topk`` of the log-probabilities only: ``topk`` ranks NaN and +inf above every number, so
+    a row that holds one shows it in its top entry (no second pass over the vocabulary)."""
+    if bool(torch.isnan(top_logprobs).any()) or bool((top_logprobs == float("inf")).any()):
         raise ValueError(f"{name} contains NaN or +inf; pass log-probabilities (log_softmax output).")
 
 
@@ -448,8 +450,8 @@ class DynamicTopKTreeBuilder:
         self.top_k, self.max_depth, self.budget = top_k, max_depth, budget
         self.device = root_logprobs.device
         batch = root_logprobs.shape[0]
-        _check_finite_or_neg_inf(root_logprobs, "root_logprobs")
         scores, tokens = torch.topk(root_logprobs.float(), top_k, dim=-1)
+        _check_finite_or_neg_inf(scores, "root_logprobs")
         self._tokens = [tokens]
         self._scores = [scores]
         self._parents = [torch.full_like(tokens, -1)]
@@ -484,9 +486,9 @@ class DynamicTopKTreeBuilder:
                              f"got {tuple(frontier_logprobs.shape)}.")
         if self.done:
             raise RuntimeError(f"max_depth={self.max_depth} reached; call build().")
-        _check_finite_or_neg_inf(frontier_logprobs, "frontier_logprobs")
         parent_scores = torch.gather(self.candidate_scores, 1, self.frontier)
         child_lp, child_tok = torch.topk(frontier_logprobs.float(), self.top_k, dim=-1)  # [B, k, k]
+        _check_finite_or_neg_inf(child_lp, "frontier_logprobs")
         cum = (parent_scores[:, :, None] + child_lp).reshape(batch, k * self.top_k)
         parents = self.frontier[:, :, None].expand(-1, -1, self.top_k).reshape(batch, k * self.top_k)
         self._tokens.append(child_tok.reshape(batch, k * self.top_k))
