@@ -674,13 +674,17 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         color=["#999999" if n.startswith("vanilla") else "#3b7dd8" for n in names],
     )  # fmt: skip
     speed_ax.axhline(1.0, color="black", linewidth=0.8)
-    speed_ax.set_ylabel("decode tok/s / vanilla median (bars: median, whiskers: min–max)")
+    speed_ax.set_ylabel("decode tok/s ÷ vanilla (median, min–max)")
     speed_ax.tick_params(axis="x", rotation=30)
+    for label in speed_ax.get_xticklabels():
+        label.set_horizontalalignment("right")
     for row in rows:
-        per_pos = row["per_position_acceptance"] or []
+        per_pos = list(row["per_position_acceptance"] or [])
+        while per_pos and per_pos[-1] == 0 and len(per_pos) > 1:  # a tree's node slots past its deepest depth
+            per_pos.pop()
         if per_pos:
             accept_ax.plot(range(1, len(per_pos) + 1), per_pos, marker="o", label=row["setup"])
-    accept_ax.set_xlabel("draft position")
+    accept_ax.set_xlabel("draft position (tree depth)")
     accept_ax.xaxis.get_major_locator().set_params(integer=True)
     accept_ax.set_ylabel("acceptance rate (accepted / drafts)")
     accept_ax.set_ylim(0, 1)

@@ -1,7 +1,8 @@
 """EAGLE heads draft token trees through the plugin's EAGLE proposer (issue 12), on tiny float32 models.
 
 - greedy output with EAGLE trees (static and EAGLE-2 dynamic, EAGLE-1 and EAGLE-3 heads) equals output
-  without speculation, at batch 1 and in a mixed batch of 8, with trained heads and reference-layout heads;
+  without speculation, at batch 1 and in a mixed batch of 8, with trained heads and reference-layout heads,
+  also while the tree size follows the batch (``budget_by_batch``);
 - a tree verifies more than a chain accepts: nodes at several depths and off the top-1 path are accepted;
 - prompt-lookup candidates merged into EAGLE trees stay exact;
 - at temperature 0.7 the output law with EAGLE trees is the target's (chi-square), and the same test rejects a
@@ -25,7 +26,9 @@ from vllm_easyspec.metrics import read_spec_decode_counters
 
 STATIC = {"choices": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]}
 DYNAMIC = {"top_k": 3, "depth": 4, "budget": 10}
-TREES = {"static": STATIC, "dynamic": DYNAMIC}
+# from 4 running requests on, the EAGLE-2 tree of 3 nodes (fewer levels); the mixed batch of 8 shrinks through it
+FOLLOWING_THE_BATCH = DYNAMIC | {"budget_by_batch": {"4": 3}}
+TREES = {"static": STATIC, "dynamic": DYNAMIC, "dynamic-following-the-batch": FOLLOWING_THE_BATCH}
 
 def _eagle_tree_engine(llm_pool, target, fmt: str, head, tree: dict):
     return llm_pool.get(target, speculative_config={"method": fmt, "model": str(head)},
@@ -42,7 +45,8 @@ def _vanilla(llm_pool, target, name: str, requests) -> list:
     return _VANILLA[key]
 
 
-@pytest.mark.parametrize(("shape", "fmt"), [("static", "eagle3"), ("dynamic", "eagle")])
+@pytest.mark.parametrize(("shape", "fmt"), [("static", "eagle3"), ("dynamic", "eagle"),
+                                           ("dynamic-following-the-batch", "eagle3")])
 def test_greedy_eagle_trees_equal_vanilla(llm_pool, tiny_llama_dir, trained_tiny_heads, fmt, shape):
     single = _vanilla(llm_pool, tiny_llama_dir, "single", SINGLE)
     mixed = _vanilla(llm_pool, tiny_llama_dir, "mixed", MIXED)
@@ -58,6 +62,9 @@ def test_greedy_eagle_trees_equal_vanilla(llm_pool, tiny_llama_dir, trained_tiny
     assert len([a for a in counters.accepted_per_position if a]) >= 2
     drafting = llm.collective_rpc(read_drafting_stats)[0]
     assert drafting["steps"] > 0 and drafting["seconds_per_step"] > 0
+    if shape == "dynamic-following-the-batch":  # small trees while 4+ ran, whole ones alone at the end
+        assert stats["last_node_limit"] == DYNAMIC["budget"]
+        assert 3 * stats["tree_requests"] < stats["nodes_verified"] < DYNAMIC["budget"] * stats["tree_requests"]
 
 
 def test_eagle_trees_accept_nodes_off_the_top_path(llm_pool, tiny_llama_dir, trained_tiny_heads):

@@ -130,3 +130,31 @@ def test_verify_step_layout_positions_and_moves():
 def test_verify_step_rejects_a_node_before_its_parent():
     with pytest.raises(ValueError, match="parents must come first"):
         TreeRequest(batch_row=0, query_start=0, prefix_len=3, tokens=[1, 2], parents=[1, -1])
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3, 5, 9])
+def test_dynamic_tree_drafted_within_a_node_limit_is_the_best_nodes_of_the_full_tree(limit):
+    """``budget_by_batch`` drafts a smaller EAGLE-2 tree (fewer levels): its nodes are exactly the ``limit``
+    best-scoring candidates of the full tree, so following the batch never drafts a worse tree than a cut."""
+    full_config = TreeConfig(top_k=3, depth=4, budget=10)
+    small_config = full_config.drafted_within(limit)
+    assert small_config.budget == min(limit, 10) and small_config.depth == min(4, limit)
+    roots = [2, 5, 9]
+    full, small = draft_with_masks(full_config, roots, [True] * 3), draft_with_masks(small_config, roots, [True] * 3)
+
+    def paths_and_scores(trees, b):
+        paths: list[tuple[int, ...]] = []
+        scores: list[float] = []
+        for token, parent in zip(trees.tokens[b].tolist(), trees.parents[b].tolist(), strict=True):
+            prefix = paths[parent] if parent >= 0 else ()
+            logprobs = torch.log_softmax(path_logits(roots[b], prefix), dim=-1)
+            paths.append(prefix + (token,))
+            scores.append((scores[parent] if parent >= 0 else 0.0) + float(logprobs[token]))
+        return paths, scores
+
+    for b in range(len(roots)):
+        full_paths, full_scores = paths_and_scores(full, b)
+        best = sorted(range(len(full_paths)), key=lambda i: (-full_scores[i], len(full_paths[i]), i))[:limit]
+        small_paths, _ = paths_and_scores(small, b)
+        assert sorted(small_paths) == sorted(full_paths[i] for i in best)
+    assert full_config.drafted_within(10) is full_config and STATIC.drafted_within(2) is STATIC

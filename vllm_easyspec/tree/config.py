@@ -83,6 +83,17 @@ class TreeConfig(BaseModel):
                 limit = nodes
         return min(limit, self.num_nodes)
 
+    def drafted_within(self, node_limit: int) -> TreeConfig:
+        """The tree to draft when each request may keep only ``node_limit`` (>= 1) nodes. A dynamic tree
+        becomes the EAGLE-2 tree of budget ``node_limit`` and depth ``min(depth, node_limit)``: the
+        ``node_limit`` best-scoring nodes of the full tree (a node never outscores its parent, so they lie
+        within that depth), drafted with fewer level forwards. A static tree is drafted whole; its first
+        ``node_limit`` nodes are kept after drafting."""
+        if self.is_static or node_limit >= self.drafted_nodes:
+            return self
+        assert self.depth is not None
+        return self.model_copy(update={"budget": node_limit, "depth": min(self.depth, node_limit)})
+
     def _check_budget_by_batch(self) -> TreeConfig:
         for batch, nodes in (self.budget_by_batch or {}).items():
             if batch < 1:
