@@ -26,8 +26,9 @@ from vllm_easyspec.metrics import read_spec_decode_counters
 
 STATIC = {"choices": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]}
 DYNAMIC = {"top_k": 3, "depth": 4, "budget": 10}
-# from 4 running requests on, the EAGLE-2 tree of 3 nodes (fewer levels); the mixed batch of 8 shrinks through it
-FOLLOWING_THE_BATCH = DYNAMIC | {"budget_by_batch": {"4": 3}}
+# from 4 running requests on, the EAGLE-2 tree of 3 nodes (fewer levels), from 6 on a chain of 2 verified by
+# vLLM's own path; the mixed batch of 8 shrinks through both
+FOLLOWING_THE_BATCH = DYNAMIC | {"budget_by_batch": {"4": 3, "6": {"chain": 2}}}
 TREES = {"static": STATIC, "dynamic": DYNAMIC, "dynamic-following-the-batch": FOLLOWING_THE_BATCH}
 
 def _eagle_tree_engine(llm_pool, target, fmt: str, head, tree: dict):
@@ -62,9 +63,11 @@ def test_greedy_eagle_trees_equal_vanilla(llm_pool, tiny_llama_dir, trained_tiny
     assert len([a for a in counters.accepted_per_position if a]) >= 2
     drafting = llm.collective_rpc(read_drafting_stats)[0]
     assert drafting["steps"] > 0 and drafting["seconds_per_step"] > 0
-    if shape == "dynamic-following-the-batch":  # small trees while 4+ ran, whole ones alone at the end
-        assert stats["last_node_limit"] == DYNAMIC["budget"]
-        assert 3 * stats["tree_requests"] < stats["nodes_verified"] < DYNAMIC["budget"] * stats["tree_requests"]
+    if shape == "dynamic-following-the-batch":  # chains while 6+ ran, small trees at 4-5, whole ones at the end
+        assert stats["last_node_limit"] == DYNAMIC["budget"] and not stats["last_limit_is_chain"]
+        assert stats["chain_steps"] > 0 and stats["chain_requests"] >= 6 * stats["chain_steps"]
+        requests = stats["tree_requests"] + stats["chain_requests"]
+        assert 2 * requests < stats["nodes_verified"] < DYNAMIC["budget"] * requests
 
 
 def test_eagle_trees_accept_nodes_off_the_top_path(llm_pool, tiny_llama_dir, trained_tiny_heads):
@@ -165,6 +168,8 @@ DRAW_MODES = {
     "iid": ({"choices": [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]], "draw": "sample"}, None),
     "merged": ({"top_k": 3, "depth": 3, "budget": 6, "sources": {"prompt_lookup": {"nodes": 3, "min_match": 1}}},
                [1, 17, 42, 5, 33, 37, 8, 9, 17, 42, 5, 33]),
+    # budget_by_batch down to a top-1 chain at every batch size: vLLM's rejection sampler verifies the drafts
+    "chain": ({"top_k": 3, "depth": 3, "budget": 6, "budget_by_batch": {"1": {"chain": 3}}}, None),
 }
 
 
@@ -175,7 +180,8 @@ def test_distribution_with_eagle_trees_matches_target(llm_pool, tiny_llama_dir, 
     before = llm.collective_rpc(read_tree_stats)[0]
     result = run_distribution_test(llm, tiny_llama_dir, temperature=0.7, prompt=prompt)
     stats = llm.collective_rpc(read_tree_stats)[0]
-    assert stats["tree_requests"] - before["tree_requests"] >= result.num_samples
+    verified = "chain_requests" if mode == "chain" else "tree_requests"
+    assert stats[verified] - before[verified] >= result.num_samples
     assert 0 < stats["accepted"] - before["accepted"] < stats["nodes_verified"] - before["nodes_verified"]
     if mode == "merged":
         assert stats["source_nodes_accepted"] - before["source_nodes_accepted"] > result.num_samples // 2

@@ -111,9 +111,10 @@ def test_prompt_lookup_nodes_merged_into_trees_are_accepted_and_exact(llm_pool, 
 
 def test_tree_size_follows_the_batch_and_outputs_stay_exact(llm_pool, tree_llama_dir, tiny_llama_draft_dir):
     """``budget_by_batch``: alone a request verifies whole trees; from 2 running requests on one node each,
-    from 6 on none. Switching size between steps keeps every output equal to vanilla."""
+    from 4 on a top-1 chain of 2 (vLLM's own chain verify), from 6 on none. Switching size between steps
+    keeps every output equal to vanilla."""
     single, mixed = _vanilla(llm_pool, tree_llama_dir, "single", SINGLE), _vanilla(llm_pool, tree_llama_dir, "mixed", MIXED)
-    tree = STATIC | {"budget_by_batch": {"2": 1, "6": 0}}
+    tree = STATIC | {"budget_by_batch": {"2": 1, "4": {"chain": 2}, "6": 0}}
     llm = llm_pool.get(tree_llama_dir, speculative_config=_spec(tiny_llama_draft_dir),
                        additional_config={"easyspec": {"tree": tree}})
     nodes = len(STATIC["choices"])
@@ -125,8 +126,10 @@ def test_tree_size_follows_the_batch_and_outputs_stay_exact(llm_pool, tree_llama
     assert generate(llm, MIXED) == mixed
     batched = llm.collective_rpc(read_tree_stats)[0]
     tree_requests = batched["tree_requests"] - alone["tree_requests"]
+    chain_requests = batched["chain_requests"] - alone["chain_requests"]
     assert batched["steps_without_speculation"] > 0  # eight requests start together
-    assert 0 < batched["nodes_verified"] - alone["nodes_verified"] < nodes * tree_requests
+    assert batched["chain_steps"] > alone["chain_steps"] and chain_requests >= 4
+    assert 0 < batched["nodes_verified"] - alone["nodes_verified"] < 2 * (tree_requests + chain_requests)
 
 
 def test_target_kv_after_trees_is_the_verified_chain(llm_pool, tree_llama_dir, tiny_llama_draft_dir):

@@ -29,6 +29,9 @@ from vllm_easyspec.integration.config_checks import prepare_tree_engine_args
          "raise max_match"),
         ({"choices": [[0], [1]], "budget_by_batch": {"0": 1}}, "must be >= 1"),
         ({"choices": [[0], [1]], "budget_by_batch": {"4": 3}}, "between 0 (no speculation) and the tree's 2 nodes"),
+        ({"choices": [[0], [1]], "budget_by_batch": {"4": {"chain": 3}}}, "a chain may be at most the tree's 2"),
+        ({"choices": [[0], [1]], "budget_by_batch": {"4": {"chain": 0}}}, '{"chain": k} with k >= 1'),
+        ({"choices": [[0], [1]], "budget_by_batch": {"4": {"chian": 1}}}, "{'chian': 1} at batch size 4"),
     ],
 )
 def test_invalid_trees_name_the_field_and_the_fix(tree, message):
@@ -50,6 +53,20 @@ def test_valid_trees_know_their_node_count():
     following = parse_easyspec_config({"easyspec": {"tree": {"top_k": 2, "depth": 2, "budget": 6,
                                                              "budget_by_batch": {"4": 2, "16": 0}}}}).tree
     assert [following.node_limit(batch) for batch in (1, 3, 4, 15, 16, 64)] == [6, 6, 2, 2, 0, 0]
+
+
+def test_a_chain_entry_drafts_the_top1_path_without_sources():
+    tree = parse_easyspec_config({"easyspec": {"tree": {
+        "top_k": 3, "depth": 4, "budget": 10, "sources": {"prompt_lookup": {"nodes": 2}},
+        "budget_by_batch": {"4": 5, "8": {"chain": 3}, "16": 0}}}}).tree
+    assert [(tree.node_limit(b), tree.drafts_chain(b)) for b in (1, 4, 8, 16)] == [
+        (12, False), (5, False), (3, True), (0, False)]
+    chain = tree.drafted_within(3, chain=True)
+    assert (chain.top_k, chain.depth, chain.budget, chain.sources, chain.num_nodes) == (1, 3, 3, None, 3)
+    static = parse_easyspec_config({"easyspec": {"tree": {"choices": [[0], [1], [1, 0]], "draw": "sample",
+                                                          "budget_by_batch": {"2": {"chain": 3}}}}}).tree
+    static_chain = static.drafted_within(3, chain=True)  # no deeper than the template, draw kept
+    assert (static_chain.choices, static_chain.draw) == (((0,), (0, 0)), "sample")
 
 
 def _engine_args(tiny_llama_dir, tiny_llama_draft_dir, spec_extra: dict, tree: dict | None = None):

@@ -17,7 +17,9 @@ One drafting step is:
 3. with ``sources.prompt_lookup``, the continuation of the context's latest earlier n-gram match is merged
    into each greedy or top-k tree (:mod:`vllm_easyspec.tree.merging`); with ``budget_by_batch``, each tree
    keeps only the first nodes the batch size allows (none: no speculation this step, and no level forward),
-   and a dynamic tree is drafted at that budget (:meth:`~vllm_easyspec.tree.config.TreeConfig.drafted_within`);
+   a dynamic tree is drafted at that budget, and a ``{"chain": k}`` entry drafts the top-1 path of ``k``
+   tokens without sources (:meth:`~vllm_easyspec.tree.config.TreeConfig.drafted_within`), which the
+   runner verifies as vLLM verifies a chain;
 4. the trees go to the runner's verifier and their nodes, parents first, to the scheduler as the
    request's speculative tokens.
 
@@ -76,9 +78,10 @@ class TreeDrafting:
         node_limit = self.config.node_limit(batch_size)
         if node_limit == 0:  # budget_by_batch: no speculation at this batch size (the first pass kept the KV)
             return self._hand_over(None, batch_size, next_token_ids, node_limit)
+        chain = self.config.drafts_chain(batch_size)
         greedy, temperatures = _greedy_rows(sampling_metadata, batch_size)
         draft = LevelwiseTreeDraft(
-            self.config.drafted_within(node_limit), self._logits(root_hidden), greedy, temperatures,
+            self.config.drafted_within(node_limit, chain), self._logits(root_hidden), greedy, temperatures,
             sampling_metadata.generators,
         )
         state = DraftTreeAttention(
@@ -109,7 +112,7 @@ class TreeDrafting:
             if feeds_hidden:
                 stash_feed = torch.cat([stash_feed, feed[: batch_size * width].view(batch_size, width, -1)], dim=1)
             draft.expand(self._logits(hidden[: batch_size * width]).view(batch_size, width, -1))
-        return self._hand_over(draft.build(), batch_size, next_token_ids, node_limit)
+        return self._hand_over(draft.build(), batch_size, next_token_ids, node_limit, chain)
 
     # ------------------------------------------------------------------------------------------ steps
     def _first_pass(self, target_token_ids, target_positions, target_hidden_states, next_token_ids,
@@ -152,15 +155,17 @@ class TreeDrafting:
             logits = proposer.vocab_mapping.constrain_draft_logits(logits)
         return logits
 
-    def _hand_over(self, trees, batch_size: int, next_token_ids: torch.Tensor, node_limit: int) -> torch.Tensor:
-        """Map to target ids, merge the sources' candidates in, cut every tree to ``node_limit`` nodes (none
-        drafted when it is 0), give the trees to the runner's verifier, and return ``[B, N]`` node tokens (a
+    def _hand_over(self, trees, batch_size: int, next_token_ids: torch.Tensor, node_limit: int,
+                   chain: bool = False) -> torch.Tensor:
+        """Map to target ids, merge the sources' candidates in (not into a chain), cut every tree to
+        ``node_limit`` nodes (none drafted when it is 0), give the trees to the runner's verifier, and return ``[B, N]`` node tokens (a
         tree with fewer than ``N`` nodes is cut to its own size later, in
         :meth:`~vllm_easyspec.integration.tree_runner.TreeVerifier.trim_drafts`)."""
         proposer = self.proposer
         verifier = self.verifier
         req_ids = list(proposer.easyspec_runner.input_batch.req_ids[:batch_size])
         verifier.stats.last_node_limit = node_limit
+        verifier.stats.last_limit_is_chain = chain
         verifier.stats.steps_without_speculation += node_limit == 0
         if trees is None:
             verifier.propose({}, set(req_ids))
@@ -171,7 +176,7 @@ class TreeDrafting:
             tokens = mapping.map_draft_to_target_ids(tokens)
         token_lists = tokens.tolist()
         parent_lists = trees.parents.tolist()
-        lookup = None if self.config.sources is None else self.config.sources.prompt_lookup
+        lookup = None if self.config.sources is None or chain else self.config.sources.prompt_lookup
         pending: dict[str, PendingTree] = {}
         no_drafts: set[str] = set()
         for row, req_id in enumerate(req_ids):

@@ -17,6 +17,9 @@
    draft's K/V linearly too;
 5. ``take_draft_token_ids`` (extended): requests served without speculation get no drafts.
 
+A step whose drafts are all top-1 chains (``budget_by_batch`` ``{"chain": k}``) skips 2-4: it is vLLM's
+chain verify (its attention kernel, its rejection sampler), and the branch is already in place.
+
 Requests whose options a tree cannot honour exactly are served without speculation
 (:func:`tree_fallback_reason`), with one log line per request.
 """
@@ -90,6 +93,9 @@ class TreeStats:
     source_nodes_accepted: int = 0
     off_top_path_branches: int = 0  # accepted branches with a node that is not its parent's first child
     last_node_limit: int = 0  # nodes per tree that budget_by_batch allowed at the last drafting step
+    last_limit_is_chain: bool = False  # ... and whether that was a chain ({"chain": k})
+    chain_steps: int = 0  # verify steps whose drafts were all top-1 chains, verified by vLLM's own path
+    chain_requests: int = 0  # requests verified in those steps (nodes_verified and accepted count theirs)
     steps_without_speculation: int = 0  # drafting steps at a batch size budget_by_batch gives no nodes
 
 
@@ -106,6 +112,8 @@ class TreeVerifier:
     last_branch: dict[str, list[int]] = field(default_factory=dict)  # tokens each request accepted this step
     # (source rows, destination rows) of this step's accepted nodes in the verify forward, or None
     branch_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    # this step's requests (batch row -> request id) when every draft is a top-1 chain: no tree forward
+    chain_step: dict[int, str] = field(default_factory=dict)
     stats: TreeStats = field(default_factory=TreeStats)
     _explained: set[str] = field(default_factory=set)
 
@@ -148,6 +156,7 @@ class TreeVerifier:
         requests: list[TreeRequest] = []
         self.last_branch = {}
         self.branch_rows = None
+        self.chain_step = {}
         for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
             tokens = list(drafts)
             if -1 in tokens:  # grammar-rejected drafts are never scheduled for tree requests; be safe
@@ -186,6 +195,14 @@ class TreeVerifier:
                 drafted_nodes=drafted,
             ))
         if not requests:
+            return
+        if all(_is_top1_chain(request) for request in requests):
+            # A chain of deterministic drafts at linear positions is what vLLM verifies: its attention
+            # kernel and rejection sampler serve the step exactly, and the branch is already in place.
+            self.chain_step = {request.batch_row: request.req_id for request in requests}
+            self.stats.chain_steps += 1
+            self.stats.chain_requests += len(requests)
+            self.stats.nodes_verified += sum(request.num_nodes for request in requests)
             return
         step = TreeVerifyStep(requests)
         rows, positions = step.row_positions()
@@ -228,6 +245,16 @@ class TreeVerifier:
         positions[rows.to(positions.device)] = branch.destination.to(positions.device, positions.dtype)
 
 
+    def finish_chain_step(self, output_token_ids: torch.Tensor) -> None:
+        """After vLLM's sampler verified a chain step: record each request's accepted drafts (its output row
+        up to the bonus token) for the next step's prompt lookup."""
+        rows = output_token_ids.tolist()
+        for batch_row, req_id in self.chain_step.items():
+            tokens = [token for token in rows[batch_row] if token >= 0][:-1]
+            self.last_branch[req_id] = tokens
+            self.stats.accepted += len(tokens)
+        self.chain_step = {}
+
     def branch_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The verify forward's per-row hidden states with each accepted node's state moved to its branch row
         ``P + 1 .. P + a`` (where :meth:`finish_step` moved its token); rows of other steps are unchanged."""
@@ -235,6 +262,12 @@ class TreeVerifier:
             return hidden_states
         source, destination = (rows.to(hidden_states.device) for rows in self.branch_rows)
         return hidden_states.index_copy(0, destination, hidden_states[source])
+
+
+def _is_top1_chain(request: TreeRequest) -> bool:
+    """A path of deterministic drafts (each node the only child of the one before)."""
+    return (request.draw_mode is ChildDrawMode.WITHOUT_REPLACEMENT and request.draft_probs is None
+            and request.parents == list(range(-1, request.num_nodes - 1)))
 
 
 def read_tree_stats(worker) -> dict[str, int] | None:

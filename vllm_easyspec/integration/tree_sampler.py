@@ -1,7 +1,9 @@
 """The rejection sampler of tree steps: replaces ``GPUModelRunner.rejection_sampler`` (vLLM's
 ``vllm.v1.sample.rejection_sampler.RejectionSampler``) when ``easyspec.tree`` is on.
 
-In a step without token trees it is vLLM's sampler. In a tree step every request either has a tree (its
+In a step without token trees it is vLLM's sampler, also when every draft of the step is a top-1 chain
+(``budget_by_batch`` ``{"chain": k}``): deterministic drafts at linear positions are exactly what vLLM's
+rejection sampler verifies. In a tree step every request either has a tree (its
 drafts are the tree's nodes) or no drafts at all (prefills, and requests served without speculation):
 
 * requests without drafts are sampled by vLLM's own sampler on their one row, so penalties, bad words,
@@ -36,8 +38,11 @@ class TreeRejectionSampler(RejectionSampler):
 
     def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
         forward = self.verifier.forward
-        if forward is None:
-            return super().forward(metadata, draft_probs, logits, sampling_metadata)
+        if forward is None:  # no tree in this step: chains (TreeVerifier.chain_step) or not a tree run
+            output = super().forward(metadata, draft_probs, logits, sampling_metadata)
+            if self.verifier.chain_step:
+                self.verifier.finish_chain_step(output.sampled_token_ids)
+            return output
         step = forward.step
         batch = len(metadata.num_draft_tokens)
         width = metadata.max_spec_len + 1

@@ -15,8 +15,9 @@ Either shape may take ``"sources": {"prompt_lookup": {"nodes": n, "min_match": 2
 continuation of the context's latest earlier n-gram match is merged into every greedy or ``top_k`` tree
 (:mod:`vllm_easyspec.tree.merging`), as up to ``n`` extra nodes.
 
-``"budget_by_batch": {"4": 4, "8": 1, "16": 0}`` makes the tree follow the batch: from 4 running requests on
-each tree keeps its first 4 nodes, from 8 on one node (a chain of 1), from 16 on none (no speculation).
+``"budget_by_batch": {"4": 4, "8": {"chain": 2}, "16": 0}`` makes the tree follow the batch: from 4 running
+requests on each tree keeps 4 nodes, from 8 on each request drafts a chain of 2 tokens (the draft's top-1 path,
+verified as vLLM verifies chains), from 16 on none (no speculation).
 
 Invariant: a ``TreeConfig`` that exists describes a tree of 1..:data:`MAX_TREE_NODES` nodes whose
 parents come first; :attr:`TreeConfig.num_nodes` is what ``num_speculative_tokens`` must equal.
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .building import MAX_TREE_NODES, ChildDrawMode, StaticTreeTemplate
 
@@ -61,6 +62,14 @@ class TreeSources(BaseModel):
         return 0 if self.prompt_lookup is None else self.prompt_lookup.nodes
 
 
+class ChainLimit(BaseModel):
+    """A ``budget_by_batch`` value ``{"chain": k}``: draft the top-1 path of ``k`` tokens, no tree."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    chain: int = Field(ge=1)
+
+
 class TreeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -70,38 +79,82 @@ class TreeConfig(BaseModel):
     budget: int | None = None
     draw: Literal["top_k", "sample"] = "top_k"
     sources: TreeSources | None = None
-    # running requests -> most nodes per request from that batch size on (0: no speculation)
-    budget_by_batch: dict[int, int] | None = None
+    # running requests -> from that batch size on, most nodes per request (0: no speculation) or a chain
+    budget_by_batch: dict[int, int | ChainLimit] | None = None
+
+    @field_validator("budget_by_batch", mode="before")
+    @classmethod
+    def _read_budget_by_batch(cls, table: object) -> object:
+        """One message per bad value, naming the batch size and both accepted forms."""
+        if not isinstance(table, dict):
+            return table
+        read: dict[object, object] = {}
+        for batch, value in table.items():
+            if isinstance(value, dict) and set(value) == {"chain"} and _is_int(value["chain"]) and value["chain"] >= 1:
+                read[batch] = ChainLimit(chain=value["chain"])
+            elif _is_int(value):
+                read[batch] = value
+            else:
+                raise ValueError(
+                    f"budget_by_batch gives {value!r} at batch size {batch}; give a node count (0: no "
+                    'speculation) or {"chain": k} with k >= 1 (a top-1 chain of k tokens)'
+                )
+        return read
+
+    def _limit_at(self, running_requests: int) -> int | ChainLimit:
+        limit: int | ChainLimit = self.num_nodes
+        for batch, value in sorted((self.budget_by_batch or {}).items()):
+            if batch <= running_requests:
+                limit = value
+        return limit
 
     def node_limit(self, running_requests: int) -> int:
         """Most nodes a request's tree may keep when the drafter's batch has ``running_requests`` requests:
-        the entry of ``budget_by_batch`` with the largest batch size not above it, else every node. A tree
-        cut to its first ``k`` nodes is a tree (parents come first)."""
-        limit = self.num_nodes
-        for batch, nodes in sorted((self.budget_by_batch or {}).items()):
-            if batch <= running_requests:
-                limit = nodes
-        return min(limit, self.num_nodes)
+        the entry of ``budget_by_batch`` with the largest batch size not above it (a chain's length), else
+        every node. A tree cut to its first ``k`` nodes is a tree (parents come first)."""
+        limit = self._limit_at(running_requests)
+        return min(limit.chain if isinstance(limit, ChainLimit) else limit, self.num_nodes)
 
-    def drafted_within(self, node_limit: int) -> TreeConfig:
-        """The tree to draft when each request may keep only ``node_limit`` (>= 1) nodes. A dynamic tree
-        becomes the EAGLE-2 tree of budget ``node_limit`` and depth ``min(depth, node_limit)``: the
-        ``node_limit`` best-scoring nodes of the full tree (a node never outscores its parent, so they lie
+    def drafts_chain(self, running_requests: int) -> bool:
+        """Whether ``budget_by_batch`` asks for a chain (``{"chain": k}``) at this batch size."""
+        return isinstance(self._limit_at(running_requests), ChainLimit)
+
+    def drafted_within(self, node_limit: int, chain: bool = False) -> TreeConfig:
+        """The tree to draft when each request may keep only ``node_limit`` (>= 1) nodes.
+
+        ``chain``: the draft's top-1 path of ``min(node_limit, drafted depth)`` tokens, without sources (a
+        static tree with ``draw = sample`` still draws a sampled request's path from the draft). Otherwise a
+        dynamic tree becomes the EAGLE-2 tree of budget ``node_limit`` and depth ``min(depth, node_limit)``:
+        the ``node_limit`` best-scoring nodes of the full tree (a node never outscores its parent, so they lie
         within that depth), drafted with fewer level forwards. A static tree is drafted whole; its first
         ``node_limit`` nodes are kept after drafting."""
+        if chain:
+            length = min(node_limit, self.max_depth) if self.is_static else node_limit
+            if self.is_static:
+                path = tuple((0,) * depth for depth in range(1, length + 1))
+                return self.model_copy(update={"choices": path, "sources": None, "budget_by_batch": None})
+            return self.model_copy(update={"top_k": 1, "depth": length, "budget": length, "sources": None,
+                                           "budget_by_batch": None})
         if self.is_static or node_limit >= self.drafted_nodes:
             return self
         assert self.depth is not None
         return self.model_copy(update={"budget": node_limit, "depth": min(self.depth, node_limit)})
 
     def _check_budget_by_batch(self) -> TreeConfig:
-        for batch, nodes in (self.budget_by_batch or {}).items():
+        for batch, value in (self.budget_by_batch or {}).items():
             if batch < 1:
                 raise ValueError(f"budget_by_batch has batch size {batch}; batch sizes (the keys) must be >= 1")
-            if not 0 <= nodes <= self.num_nodes:
+            if isinstance(value, ChainLimit):
+                if value.chain > self.num_nodes:
+                    raise ValueError(
+                        f"budget_by_batch gives a chain of {value.chain} at batch size {batch}; a chain may be at "
+                        f"most the tree's {self.num_nodes} nodes (num_speculative_tokens) long"
+                    )
+            elif not 0 <= value <= self.num_nodes:
                 raise ValueError(
-                    f"budget_by_batch gives {nodes} nodes at batch size {batch}; node counts (the values) must be "
-                    f"between 0 (no speculation) and the tree's {self.num_nodes} nodes"
+                    f"budget_by_batch gives {value} nodes at batch size {batch}; node counts (the values) must be "
+                    f"between 0 (no speculation) and the tree's {self.num_nodes} nodes, or {{\"chain\": k}} "
+                    "for a chain of k tokens"
                 )
         return self
 
@@ -219,3 +272,7 @@ class TreeConfig(BaseModel):
         if self.sources is not None and self.sources.prompt_lookup is not None:
             text += f", plus up to {self.sources.prompt_lookup.nodes} prompt-lookup nodes"
         return text
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
