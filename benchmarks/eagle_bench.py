@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -69,8 +70,8 @@ EAGLE_TREES = {
 def speed(batches: list[int], ks: list[int], max_tokens: int, num_prompts: int, eagle1: bool,
           ks_batched: list[int] | None = None, dtype: str = "bfloat16",
           repeats: int = DEFAULT_REPEATS, tree_budgets: list[int] = (), draft_model: bool = True,
-          lookup_nodes: int = 0, lookup_budgets: list[int] | None = None, policy: dict[str, int] | None = None,
-          prompt_set: str = "heldout") -> None:
+          lookup_nodes: int = 0, lookup_budgets: list[int] | None = None, policy: dict[str, int | dict] | None = None,
+          prompt_set: str = "heldout", only: str | None = None) -> None:
     target = str(fetch_model(QWEN))
     smol = str(fetch_model(SMOL))
     command = "python -m benchmarks.eagle_bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -97,7 +98,8 @@ def speed(batches: list[int], ks: list[int], max_tokens: int, num_prompts: int, 
                                     "plugin EAGLE-2 tree merged with prompt lookup",
                                     {"method": "eagle3", "model": str(HEAD3)}, {"easyspec": {"tree": merged}}))
                 if policy and b > 1:
-                    table = ",".join(f"{k}:{v}" for k, v in policy.items())
+                    table = ",".join(f"{k}:{v['chain'] if isinstance(v, dict) else v}{'c' if isinstance(v, dict) else ''}"
+                                     for k, v in policy.items())
                     setups.append(Setup(f"eagle3-tree-{budget}+lookup-{lookup_nodes}@{table}",
                                         "the merged tree, node limit following the batch (budget_by_batch)",
                                         {"method": "eagle3", "model": str(HEAD3)},
@@ -110,6 +112,8 @@ def speed(batches: list[int], ks: list[int], max_tokens: int, num_prompts: int, 
             prompts = load_prompts(limit=max(num_prompts, b), kinds=("edit",))
         else:
             prompts = HELDOUT_PROMPTS[: max(num_prompts, b)]
+        if only:
+            setups = [setup for setup in setups if setup.name == "vanilla" or re.search(only, setup.name)]
         wl = Workload(target=target, prompts=prompts, max_tokens=max_tokens, batch_size=b, dtype=dtype)
         rows = run_setups(setups, wl, repeats=repeats)
         stem = (f"eagle_{'tree_' if tree_budgets else ''}speed{'_edit' if prompt_set == 'edit' else ''}_b{b}"
@@ -234,6 +238,7 @@ if __name__ == "__main__":
     s.add_argument("--prompts", choices=("heldout", "edit"), default="heldout",
                    help="held-out EAGLE prompts (default) or the code-edit set, where prompt lookup should matter")
     s.add_argument("--no-draft-model", action="store_true", help="skip the SmolLM2 draft_model setup")
+    s.add_argument("--only", default=None, help="run only the setups whose name matches this regex (and vanilla)")
     r = sub.add_parser("replay")
     r.add_argument("--num-prompts", type=int, default=8)
     r.add_argument("-k", type=int, default=3)
@@ -243,7 +248,7 @@ if __name__ == "__main__":
     a = ap.parse_args()
     if a.cmd == "speed":
         speed(a.batch, a.ks, a.max_tokens, a.num_prompts, not a.no_eagle1, a.ks_batched, a.dtype, a.repeats,
-              a.tree_budgets, not a.no_draft_model, a.lookup_nodes, a.lookup_budgets, a.policy, a.prompts)
+              a.tree_budgets, not a.no_draft_model, a.lookup_nodes, a.lookup_budgets, a.policy, a.prompts, a.only)
     elif a.cmd == "replay":
         replay(a.num_prompts, a.k, a.max_tokens)
     else:
