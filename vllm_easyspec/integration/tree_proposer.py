@@ -158,8 +158,8 @@ class TreeDrafting:
     def _hand_over(self, trees, batch_size: int, next_token_ids: torch.Tensor, node_limit: int,
                    chain: bool = False) -> torch.Tensor:
         """Map to target ids, merge the sources' candidates in (not into a chain), cut every tree to
-        ``node_limit`` nodes (none drafted when it is 0), give the trees to the runner's verifier, and return ``[B, N]`` node tokens (a
-        tree with fewer than ``N`` nodes is cut to its own size later, in
+        ``node_limit`` nodes (none drafted when it is 0), give the trees to the runner's verifier, and return
+        ``[B, N]`` node tokens (a tree with fewer than ``N`` nodes is cut to its own size later, in
         :meth:`~vllm_easyspec.integration.tree_runner.TreeVerifier.trim_drafts`)."""
         proposer = self.proposer
         verifier = self.verifier

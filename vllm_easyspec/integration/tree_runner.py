@@ -244,7 +244,6 @@ class TreeVerifier:
         positions = self.runner.positions
         positions[rows.to(positions.device)] = branch.destination.to(positions.device, positions.dtype)
 
-
     def finish_chain_step(self, output_token_ids: torch.Tensor) -> None:
         """After vLLM's sampler verified a chain step: record each request's accepted drafts (its output row
         up to the bonus token) for the next step's prompt lookup."""

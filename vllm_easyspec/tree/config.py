@@ -92,7 +92,7 @@ class TreeConfig(BaseModel):
         for batch, value in table.items():
             if isinstance(value, dict) and set(value) == {"chain"} and _is_int(value["chain"]) and value["chain"] >= 1:
                 read[batch] = ChainLimit(chain=value["chain"])
-            elif _is_int(value):
+            elif _is_int(value) or isinstance(value, ChainLimit):
                 read[batch] = value
             else:
                 raise ValueError(
