@@ -55,18 +55,12 @@ def test_valid_trees_know_their_node_count():
     assert [following.node_limit(batch) for batch in (1, 3, 4, 15, 16, 64)] == [6, 6, 2, 2, 0, 0]
 
 
-def test_a_chain_entry_drafts_the_top1_path_without_sources():
+def test_budget_by_batch_steps_down_to_chains_and_to_no_speculation():
     tree = parse_easyspec_config({"easyspec": {"tree": {
         "top_k": 3, "depth": 4, "budget": 10, "sources": {"prompt_lookup": {"nodes": 2}},
         "budget_by_batch": {"4": 5, "8": {"chain": 3}, "16": 0}}}}).tree
     assert [(tree.node_limit(b), tree.drafts_chain(b)) for b in (1, 4, 8, 16)] == [
         (12, False), (5, False), (3, True), (0, False)]
-    chain = tree.drafted_within(3, chain=True)
-    assert (chain.top_k, chain.depth, chain.budget, chain.sources, chain.num_nodes) == (1, 3, 3, None, 3)
-    static = parse_easyspec_config({"easyspec": {"tree": {"choices": [[0], [1], [1, 0]], "draw": "sample",
-                                                          "budget_by_batch": {"2": {"chain": 3}}}}}).tree
-    static_chain = static.drafted_within(3, chain=True)  # no deeper than the template, draw kept
-    assert (static_chain.choices, static_chain.draw) == (((0,), (0, 0)), "sample")
 
 
 def _engine_args(tiny_llama_dir, tiny_llama_draft_dir, spec_extra: dict, tree: dict | None = None):

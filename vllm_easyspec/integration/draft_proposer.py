@@ -87,7 +87,7 @@ class EasySpecDraftProposer(DraftModelProposer):
             if self.easyspec_config.tree is not None:
                 from vllm_easyspec.integration.tree_proposer import TreeDrafting
 
-                self.tree_drafting = TreeDrafting(self, self.easyspec_config.tree)
+                self.tree_drafting = TreeDrafting(self, self.easyspec_config.tree, draft_chain=super().propose)
             logger.info(
                 "EasySpec drafting: %s; calibration: %s; %s",
                 self.layer_grouping.describe(),

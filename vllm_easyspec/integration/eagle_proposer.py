@@ -8,7 +8,8 @@ Invariants:
   vLLM reads), sharing the target's embeddings and LM head, the first pass's inputs and KV slots;
 - ``propose`` drafts a tree with :class:`~vllm_easyspec.integration.tree_proposer.TreeDrafting`: the first
   pass over the accepted branch with the target's hidden states of that branch, then one head forward per
-  tree level, each node fed its parent's hidden state, with tree attention over the head's KV.
+  tree level, each node fed its parent's hidden state, with tree attention over the head's KV; where
+  ``budget_by_batch`` asks for a chain, vLLM's own ``EagleProposer.propose`` drafts it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class EasySpecEagleProposer(EagleProposer):
                 f"{self.method!r}; remove easyspec.tree for this method"
             )
         self.drafting_stats = DraftingStats()
-        self.tree_drafting = TreeDrafting(self, self.easyspec_config.tree)
+        self.tree_drafting = TreeDrafting(self, self.easyspec_config.tree, draft_chain=super().propose)
         logger.info("EasySpec %s head drafts trees: %s", self.method, self.easyspec_config.tree.describe())
 
     def propose(self, *args: Any, **kwargs: Any) -> torch.Tensor:

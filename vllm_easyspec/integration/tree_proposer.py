@@ -17,11 +17,13 @@ One drafting step is:
 3. with ``sources.prompt_lookup``, the continuation of the context's latest earlier n-gram match is merged
    into each greedy or top-k tree (:mod:`vllm_easyspec.tree.merging`); with ``budget_by_batch``, each tree
    keeps only the first nodes the batch size allows (none: no speculation this step, and no level forward),
-   a dynamic tree is drafted at that budget, and a ``{"chain": k}`` entry drafts the top-1 path of ``k``
-   tokens without sources (:meth:`~vllm_easyspec.tree.config.TreeConfig.drafted_within`), which the
-   runner verifies as vLLM verifies a chain;
+   and a dynamic tree is drafted at that budget (:meth:`~vllm_easyspec.tree.config.TreeConfig.drafted_within`);
 4. the trees go to the runner's verifier and their nodes, parents first, to the scheduler as the
    request's speculative tokens.
+
+At a batch size where ``budget_by_batch`` asks for ``{"chain": k}``, the whole step is the proposer's own
+chain drafting instead (vLLM's ``propose`` with ``k`` tokens, after the branch's hidden states are moved
+into place), handed over as paths, which the runner verifies as vLLM verifies a chain.
 
 An EAGLE head also reads a hidden state per row: in the first pass the target's, of the accepted branch
 (:meth:`~vllm_easyspec.integration.tree_runner.TreeVerifier.branch_hidden_states` moves the winning nodes'
@@ -34,6 +36,8 @@ node tokens (and an i.i.d. tree's draft probabilities) are mapped to target ids.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from vllm.forward_context import set_forward_context
@@ -51,37 +55,47 @@ SAMPLING_EPS = 1e-5  # vLLM's greedy threshold on temperature
 class TreeDrafting:
     """Drafts token trees with a vLLM draft-model proposer (see the module docstring)."""
 
-    def __init__(self, proposer, config: TreeConfig) -> None:
+    def __init__(self, proposer, config: TreeConfig, draft_chain: Callable[..., torch.Tensor]) -> None:
+        """``draft_chain``: the proposer's chain drafting, called with vLLM's ``propose`` arguments."""
         self.proposer = proposer
         self.config = config
+        self.draft_chain = draft_chain
 
     @property
     def verifier(self):
         runner = self.proposer.easyspec_runner
         return getattr(runner, "tree_verifier", None)
 
-    def propose(self, *, target_token_ids, target_positions, target_hidden_states, next_token_ids,
-                token_indices_to_sample, common_attn_metadata, sampling_metadata, mm_embed_inputs=None,
-                num_rejected_tokens_gpu=None, **_unused) -> torch.Tensor:
+    def propose(self, **arguments) -> torch.Tensor:
+        """vLLM's ``propose`` arguments in, ``[B, N]`` node tokens out (module docstring)."""
+        proposer = self.proposer
+        batch_size = arguments["common_attn_metadata"].batch_size()
+        if proposer.pass_hidden_states_to_model:  # an EAGLE head reads the target's states of the accepted branch
+            arguments["target_hidden_states"] = self.verifier.branch_hidden_states(arguments["target_hidden_states"])
+        node_limit = self.config.node_limit(batch_size)
+        if node_limit and self.config.drafts_chain(batch_size):
+            chains = self.draft_chain(**(arguments | {"num_speculative_tokens": node_limit}))
+            return self._hand_over_chains(chains, batch_size, node_limit)
+        return self._propose_trees(node_limit, **arguments)
+
+    def _propose_trees(self, node_limit: int, *, target_token_ids, target_positions, target_hidden_states,
+                       next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
+                       mm_embed_inputs=None, num_rejected_tokens_gpu=None, **_unused) -> torch.Tensor:
         proposer = self.proposer
         proposer._last_draft_probs = None
         batch_size = common_attn_metadata.batch_size()
         feeds_hidden = proposer.pass_hidden_states_to_model  # an EAGLE head: each node reads its parent's state
-        if feeds_hidden:
-            target_hidden_states = self.verifier.branch_hidden_states(target_hidden_states)
-            if proposer.method == "eagle3":
-                target_hidden_states = proposer.model.combine_hidden_states(target_hidden_states)
+        if feeds_hidden and proposer.method == "eagle3":
+            target_hidden_states = proposer.model.combine_hidden_states(target_hidden_states)
         root_hidden, root_feed, root_positions, cad = self._first_pass(
             target_token_ids, target_positions, target_hidden_states, next_token_ids,
             token_indices_to_sample, common_attn_metadata, mm_embed_inputs, num_rejected_tokens_gpu,
         )
-        node_limit = self.config.node_limit(batch_size)
         if node_limit == 0:  # budget_by_batch: no speculation at this batch size (the first pass kept the KV)
             return self._hand_over(None, batch_size, next_token_ids, node_limit)
-        chain = self.config.drafts_chain(batch_size)
         greedy, temperatures = _greedy_rows(sampling_metadata, batch_size)
         draft = LevelwiseTreeDraft(
-            self.config.drafted_within(node_limit, chain), self._logits(root_hidden), greedy, temperatures,
+            self.config.drafted_within(node_limit), self._logits(root_hidden), greedy, temperatures,
             sampling_metadata.generators,
         )
         state = DraftTreeAttention(
@@ -112,7 +126,7 @@ class TreeDrafting:
             if feeds_hidden:
                 stash_feed = torch.cat([stash_feed, feed[: batch_size * width].view(batch_size, width, -1)], dim=1)
             draft.expand(self._logits(hidden[: batch_size * width]).view(batch_size, width, -1))
-        return self._hand_over(draft.build(), batch_size, next_token_ids, node_limit, chain)
+        return self._hand_over(draft.build(), batch_size, next_token_ids, node_limit)
 
     # ------------------------------------------------------------------------------------------ steps
     def _first_pass(self, target_token_ids, target_positions, target_hidden_states, next_token_ids,
@@ -155,18 +169,35 @@ class TreeDrafting:
             logits = proposer.vocab_mapping.constrain_draft_logits(logits)
         return logits
 
-    def _hand_over(self, trees, batch_size: int, next_token_ids: torch.Tensor, node_limit: int,
-                   chain: bool = False) -> torch.Tensor:
-        """Map to target ids, merge the sources' candidates in (not into a chain), cut every tree to
-        ``node_limit`` nodes (none drafted when it is 0), give the trees to the runner's verifier, and return
-        ``[B, N]`` node tokens (a tree with fewer than ``N`` nodes is cut to its own size later, in
+    def _hand_over_chains(self, chains: torch.Tensor, batch_size: int, length: int) -> torch.Tensor:
+        """The proposer's ``[B, length]`` chain drafts (target ids) to the runner's verifier, as paths."""
+        verifier = self.verifier
+        req_ids = self._start_hand_over(batch_size, length, chain=True)
+        rows = chains.tolist()
+        paths: dict[str, PendingTree] = {}
+        for row, req_id in enumerate(req_ids):
+            if verifier.fallback_reason(req_id) is None:
+                paths[req_id] = PendingTree(tokens=rows[row], parents=list(range(-1, length - 1)),
+                                            draw_mode=ChildDrawMode.WITHOUT_REPLACEMENT)
+        verifier.propose(paths, set(req_ids) - set(paths))
+        return chains
+
+    def _start_hand_over(self, batch_size: int, node_limit: int, chain: bool) -> list[str]:
+        """The batch's request ids; the step's limit goes into the verifier's stats."""
+        stats = self.verifier.stats
+        stats.last_node_limit = node_limit
+        stats.last_limit_is_chain = chain
+        stats.steps_without_speculation += node_limit == 0
+        return list(self.proposer.easyspec_runner.input_batch.req_ids[:batch_size])
+
+    def _hand_over(self, trees, batch_size: int, next_token_ids: torch.Tensor, node_limit: int) -> torch.Tensor:
+        """Map to target ids, merge the sources' candidates in, cut every tree to ``node_limit`` nodes (none
+        drafted when it is 0), give the trees to the runner's verifier, and return ``[B, N]`` node tokens (a
+        tree with fewer than ``N`` nodes is cut to its own size later, in
         :meth:`~vllm_easyspec.integration.tree_runner.TreeVerifier.trim_drafts`)."""
         proposer = self.proposer
         verifier = self.verifier
-        req_ids = list(proposer.easyspec_runner.input_batch.req_ids[:batch_size])
-        verifier.stats.last_node_limit = node_limit
-        verifier.stats.last_limit_is_chain = chain
-        verifier.stats.steps_without_speculation += node_limit == 0
+        req_ids = self._start_hand_over(batch_size, node_limit, chain=False)
         if trees is None:
             verifier.propose({}, set(req_ids))
             return torch.zeros(batch_size, self.config.num_nodes, dtype=torch.long, device=next_token_ids.device)
@@ -176,7 +207,7 @@ class TreeDrafting:
             tokens = mapping.map_draft_to_target_ids(tokens)
         token_lists = tokens.tolist()
         parent_lists = trees.parents.tolist()
-        lookup = None if self.config.sources is None or chain else self.config.sources.prompt_lookup
+        lookup = None if self.config.sources is None else self.config.sources.prompt_lookup
         pending: dict[str, PendingTree] = {}
         no_drafts: set[str] = set()
         for row, req_id in enumerate(req_ids):

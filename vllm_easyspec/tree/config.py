@@ -16,8 +16,8 @@ continuation of the context's latest earlier n-gram match is merged into every g
 (:mod:`vllm_easyspec.tree.merging`), as up to ``n`` extra nodes.
 
 ``"budget_by_batch": {"4": 4, "8": {"chain": 2}, "16": 0}`` makes the tree follow the batch: from 4 running
-requests on each tree keeps 4 nodes, from 8 on each request drafts a chain of 2 tokens (the draft's top-1 path,
-verified as vLLM verifies chains), from 16 on none (no speculation).
+requests on each tree keeps 4 nodes, from 8 on each request drafts a chain of 2 tokens (the proposer's own
+chain drafting, verified as vLLM verifies chains), from 16 on none (no speculation).
 
 Invariant: a ``TreeConfig`` that exists describes a tree of 1..:data:`MAX_TREE_NODES` nodes whose
 parents come first; :attr:`TreeConfig.num_nodes` is what ``num_speculative_tokens`` must equal.
@@ -63,7 +63,8 @@ class TreeSources(BaseModel):
 
 
 class ChainLimit(BaseModel):
-    """A ``budget_by_batch`` value ``{"chain": k}``: draft the top-1 path of ``k`` tokens, no tree."""
+    """A ``budget_by_batch`` value ``{"chain": k}``: draft a chain of ``k`` tokens as the proposer does
+    without a tree, no tree."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -119,22 +120,13 @@ class TreeConfig(BaseModel):
         """Whether ``budget_by_batch`` asks for a chain (``{"chain": k}``) at this batch size."""
         return isinstance(self._limit_at(running_requests), ChainLimit)
 
-    def drafted_within(self, node_limit: int, chain: bool = False) -> TreeConfig:
-        """The tree to draft when each request may keep only ``node_limit`` (>= 1) nodes.
-
-        ``chain``: the draft's top-1 path of ``min(node_limit, drafted depth)`` tokens, without sources (a
-        static tree with ``draw = sample`` still draws a sampled request's path from the draft). Otherwise a
-        dynamic tree becomes the EAGLE-2 tree of budget ``node_limit`` and depth ``min(depth, node_limit)``:
-        the ``node_limit`` best-scoring nodes of the full tree (a node never outscores its parent, so they lie
+    def drafted_within(self, node_limit: int) -> TreeConfig:
+        """The tree to draft when each request may keep only ``node_limit`` (>= 1) nodes. A dynamic tree
+        becomes the EAGLE-2 tree of budget ``node_limit`` and depth ``min(depth, node_limit)``: the
+        ``node_limit`` best-scoring nodes of the full tree (a node never outscores its parent, so they lie
         within that depth), drafted with fewer level forwards. A static tree is drafted whole; its first
-        ``node_limit`` nodes are kept after drafting."""
-        if chain:
-            length = min(node_limit, self.max_depth) if self.is_static else node_limit
-            if self.is_static:
-                path = tuple((0,) * depth for depth in range(1, length + 1))
-                return self.model_copy(update={"choices": path, "sources": None, "budget_by_batch": None})
-            return self.model_copy(update={"top_k": 1, "depth": length, "budget": length, "sources": None,
-                                           "budget_by_batch": None})
+        ``node_limit`` nodes are kept after drafting. (A ``{"chain": k}`` limit is drafted by the proposer's
+        own chain drafting, not as a tree.)"""
         if self.is_static or node_limit >= self.drafted_nodes:
             return self
         assert self.depth is not None
