@@ -1,7 +1,7 @@
 """EAGLE heads vs the other drafts on Qwen2.5-Coder-0.5B-Instruct, through the shared harness.
 
     python -m benchmarks.eagle_bench speed [--batch 1 4] [--ks 2 3 4 5 6] [--max-tokens 96] [--dtype float32]
-        [--tree-budgets 4 8 16 32] [--lookup-nodes 4] [--lookup-budgets 4] [--policy '{"4": 4}']
+        [--tree-budgets 4 8 16 32] [--lookup-nodes 4] [--lookup-budgets 4] [--policy '{"4": {"chain": 2}, "8": 0}' ...]
         [--prompts heldout|edit] [--no-draft-model] [--no-eagle1]
     python -m benchmarks.eagle_bench replay            # offline acceptance: held-out vs training prompts
     python -m benchmarks.eagle_bench distribution      # T=0.7 engine-level chi-square with EAGLE drafts (tiny target)
@@ -70,7 +70,7 @@ EAGLE_TREES = {
 def speed(batches: list[int], ks: list[int], max_tokens: int, num_prompts: int, eagle1: bool,
           ks_batched: list[int] | None = None, dtype: str = "bfloat16",
           repeats: int = DEFAULT_REPEATS, tree_budgets: list[int] = (), draft_model: bool = True,
-          lookup_nodes: int = 0, lookup_budgets: list[int] | None = None, policy: dict[str, int | dict] | None = None,
+          lookup_nodes: int = 0, lookup_budgets: list[int] | None = None, policies: list[dict] = (),
           prompt_set: str = "heldout", only: str | None = None) -> None:
     target = str(fetch_model(QWEN))
     smol = str(fetch_model(SMOL))
@@ -97,7 +97,7 @@ def speed(batches: list[int], ks: list[int], max_tokens: int, num_prompts: int, 
                 setups.append(Setup(f"eagle3-tree-{budget}+lookup-{lookup_nodes}",
                                     "plugin EAGLE-2 tree merged with prompt lookup",
                                     {"method": "eagle3", "model": str(HEAD3)}, {"easyspec": {"tree": merged}}))
-                if policy and b > 1:
+                for policy in policies if b > 1 else ():
                     table = ",".join(f"{k}:{v['chain'] if isinstance(v, dict) else v}{'c' if isinstance(v, dict) else ''}"
                                      for k, v in policy.items())
                     setups.append(Setup(f"eagle3-tree-{budget}+lookup-{lookup_nodes}@{table}",
@@ -233,8 +233,9 @@ if __name__ == "__main__":
                    help="also run each tree merged with this many prompt-lookup nodes")
     s.add_argument("--lookup-budgets", type=int, nargs="*", default=None,
                    help="merge lookup into the trees of these budgets only (default: every --tree-budgets)")
-    s.add_argument("--policy", type=json.loads, default=None,
-                   help='at batch > 1 also run each merged tree with this budget_by_batch table, e.g. \'{"4": 4}\'')
+    s.add_argument("--policy", type=json.loads, nargs="*", default=[],
+                   help='at batch > 1 also run each merged tree with each of these budget_by_batch tables, e.g. '
+                        '\'{"4": {"chain": 2}, "8": 0}\'')
     s.add_argument("--prompts", choices=("heldout", "edit"), default="heldout",
                    help="held-out EAGLE prompts (default) or the code-edit set, where prompt lookup should matter")
     s.add_argument("--no-draft-model", action="store_true", help="skip the SmolLM2 draft_model setup")
