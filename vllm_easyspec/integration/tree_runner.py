@@ -17,8 +17,9 @@
    draft's K/V linearly too;
 5. ``take_draft_token_ids`` (extended): requests served without speculation get no drafts.
 
-A step whose drafts are all top-1 chains (``budget_by_batch`` ``{"chain": k}``) skips 2-4: it is vLLM's
-chain verify (its attention kernel, its rejection sampler), and the branch is already in place.
+A step whose drafts are all deterministic paths (``budget_by_batch`` ``{"chain": k}``) builds no tree in 2:
+its positions, attention metadata, forward and sampler are vLLM's chain verify, and the branch is already in
+place.
 
 Requests whose options a tree cannot honour exactly are served without speculation
 (:func:`tree_fallback_reason`), with one log line per request.

@@ -63,8 +63,8 @@ class TreeSources(BaseModel):
 
 
 class ChainLimit(BaseModel):
-    """A ``budget_by_batch`` value ``{"chain": k}``: draft a chain of ``k`` tokens as the proposer does
-    without a tree, no tree."""
+    """A ``budget_by_batch`` value ``{"chain": k}``: a chain of ``k`` tokens, drafted as the proposer drafts
+    without a tree."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
