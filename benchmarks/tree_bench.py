@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from typing import Any
 
@@ -90,15 +91,34 @@ def _option_suffix(options: dict[str, Any]) -> str:
 DEEP: dict[int, dict[str, int]] = {8: {"top_k": 2, "depth": 4, "budget": 8}, 16: {"top_k": 4, "depth": 4, "budget": 16}}
 
 
-def tree_setups(draft: str, hetero: bool, budget: int, **options: Any) -> list[Setup]:
+# Six levels at 16 nodes: the deepest drafted shape compared (five draft forwards after the first pass).
+DEEPER: dict[int, dict[str, int]] = {16: {"top_k": 3, "depth": 6, "budget": 16}}
+
+# Merged trees (the draft's tree plus prompt-lookup nodes) within the same node budget: the budget's
+# drafted part shrinks by the lookup nodes.
+LOOKUP_NODES = 4
+MERGED: dict[int, dict[str, Any]] = {
+    8: {"wide-4": {"choices": wide_choices(4)}, "deep-4": {"top_k": 2, "depth": 3, "budget": 4}},
+    16: {"deep-12": {"top_k": 3, "depth": 4, "budget": 12}},
+}
+
+
+def tree_setups(draft: str, hetero: bool, budget: int, merged: bool = False, **options: Any) -> list[Setup]:
     """The tree shapes compared at one node budget: all root children (depth 1), EAGLE-2 dynamic with two
-    levels, and (budgets 8 and 16) EAGLE-2 dynamic with four levels."""
+    levels, (budgets 8 and 16) EAGLE-2 dynamic with four levels and (16) with six; with ``merged``, the
+    draft's tree plus ``LOOKUP_NODES`` prompt-lookup nodes in the same budget."""
     setups = [
         easyspec_tree(f"tree-wide-{budget}", draft, hetero, {"choices": wide_choices(budget)}, **options),
         easyspec_tree(f"tree-dynamic-{budget}", draft, hetero, DYNAMIC[budget], **options),
     ]
     if budget in DEEP:
         setups.append(easyspec_tree(f"tree-deep-{budget}", draft, hetero, DEEP[budget], **options))
+    if budget in DEEPER:
+        setups.append(easyspec_tree(f"tree-deeper-{budget}", draft, hetero, DEEPER[budget], **options))
+    for shape, tree in MERGED.get(budget, {}).items() if merged else ():
+        lookup = {"prompt_lookup": {"nodes": LOOKUP_NODES, "min_match": 2, "max_match": 4}}
+        setups.append(easyspec_tree(f"tree-{shape}+lookup-{LOOKUP_NODES}", draft, hetero, tree | {"sources": lookup},
+                                    **options))
     return setups
 
 
@@ -144,10 +164,12 @@ def compare(args: argparse.Namespace) -> None:
         setups = [Setup("vanilla", "no speculation")]
         for budget in args.budgets:
             setups.append(vllm_chain(draft, hetero, budget))
-            setups += tree_setups(draft, hetero, budget)
+            setups += tree_setups(draft, hetero, budget, merged=args.merged)
         for k in args.extra_chains:
             if k not in args.budgets:
                 setups.append(vllm_chain(draft, hetero, k))
+        if args.only:
+            setups = [s for s in setups if s.name == "vanilla" or re.search(args.only, s.name)]
         rows = run_setups(setups, _workload(args, target, args.batch), repeats=args.repeats)
         _write(rows, f"tree_compare_{pair}", f"Tree vs chain at equal node budgets, pair ({pair}): {draft} -> {target}, "
                                              f"batch {args.batch}, {args.dtype}", best_summary(rows))
@@ -312,6 +334,9 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=2, help="e2e: EasySpec layer_parallel_size")
     parser.add_argument("--wide", type=int, default=4, help="e2e, lookup: root children of the depth-1 tree")
     parser.add_argument("--lookup-nodes", type=int, default=4, help="lookup: prompt-lookup nodes (and ngram's k)")
+    parser.add_argument("--merged", action="store_true",
+                        help=f"compare: also the draft's tree plus {LOOKUP_NODES} prompt-lookup nodes in the same budget")
+    parser.add_argument("--only", help="compare: run only the setups whose name matches this regex (and vanilla)")
     parser.add_argument("--sets", nargs="*", default=["default", "edit"], choices=("default", "edit"),
                         help="lookup: prompt sets (edit: code edits, which repeat their input after some prose)")
     args = parser.parse_args()
