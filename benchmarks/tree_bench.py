@@ -94,6 +94,11 @@ DEEP: dict[int, dict[str, int]] = {8: {"top_k": 2, "depth": 4, "budget": 8}, 16:
 # Six levels at 16 nodes: the deepest drafted shape compared (five draft forwards after the first pass).
 DEEPER: dict[int, dict[str, int]] = {16: {"top_k": 3, "depth": 6, "budget": 16}}
 
+def lookup_sources(nodes: int) -> dict[str, Any]:
+    """A tree's ``sources`` entry: up to ``nodes`` prompt-lookup nodes, matching 2 to 4 context tokens."""
+    return {"sources": {"prompt_lookup": {"nodes": nodes, "min_match": 2, "max_match": 4}}}
+
+
 # Merged trees (the draft's tree plus prompt-lookup nodes) within the same node budget: the budget's
 # drafted part shrinks by the lookup nodes.
 LOOKUP_NODES = 4
@@ -116,9 +121,8 @@ def tree_setups(draft: str, hetero: bool, budget: int, merged: bool = False, **o
     if budget in DEEPER:
         setups.append(easyspec_tree(f"tree-deeper-{budget}", draft, hetero, DEEPER[budget], **options))
     for shape, tree in MERGED.get(budget, {}).items() if merged else ():
-        lookup = {"prompt_lookup": {"nodes": LOOKUP_NODES, "min_match": 2, "max_match": 4}}
-        setups.append(easyspec_tree(f"tree-{shape}+lookup-{LOOKUP_NODES}", draft, hetero, tree | {"sources": lookup},
-                                    **options))
+        setups.append(easyspec_tree(f"tree-{shape}+lookup-{LOOKUP_NODES}", draft, hetero,
+                                    tree | lookup_sources(LOOKUP_NODES), **options))
     return setups
 
 
@@ -260,8 +264,7 @@ def lookup(args: argparse.Namespace) -> None:
     ask for their own code back, changed): vanilla, vLLM ``ngram``, vLLM's fastest draft_model chain, the
     4-wide tree, and the same tree plus up to ``--lookup-nodes`` prompt-lookup nodes."""
     target, draft, hetero = PAIRS["c"]
-    with_lookup = {"choices": wide_choices(args.wide),
-                   "sources": {"prompt_lookup": {"nodes": args.lookup_nodes, "min_match": 2, "max_match": 4}}}
+    with_lookup = {"choices": wide_choices(args.wide)} | lookup_sources(args.lookup_nodes)
     for name, kinds in (("default", DEFAULT_PROMPT_KINDS), ("edit", ("edit",))):
         if name not in args.sets:
             continue
