@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shlex
 import sys
 from pathlib import Path
@@ -31,6 +30,7 @@ from benchmarks.harness import (
     Workload,
     load_prompts,
     run_setups,
+    select_setups,
     write_results,
 )
 from vllm_easyspec.eagle.prompts import HELDOUT_PROMPTS
@@ -112,8 +112,7 @@ def speed(batches: list[int], ks: list[int], max_tokens: int, num_prompts: int, 
             prompts = load_prompts(limit=max(num_prompts, b), kinds=("edit",))
         else:
             prompts = HELDOUT_PROMPTS[: max(num_prompts, b)]
-        if only:
-            setups = [setup for setup in setups if setup.name == "vanilla" or re.search(only, setup.name)]
+        setups = select_setups(setups, only)
         wl = Workload(target=target, prompts=prompts, max_tokens=max_tokens, batch_size=b, dtype=dtype)
         rows = run_setups(setups, wl, repeats=repeats)
         stem = (f"eagle_{'tree_' if tree_budgets else ''}speed{'_edit' if prompt_set == 'edit' else ''}_b{b}"

@@ -35,6 +35,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -122,6 +123,14 @@ def engine_env(tensor_parallel_size: int) -> dict[str, str]:
 VANILLA = "vanilla"  # the baseline setup every ratio and identity check refers to
 TOP_LOGITS_RECORDED = 5  # vanilla's choices recorded per output position for the identity check
 DEFAULT_REPEATS = 3
+
+
+def select_setups(setups: list[Setup], pattern: str | None) -> list[Setup]:
+    """The setups whose name matches ``pattern`` (a regex), and vanilla, which every ratio needs; all
+    setups without a pattern."""
+    if not pattern:
+        return setups
+    return [setup for setup in setups if setup.name == VANILLA or re.search(pattern, setup.name)]
 
 
 def interleaved_order(names: list[str], repeats: int) -> list[tuple[int, str]]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from typing import Any
 
@@ -33,6 +32,7 @@ from benchmarks.harness import (
     load_prompts,
     markdown_table,
     run_setups,
+    select_setups,
     write_results,
 )
 from vllm_easyspec.models import fetch_model
@@ -93,6 +93,7 @@ DEEP: dict[int, dict[str, int]] = {8: {"top_k": 2, "depth": 4, "budget": 8}, 16:
 
 # Six levels at 16 nodes: the deepest drafted shape compared (five draft forwards after the first pass).
 DEEPER: dict[int, dict[str, int]] = {16: {"top_k": 3, "depth": 6, "budget": 16}}
+
 
 def lookup_sources(nodes: int) -> dict[str, Any]:
     """A tree's ``sources`` entry: up to ``nodes`` prompt-lookup nodes, matching 2 to 4 context tokens."""
@@ -172,8 +173,7 @@ def compare(args: argparse.Namespace) -> None:
         for k in args.extra_chains:
             if k not in args.budgets:
                 setups.append(vllm_chain(draft, hetero, k))
-        if args.only:
-            setups = [s for s in setups if s.name == "vanilla" or re.search(args.only, s.name)]
+        setups = select_setups(setups, args.only)
         rows = run_setups(setups, _workload(args, target, args.batch), repeats=args.repeats)
         _write(rows, f"tree_compare_{pair}", f"Tree vs chain at equal node budgets, pair ({pair}): {draft} -> {target}, "
                                              f"batch {args.batch}, {args.dtype}", best_summary(rows))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.harness import (
+    Setup,
     classify_identity,
     finalize_rows,
     identity_cell,
@@ -12,6 +13,7 @@ from benchmarks.harness import (
     interleaved_order,
     markdown_table,
     near_tie_threshold,
+    select_setups,
     spread,
     ulp,
 )
@@ -31,6 +33,12 @@ def test_interleaved_order_runs_every_setup_once_per_round_and_rotates_the_first
     # Rounds are contiguous: round r+1 starts only after every setup ran in round r.
     assert [r for r, _ in order] == sorted(r for r, _ in order)
     assert {rounds[i][0] for i in range(3)} == {"vanilla", "a", "b"}
+
+
+def test_select_setups_keeps_the_matches_and_vanilla():
+    setups = [Setup(name, "") for name in ("vanilla", "eagle3-k2", "eagle3-k3", "eagle3-tree-4@2:2c")]
+    assert [s.name for s in select_setups(setups, r"eagle3-k2$|@")] == ["vanilla", "eagle3-k2", "eagle3-tree-4@2:2c"]
+    assert select_setups(setups, None) == setups
 
 
 def test_interleaved_order_needs_a_repeat():
