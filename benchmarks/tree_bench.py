@@ -109,10 +109,18 @@ MERGED: dict[int, dict[str, Any]] = {
 }
 
 
-def tree_setups(draft: str, hetero: bool, budget: int, merged: bool = False, **options: Any) -> list[Setup]:
+def tree_setups(draft: str, hetero: bool, budget: int, merged: bool = False, retokenize: bool = False,
+                **options: Any) -> list[Setup]:
     """The tree shapes compared at one node budget: all root children (depth 1), EAGLE-2 dynamic with two
     levels, (budgets 8 and 16) EAGLE-2 dynamic with four levels and (16) with six; with ``merged``, the
-    draft's tree plus ``LOOKUP_NODES`` prompt-lookup nodes in the same budget."""
+    draft's tree plus ``LOOKUP_NODES`` prompt-lookup nodes in the same budget; with ``retokenize`` (a pair
+    across vocabularies), each of them bridged by text (``tree.retokenize``, suffix ``-retok``), and a drafted
+    chain re-encoded (``tree-chain-N-retok``: a tree of target tokens, where the draft's text allows two
+    tokenizations)."""
+    if retokenize:
+        plain = tree_setups(draft, hetero, budget, merged, **options)
+        chain = easyspec_tree(f"tree-chain-{budget}", draft, hetero, {"choices": chain_choices(budget)}, **options)
+        return [_retokenized(setup) for setup in [*plain, chain]]
     setups = [
         easyspec_tree(f"tree-wide-{budget}", draft, hetero, {"choices": wide_choices(budget)}, **options),
         easyspec_tree(f"tree-dynamic-{budget}", draft, hetero, DYNAMIC[budget], **options),
@@ -125,6 +133,13 @@ def tree_setups(draft: str, hetero: bool, budget: int, merged: bool = False, **o
         setups.append(easyspec_tree(f"tree-{shape}+lookup-{LOOKUP_NODES}", draft, hetero,
                                     tree | lookup_sources(LOOKUP_NODES), **options))
     return setups
+
+
+def _retokenized(setup: Setup) -> Setup:
+    easyspec = setup.additional_config["easyspec"]
+    tree = easyspec["tree"] | {"retokenize": True}
+    return Setup(f"{setup.name}-retok", f"{setup.description}, retokenized", speculative_config=setup.speculative_config,
+                 additional_config={"easyspec": easyspec | {"tree": tree}})
 
 
 def _workload(args: argparse.Namespace, target: str, batch: int) -> Workload:
@@ -170,6 +185,8 @@ def compare(args: argparse.Namespace) -> None:
         for budget in args.budgets:
             setups.append(vllm_chain(draft, hetero, budget))
             setups += tree_setups(draft, hetero, budget, merged=args.merged)
+            if args.retokenize and hetero:
+                setups += tree_setups(draft, hetero, budget, merged=args.merged, retokenize=True)
         for k in args.extra_chains:
             if k not in args.budgets:
                 setups.append(vllm_chain(draft, hetero, k))
@@ -339,6 +356,8 @@ def main() -> None:
     parser.add_argument("--lookup-nodes", type=int, default=4, help="lookup: prompt-lookup nodes (and ngram's k)")
     parser.add_argument("--merged", action="store_true",
                         help=f"compare: also the draft's tree plus {LOOKUP_NODES} prompt-lookup nodes in the same budget")
+    parser.add_argument("--retokenize", action="store_true",
+                        help="compare: also every tree bridged by text (tree.retokenize), on pairs across vocabularies")
     parser.add_argument("--only", help="compare: run only the setups whose name matches this regex (and vanilla)")
     parser.add_argument("--sets", nargs="*", default=["default", "edit"], choices=("default", "edit"),
                         help="lookup: prompt sets (edit: code edits, which repeat their input after some prose)")

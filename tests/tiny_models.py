@@ -105,3 +105,45 @@ def build_tiny_model(
         json.dumps({"arch": arch, "num_layers": num_layers, "seed": seed, "layer_scale": layer_scale}) + "\n"
     )
     return out
+
+
+BYTE_CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "for item in items:\n    print(item)\n",
+    "class Stack:\n    def push(self, value):\n        self.items.append(value)\n",
+    "if value is None:\n    raise ValueError('value is missing')\n",
+]
+
+
+def build_byte_level_pair(out: Path, target_vocab: int = 320, draft_vocab: int = 290) -> tuple[Path, Path]:
+    """A tiny Llama target with a ``target_vocab``-token byte-level BPE vocabulary, and its draft: the same
+    weights over the vocabulary's first ``draft_vocab`` tokens (the BPE's later merges removed), so the draft
+    agrees with the target wherever it can spell the target's token, and lacks the other tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=target_vocab, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(BYTE_CORPUS * 50, trainer)
+    assert backend.get_vocab_size() == target_vocab
+    state = json.loads(backend.to_str())
+    state["model"]["vocab"] = {piece: index for piece, index in state["model"]["vocab"].items() if index < draft_vocab}
+    kept = set(state["model"]["vocab"])
+    state["model"]["merges"] = [merge for merge in state["model"]["merges"]
+                                if "".join(merge if isinstance(merge, list) else merge.split(" ")) in kept]
+    tokenizers = {"target": backend, "draft": Tokenizer.from_str(json.dumps(state))}
+    dirs = {name: out / f"byte_{name}" for name in tokenizers}
+    for name, tokenizer in tokenizers.items():
+        fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<eos>")
+        fast.save_pretrained(dirs[name] / "tokenizer")
+    target = build_tiny_model(dirs["target"], dirs["target"] / "tokenizer", "llama", num_layers=4, seed=21,
+                              layer_scale=4.0, vocab_size=target_vocab)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    model.resize_token_embeddings(draft_vocab)
+    model.save_pretrained(dirs["draft"], safe_serialization=True)
+    for path in (dirs["draft"] / "tokenizer").iterdir():
+        (dirs["draft"] / path.name).write_bytes(path.read_bytes())
+    return target, dirs["draft"]

@@ -71,3 +71,11 @@ def tree_moe_dir(tiny_root, tiny_tokenizer_dir):
 
     return build_tiny_model(tiny_root / "tree_mixtral", tiny_tokenizer_dir, "mixtral", num_layers=2, seed=13,
                             layer_scale=4.0)
+
+
+@pytest.fixture(scope="session")
+def byte_level_pair(tiny_root):
+    """(target, draft) across vocabularies: byte-level BPE, the draft lacking the target's last 30 tokens."""
+    from tiny_models import build_byte_level_pair
+
+    return build_byte_level_pair(tiny_root / "byte_level")

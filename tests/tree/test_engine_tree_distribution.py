@@ -46,3 +46,19 @@ def test_distribution_test_rejects_a_biased_tree_verifier(llm_pool, tree_llama_d
     finally:
         llm.collective_rpc(restore_tree_sampler)
     assert result.p_value < ALPHA, f"biased verifier not detected: chi2={result.statistic:.1f} p={result.p_value:.2e}"
+
+
+def test_distribution_with_retokenized_trees_matches_target(llm_pool, byte_level_pair):
+    """Trees across vocabularies re-encoded by text (``tree.retokenize``): candidates that are a function of the
+    drafted tree verify as top-k children, so the target's law holds (the biased case above covers top-k)."""
+    target, draft = byte_level_pair
+    llm = llm_pool.get(
+        target,
+        speculative_config={"method": "draft_model", "model": str(draft), "use_heterogeneous_vocab": True},
+        additional_config={"easyspec": {"tree": DRAW_MODES["topk"] | {"retokenize": True}}},
+    )
+    result = run_distribution_test(llm, target, temperature=1.0)
+    stats = llm.collective_rpc(read_tree_stats)[0]
+    # a drafted tree whose text is only part of a UTF-8 character re-encodes to no nodes: that step has none
+    assert stats["tree_requests"] >= 0.9 * result.num_samples and 0 < stats["accepted"] < stats["nodes_verified"]
+    assert result.passes, f"chi2={result.statistic:.1f} dof={result.degrees_of_freedom} p={result.p_value:.2e}"

@@ -62,6 +62,12 @@ def prepare_tree_engine_args(engine_args) -> None:
             f"easyspec.layer_parallel_size / layer_groups group a draft model's layers, but method {method!r} "
             "drafts with a one-layer EAGLE head; remove them, or use \"method\": \"draft_model\""
         )
+    if easyspec.tree.retokenize and not (method == "draft_model" and spec.get("use_heterogeneous_vocab")):
+        raise EasySpecConfigError(
+            "easyspec.tree.retokenize bridges a draft and a target with different vocabularies, so it needs "
+            f"\"method\": \"draft_model\" with \"use_heterogeneous_vocab\": true (got method {method!r}, "
+            f"use_heterogeneous_vocab {spec.get('use_heterogeneous_vocab', False)}); set those or remove retokenize"
+        )
     nodes = easyspec.tree.num_nodes
     given = spec.get("num_speculative_tokens")
     if given is None:

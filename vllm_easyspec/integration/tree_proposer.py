@@ -32,7 +32,10 @@ produced for its parent (the root's for depth 1). Its logits are over the target
 EAGLE-3 head maps its draft vocabulary through ``d2t``).
 
 With ``use_heterogeneous_vocab`` the draft scores only tokens that map into the target vocabulary, and
-node tokens (and an i.i.d. tree's draft probabilities) are mapped to target ids.
+node tokens (and an i.i.d. tree's draft probabilities) are mapped to target ids. With ``tree.retokenize``
+the draft scores every token that has text instead, its tree is re-encoded into a target tree, and the target
+tokens it lacks reach it through :func:`~vllm_easyspec.tree.retokenizing.approximate_target_to_draft`
+(:class:`~vllm_easyspec.tree.retokenizing.TreeRetokenizer`).
 """
 
 from __future__ import annotations
@@ -42,12 +45,17 @@ from collections.abc import Callable
 import torch
 from vllm.forward_context import set_forward_context
 
+from vllm_easyspec.easyspec.config import EasySpecConfigError
+from vllm_easyspec.integration import plugin_logger
 from vllm_easyspec.integration.tree_attention_backend import DraftTreeAttention, TreeLevelMetadata
 from vllm_easyspec.integration.tree_runner import PendingTree
 from vllm_easyspec.tree.building import ChildDrawMode
 from vllm_easyspec.tree.config import TreeConfig
 from vllm_easyspec.tree.drafting import LevelwiseTreeDraft
 from vllm_easyspec.tree.merging import merge_path, prompt_lookup
+from vllm_easyspec.tree.retokenizing import TreeRetokenizer, approximate_target_to_draft, token_bytes
+
+logger = plugin_logger(__name__)
 
 SAMPLING_EPS = 1e-5  # vLLM's greedy threshold on temperature
 
@@ -60,6 +68,51 @@ class TreeDrafting:
         self.proposer = proposer
         self.config = config
         self.draft_chain = draft_chain
+        self.retokenizer: TreeRetokenizer | None = None
+        self.draft_usable: torch.Tensor | None = None  # retokenize: draft tokens that have text (or map)
+        self.unshared_target_tokens: torch.Tensor | None = None  # retokenize: target ids the draft lacks
+        if config.retokenize:
+            self._bridge_by_text()
+
+    def _bridge_by_text(self) -> None:
+        """``tree.retokenize``: the retokenizer, the draft tokens it can use, and the refined target -> draft
+        table of the proposer's vocabulary mapping (module docstring)."""
+        proposer = self.proposer
+        if not getattr(proposer, "use_heterogeneous_vocab", False):
+            raise EasySpecConfigError(
+                "easyspec.tree.retokenize bridges a draft and a target with different vocabularies, but this "
+                "speculative config has none (use_heterogeneous_vocab is not set, or the method is an EAGLE "
+                "head that drafts in the target's vocabulary); remove retokenize"
+            )
+        from vllm.tokenizers.registry import get_tokenizer
+
+        spec = proposer.speculative_config
+        target_tokenizer = get_tokenizer(spec.target_model_config.tokenizer,
+                                         trust_remote_code=spec.target_model_config.trust_remote_code)
+        draft_tokenizer = get_tokenizer(spec.draft_model_config.model,
+                                        trust_remote_code=spec.draft_model_config.trust_remote_code)
+        mapping = proposer.vocab_mapping
+        draft_bytes = token_bytes(draft_tokenizer)
+        draft_to_target = mapping.draft_to_target_ids.cpu()
+        special = {index: int(draft_to_target[index]) for index, data in enumerate(draft_bytes)
+                   if data is None and index < len(draft_to_target) and int(draft_to_target[index]) >= 0}
+
+        def encode_with(tokenizer):
+            return lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+        self.retokenizer = TreeRetokenizer(draft_bytes, special, encode_with(target_tokenizer))
+        usable = torch.zeros(mapping.draft_vocab_size, dtype=torch.bool)
+        known = min(len(draft_bytes), mapping.draft_vocab_size)
+        usable[:known] = torch.tensor([data is not None for data in draft_bytes[:known]])
+        usable[list(special)] = True
+        self.draft_usable = usable.to(mapping.intersection_mask_draft.device)
+        table = mapping.target_to_draft_ids.cpu()
+        self.unshared_target_tokens = table == -1
+        filled = approximate_target_to_draft(table, token_bytes(target_tokenizer), encode_with(draft_tokenizer))
+        mapping.target_to_draft_ids.copy_(table.to(mapping.target_to_draft_ids.device))
+        logger.info("easyspec.tree.retokenize: the draft proposes any of its %d tokens with text; %d target "
+                    "tokens outside the shared vocabulary reach it as their draft encoding's last token",
+                    int(usable.sum()), filled)
 
     @property
     def verifier(self):
@@ -165,7 +218,9 @@ class TreeDrafting:
         """Draft logits over the draft vocabulary (restricted to target-mappable tokens if heterogeneous)."""
         proposer = self.proposer
         logits = proposer.model.compute_logits(hidden).float()
-        if proposer.use_heterogeneous_vocab:
+        if self.draft_usable is not None:
+            logits = logits.masked_fill(~self.draft_usable, float("-inf"))
+        elif proposer.use_heterogeneous_vocab:
             logits = proposer.vocab_mapping.constrain_draft_logits(logits)
         return logits
 
@@ -203,10 +258,17 @@ class TreeDrafting:
             return torch.zeros(batch_size, self.config.num_nodes, dtype=torch.long, device=next_token_ids.device)
         tokens = trees.tokens
         mapping = proposer.vocab_mapping if proposer.use_heterogeneous_vocab else None
-        if mapping is not None:
-            tokens = mapping.map_draft_to_target_ids(tokens)
         token_lists = tokens.tolist()
         parent_lists = trees.parents.tolist()
+        if self.retokenizer is not None:
+            verifier.unshared_target_tokens = self.unshared_target_tokens
+            retokenized = [self.retokenizer.retokenize(row_tokens, row_parents, self.config.drafted_nodes)
+                           for row_tokens, row_parents in zip(token_lists, parent_lists, strict=True)]
+            token_lists = [row_tokens for row_tokens, _ in retokenized]
+            parent_lists = [row_parents for _, row_parents in retokenized]
+        elif mapping is not None:
+            tokens = mapping.map_draft_to_target_ids(tokens)
+            token_lists = tokens.tolist()
         lookup = None if self.config.sources is None else self.config.sources.prompt_lookup
         pending: dict[str, PendingTree] = {}
         no_drafts: set[str] = set()
@@ -214,7 +276,7 @@ class TreeDrafting:
             if verifier.fallback_reason(req_id) is not None:
                 no_drafts.add(req_id)
                 continue
-            probs = trees.draft_probs.get(row)
+            probs = trees.draft_probs.get(row)  # None for top-k rows, and for every retokenized row (config)
             if probs is not None and mapping is not None:
                 probs = _to_target_vocab(probs, mapping)
             tree = PendingTree(
@@ -232,10 +294,11 @@ class TreeDrafting:
             tree.tokens, tree.parents = tree.tokens[:node_limit], tree.parents[:node_limit]  # still a tree
             pending[req_id] = tree
         verifier.propose(pending, no_drafts)
-        if lookup is None:
+        if lookup is None and self.retokenizer is None:
             return tokens
         out = torch.zeros(batch_size, self.config.num_nodes, dtype=tokens.dtype, device=tokens.device)
-        out[:, : tokens.shape[1]] = tokens
+        if self.retokenizer is None:  # rows without a pending tree get no drafts (trim_drafts) either way
+            out[:, : tokens.shape[1]] = tokens
         for row, req_id in enumerate(req_ids):
             if req_id in pending:
                 merged = pending[req_id].tokens

@@ -98,6 +98,7 @@ class TreeStats:
     chain_steps: int = 0  # verify steps whose drafts were all top-1 chains, verified by vLLM's own path
     chain_requests: int = 0  # requests verified in those steps (nodes_verified and accepted count theirs)
     steps_without_speculation: int = 0  # drafting steps at a batch size budget_by_batch gives no nodes
+    accepted_outside_shared_vocab: int = 0  # tree.retokenize: accepted tokens the draft's vocabulary lacks
 
 
 @dataclass
@@ -116,6 +117,8 @@ class TreeVerifier:
     # this step's requests (batch row -> request id) when every draft is a top-1 chain: no tree forward
     chain_step: dict[int, str] = field(default_factory=dict)
     stats: TreeStats = field(default_factory=TreeStats)
+    # tree.retokenize: target ids outside the vocabulary both models share (bool [target vocab]), else None
+    unshared_target_tokens: torch.Tensor | None = None
     _explained: set[str] = field(default_factory=set)
 
     # ------------------------------------------------------------------------------------------ drafting
@@ -227,6 +230,9 @@ class TreeVerifier:
         self.stats.accepted += len(branch)
         if not len(branch):
             return
+        if self.unshared_target_tokens is not None:
+            unshared = self.unshared_target_tokens[branch.tokens.to(self.unshared_target_tokens.device)]
+            self.stats.accepted_outside_shared_vocab += int(unshared.sum())
         from_sources = branch.source_column - 1 >= step.drafted_nodes[branch.request_index]
         self.stats.source_nodes_accepted += int(from_sources.sum())
         self.stats.off_top_path_branches += len(step.left_the_top_path(branch))

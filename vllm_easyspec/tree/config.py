@@ -15,6 +15,11 @@ Either shape may take ``"sources": {"prompt_lookup": {"nodes": n, "min_match": 2
 continuation of the context's latest earlier n-gram match is merged into every greedy or ``top_k`` tree
 (:mod:`vllm_easyspec.tree.merging`), as up to ``n`` extra nodes.
 
+``"retokenize": true`` (with ``use_heterogeneous_vocab``) bridges the two vocabularies by text instead of by
+shared ids: the drafted tree's paths are re-encoded with the target's tokenizer and merged into one target tree,
+and target tokens the draft lacks reach the draft as the last token of their draft encoding
+(:mod:`vllm_easyspec.tree.retokenizing`).
+
 ``"budget_by_batch": {"4": 4, "8": {"chain": 2}, "16": 0}`` makes the tree follow the batch: from 4 running
 requests on each tree keeps 4 nodes, from 8 on each request drafts a chain of 2 tokens (the proposer's own
 chain drafting, verified as vLLM verifies chains), from 16 on none (no speculation).
@@ -80,6 +85,7 @@ class TreeConfig(BaseModel):
     budget: int | None = None
     draw: Literal["top_k", "sample"] = "top_k"
     sources: TreeSources | None = None
+    retokenize: bool = False
     # running requests -> from that batch size on, most nodes per request (0: no speculation) or a chain
     budget_by_batch: dict[int, int | ChainLimit] | None = None
 
@@ -151,6 +157,11 @@ class TreeConfig(BaseModel):
         return self
 
     def _check_sources(self) -> TreeConfig:
+        if self.retokenize and self.draw == "sample":
+            raise ValueError(
+                "retokenize needs draw = 'top_k': re-encoded candidates are not draws from the draft's "
+                "distribution over target tokens, so they verify as top-k children; remove draw or retokenize"
+            )
         if self.sources is None or not self.sources.extra_nodes:
             return self._check_budget_by_batch()
         if self.draw == "sample":
@@ -263,6 +274,8 @@ class TreeConfig(BaseModel):
             text = f"dynamic tree (EAGLE-2), top_k {self.top_k}, depth {self.depth}, budget {self.budget}"
         if self.sources is not None and self.sources.prompt_lookup is not None:
             text += f", plus up to {self.sources.prompt_lookup.nodes} prompt-lookup nodes"
+        if self.retokenize:
+            text += ", re-encoded in the target's vocabulary"
         return text
 
 

@@ -1,0 +1,52 @@
+"""Trees across vocabularies bridged by text (``tree.retokenize``) through a real vLLM engine on a tiny
+float32 byte-level pair: the draft is the target's weights over a vocabulary without the target's last 30
+BPE merges. Greedy output equals output without speculation while the outputs hold tokens the draft lacks (it
+reads them through their draft encoding). That such tokens get proposed and accepted needs a draft that knows
+text, so the slow real-pair test checks it (``tests/tree/test_real_pair_tree.py``)."""
+
+from __future__ import annotations
+
+import pytest
+from request_batches import MIXED, SINGLE, generate
+
+from vllm_easyspec.easyspec.config import EasySpecConfigError
+from vllm_easyspec.integration.tree_runner import read_tree_stats
+
+DRAFT_VOCAB = 290  # tiny_models.build_byte_level_pair: target ids from here on are missing from the draft
+TREES = {
+    "static": {"choices": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]},
+    "dynamic": {"top_k": 3, "depth": 3, "budget": 8},
+}
+
+
+def _spec(draft) -> dict:
+    return {"method": "draft_model", "model": str(draft), "use_heterogeneous_vocab": True}
+
+
+@pytest.fixture(scope="module")
+def vanilla(llm_pool, byte_level_pair):
+    llm = llm_pool.get(byte_level_pair[0])
+    return generate(llm, SINGLE), generate(llm, MIXED)
+
+
+@pytest.mark.parametrize(("shape", "n"), [("static", 1), ("dynamic", 2)], ids=["static-N1", "dynamic-N2"])
+def test_retokenized_trees_equal_vanilla(llm_pool, byte_level_pair, vanilla, shape, n):
+    target, draft = byte_level_pair
+    single, mixed = vanilla
+    llm = llm_pool.get(target, speculative_config=_spec(draft),
+                       additional_config={"easyspec": {"tree": TREES[shape] | {"retokenize": True},
+                                                       "layer_parallel_size": n}})
+    assert generate(llm, SINGLE) == single
+    assert generate(llm, MIXED) == mixed
+    stats = llm.collective_rpc(read_tree_stats)[0]
+    assert stats["steps"] > 0 and stats["chain_fallbacks"] == 0
+    assert 0 < stats["accepted"] < stats["nodes_verified"]
+    outputs = [token for tokens, _, _ in single + mixed for token in tokens]
+    assert any(token >= DRAFT_VOCAB for token in outputs)  # the draft's context held tokens it lacks
+
+
+def test_retokenize_needs_a_pair_across_vocabularies(llm_pool, byte_level_pair):
+    target, draft = byte_level_pair
+    with pytest.raises(EasySpecConfigError, match="retokenize.*use_heterogeneous_vocab.*remove retokenize"):
+        llm_pool.get(target, speculative_config={"method": "draft_model", "model": str(target)},
+                     additional_config={"easyspec": {"tree": TREES["static"] | {"retokenize": True}}})
