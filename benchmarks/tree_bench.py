@@ -261,17 +261,26 @@ def ablation_table(rows: list[dict[str, Any]]) -> str:
 
 def e2e(args: argparse.Namespace) -> None:
     """The default pair end to end: vanilla, vLLM's draft_model at its best k, EasySpec chain, EasySpec trees
-    (the fastest tree of the compare run, and a two-level tree whose second level runs fuzzy)."""
+    (the fastest tree of the compare run, and a two-level tree whose second level runs fuzzy); with
+    ``--retokenize`` also those trees bridged by text, and the merged 4-wide tree plus lookup so bridged."""
     target, draft, hetero = PAIRS["c"]
     fuzzy = {"layer_parallel_size": args.n, "mode": "fused"}
     for batch in args.batches:
+        trees = [
+            easyspec_tree(f"tree-wide-{args.wide}", draft, hetero, {"choices": wide_choices(args.wide)}),
+            easyspec_tree("tree-dynamic-8", draft, hetero, DYNAMIC[8], **fuzzy),
+        ]
+        if args.retokenize:
+            merged = easyspec_tree(f"tree-wide-{args.wide}+lookup-{LOOKUP_NODES}", draft, hetero,
+                                   {"choices": wide_choices(args.wide)} | lookup_sources(LOOKUP_NODES))
+            trees += [_retokenized(setup) for setup in [*trees, merged]]
         setups = [
             Setup("vanilla", "no speculation"),
             vllm_chain(draft, hetero, args.chain_k),
             easyspec_chain(draft, hetero, args.chain_k, **fuzzy),
-            easyspec_tree(f"tree-wide-{args.wide}", draft, hetero, {"choices": wide_choices(args.wide)}),
-            easyspec_tree("tree-dynamic-8", draft, hetero, DYNAMIC[8], **fuzzy),
+            *trees,
         ]
+        setups = select_setups(setups, args.only)
         rows = run_setups(setups, _workload(args, target, batch), repeats=args.repeats)
         _write(rows, f"tree_e2e_b{batch}", f"Default pair end to end, batch {batch}, {args.dtype}")
 
@@ -357,8 +366,8 @@ def main() -> None:
     parser.add_argument("--merged", action="store_true",
                         help=f"compare: also the draft's tree plus {LOOKUP_NODES} prompt-lookup nodes in the same budget")
     parser.add_argument("--retokenize", action="store_true",
-                        help="compare: also every tree bridged by text (tree.retokenize), on pairs across vocabularies")
-    parser.add_argument("--only", help="compare: run only the setups whose name matches this regex (and vanilla)")
+                        help="compare, e2e: also the trees bridged by text (tree.retokenize), on pairs across vocabularies")
+    parser.add_argument("--only", help="compare, e2e: run only the setups whose name matches this regex (and vanilla)")
     parser.add_argument("--sets", nargs="*", default=["default", "edit"], choices=("default", "edit"),
                         help="lookup: prompt sets (edit: code edits, which repeat their input after some prose)")
     args = parser.parse_args()

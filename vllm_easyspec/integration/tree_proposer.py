@@ -215,7 +215,8 @@ class TreeDrafting:
         return hidden[token_indices_to_sample], root_feed, proposer.positions[token_indices_to_sample], cad
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft logits over the draft vocabulary (restricted to target-mappable tokens if heterogeneous)."""
+        """Draft logits over the draft vocabulary: restricted to target-mappable tokens across vocabularies, or
+        with ``retokenize`` to the tokens that have text (or map, special ones)."""
         proposer = self.proposer
         logits = proposer.model.compute_logits(hidden).float()
         if self.draft_usable is not None:
