@@ -64,8 +64,9 @@ def profile_in_process(request: dict) -> dict:
     stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, self, cumulative, ...)
     steps = sum(calls for (file, _, name), (calls, *_rest) in stats.items()
                 if name == "execute_model" and file.endswith("gpu_model_runner.py"))
-    gemm_calls = sum(calls for (_, _, name), (calls, *_rest) in stats.items() if GEMM in name)
-    gemm_seconds = sum(own for (_, _, name), (_calls, _prim, own, *_rest) in stats.items() if GEMM in name)
+    gemm = [(calls, cumulative) for (file, _, name), (calls, _prim, _own, cumulative, *_rest) in stats.items()
+            if name == GEMM and file.endswith("_custom_ops.py")]  # vLLM's wrapper: one entry per GEMM
+    gemm_calls, gemm_seconds = sum(calls for calls, _ in gemm), sum(seconds for _, seconds in gemm)
     plugin = {f"{Path(file).name}:{name}": own for (file, _, name), (_calls, _prim, own, *_rest) in stats.items()
               if "vllm_easyspec" in file}
     return {"seconds": seconds, "steps": steps, "gemm_calls": gemm_calls, "gemm_seconds": gemm_seconds,
