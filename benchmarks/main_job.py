@@ -23,14 +23,17 @@ from benchmarks.harness import (
     write_results,
 )
 from vllm_easyspec.models import DEFAULT_DRAFT, DEFAULT_TARGET, MODELS, ModelFetchError, fetch_model
+from vllm_easyspec.tree.config import TreeConfig
 
 # The plugin's drafter as the main job runs it: EasySpec fused fuzzy drafting, groups of 2, calibrated.
 PLUGIN_ADDITIONAL_CONFIG: dict = {"easyspec": {"layer_parallel_size": 2, "mode": "fused"}}
 PLUGIN_DESCRIPTION = "vllm-easyspec EasySpec drafter (fused, N=2, every_round calibration), same draft"
 # The plugin's token tree as the main job runs it: the fastest tree on this pair in
-# benchmarks/results/tree_compare_c.md (python -m benchmarks.tree_bench compare --pairs c): the four most
-# likely root children, one draft forward per step.
-PLUGIN_TREE: dict = {"choices": [[0], [1], [2], [3]]}
+# benchmarks/results/tree_compare_c_retokenize.md (python -m benchmarks.tree_bench compare --pairs c --budgets 8 16
+# --merged --retokenize): the four most likely root children (one draft forward per step) plus up to 4
+# prompt-lookup nodes, the vocabularies bridged by text.
+PLUGIN_TREE: dict = {"choices": [[0], [1], [2], [3]], "sources": {"prompt_lookup": {"nodes": 4}}, "retokenize": True}
+PLUGIN_TREE_DESCRIPTION = "vllm-easyspec token tree (4 root children + 4 prompt-lookup nodes, retokenized), same draft"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EAGLE3_HEAD = REPO_ROOT / "heads" / "qwen2.5-coder-0.5b-instruct-eagle3"
 # The fastest k at batch 1 in benchmarks/results/eagle_speed_b1.md (python -m benchmarks.eagle_bench speed).
@@ -66,8 +69,8 @@ def main_setups(draft: str, k: int, target_is_default: bool) -> list[Setup]:
         Setup("vllm-draft_model", f"vLLM built-in draft_model, k={k}", speculative_config=speculative),
         Setup("easyspec", PLUGIN_DESCRIPTION, speculative_config=speculative, additional_config=PLUGIN_ADDITIONAL_CONFIG),
         Setup(
-            "easyspec-tree", f"vllm-easyspec token tree {PLUGIN_TREE['choices']}, same draft",
-            speculative_config=speculative | {"num_speculative_tokens": len(PLUGIN_TREE["choices"])},
+            "easyspec-tree", PLUGIN_TREE_DESCRIPTION,
+            speculative_config=speculative | {"num_speculative_tokens": TreeConfig(**PLUGIN_TREE).num_nodes},
             additional_config={"easyspec": {"tree": PLUGIN_TREE}},
         ),
     ]
