@@ -13,21 +13,27 @@ from vllm_easyspec.tree.retokenizing import (
     token_bytes,
 )
 
-# A toy target vocabulary, encoded greedily by longest match (like BPE on these strings).
+
+def longest_match_encoder(vocab: dict[str, int]):
+    """Texts -> ids, each step taking the longest vocabulary piece that matches (like BPE on these strings)."""
+    def encode(texts: list[str]) -> list[list[int]]:
+        out = []
+        for text in texts:
+            ids, at = [], 0
+            while at < len(text):
+                piece = max((p for p in vocab if text.startswith(p, at)), key=len)
+                ids.append(vocab[piece])
+                at += len(piece)
+            out.append(ids)
+        return out
+
+    return encode
+
+
+# A toy target vocabulary.
 TARGET = {"):\n": 10, "):": 11, "\n": 12, "  ": 13, "x": 14, "  x": 15, ")": 16, ":": 17, " ": 18, "é": 19}
 SPECIAL_EOS = 99
-
-
-def encode_target(texts: list[str]) -> list[list[int]]:
-    out = []
-    for text in texts:
-        ids, at = [], 0
-        while at < len(text):
-            piece = max((p for p in TARGET if text.startswith(p, at)), key=len)
-            ids.append(TARGET[piece])
-            at += len(piece)
-        out.append(ids)
-    return out
+encode_target = longest_match_encoder(TARGET)
 
 
 # Draft vocabulary: 0 is a special end-of-text token, 5 a special token without a target counterpart.
@@ -100,19 +106,7 @@ def test_encodings_are_cached_by_text():
 
 
 def test_target_tokens_the_draft_lacks_reach_it_as_their_last_draft_token():
-    draft = {"):": 1, "\n": 2, "  ": 3, "x": 4}
-
-    def encode_draft(texts: list[str]) -> list[list[int]]:
-        out = []
-        for text in texts:
-            ids, at = [], 0
-            while at < len(text):
-                piece = max((p for p in draft if text.startswith(p, at)), key=len)
-                ids.append(draft[piece])
-                at += len(piece)
-            out.append(ids)
-        return out
-
+    encode_draft = longest_match_encoder({"):": 1, "\n": 2, "  ": 3, "x": 4})
     target_bytes = [b"):\n", b"  x", b"x", None]
     table = torch.tensor([-1, -1, 4, -1])  # target 2 ("x") is shared; 3 is special
     assert approximate_target_to_draft(table, target_bytes, encode_draft) == 2
