@@ -45,7 +45,6 @@ from collections.abc import Callable
 import torch
 from vllm.forward_context import set_forward_context
 
-from vllm_easyspec.easyspec.config import EasySpecConfigError
 from vllm_easyspec.integration import plugin_logger
 from vllm_easyspec.integration.tree_attention_backend import DraftTreeAttention, TreeLevelMetadata
 from vllm_easyspec.integration.tree_runner import PendingTree
@@ -76,14 +75,10 @@ class TreeDrafting:
 
     def _bridge_by_text(self) -> None:
         """``tree.retokenize``: the retokenizer, the draft tokens it can use, and the refined target -> draft
-        table of the proposer's vocabulary mapping (module docstring)."""
+        table of the proposer's vocabulary mapping (module docstring). The front end
+        (:func:`~vllm_easyspec.integration.config_checks.prepare_tree_engine_args`) has made sure the proposer
+        is a draft model with ``use_heterogeneous_vocab``."""
         proposer = self.proposer
-        if not getattr(proposer, "use_heterogeneous_vocab", False):
-            raise EasySpecConfigError(
-                "easyspec.tree.retokenize bridges a draft and a target with different vocabularies, but this "
-                "speculative config has none (use_heterogeneous_vocab is not set, or the method is an EAGLE "
-                "head that drafts in the target's vocabulary); remove retokenize"
-            )
         from vllm.tokenizers.registry import get_tokenizer
 
         spec = proposer.speculative_config
