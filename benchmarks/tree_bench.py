@@ -71,6 +71,10 @@ def easyspec_chain(draft: str, hetero: bool, k: int, **options: Any) -> Setup:
 
 
 def easyspec_tree(name: str, draft: str, hetero: bool, tree: dict[str, Any], **options: Any) -> Setup:
+    """A tree setup; across vocabularies it maps ids through vLLM's shared vocabulary unless ``tree`` says
+    ``retokenize`` (the plugin's default would bridge by text; those setups are named ``-retok``)."""
+    if hetero:
+        tree = {"retokenize": False} | tree
     nodes = TreeConfig(**tree).num_nodes
     return Setup(f"{name}{_option_suffix(options)}", f"EasySpec tree {json.dumps(tree)} {options or ''}".strip(),
                  speculative_config=draft_model_spec(draft, hetero, nodes),

@@ -1,5 +1,5 @@
-"""Trees across vocabularies bridged by text (``tree.retokenize``) through a real vLLM engine on a tiny
-float32 byte-level pair: the draft is the target's weights over a vocabulary without the target's last 30
+"""Trees across vocabularies bridged by text (``tree.retokenize``, on by default for a draft model with
+``use_heterogeneous_vocab``) through a real vLLM engine on a tiny float32 byte-level pair: the draft is the target's weights over a vocabulary without the target's last 30
 BPE merges. Greedy output equals output without speculation while the outputs hold tokens the draft lacks (it
 reads them through their draft encoding). That such tokens get proposed and accepted needs a draft that knows
 text, so the slow real-pair test checks it (``tests/tree/test_real_pair_tree.py``)."""
@@ -14,13 +14,18 @@ from vllm_easyspec.integration.tree_runner import read_tree_stats
 
 DRAFT_VOCAB = 290  # tiny_models.build_byte_level_pair: target ids from here on are missing from the draft
 TREES = {
-    "static": {"choices": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]},
-    "dynamic": {"top_k": 3, "depth": 3, "budget": 8},
+    "static": {"choices": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]], "retokenize": True},
+    "dynamic": {"top_k": 3, "depth": 3, "budget": 8},  # bridged by default
 }
 
 
 def _spec(draft) -> dict:
     return {"method": "draft_model", "model": str(draft), "use_heterogeneous_vocab": True}
+
+
+def bridged_by_text(worker) -> bool:
+    """Worker-side reader for ``LLM.collective_rpc``: whether the drafter re-encodes its trees by text."""
+    return worker.model_runner.drafter.tree_drafting.retokenizer is not None
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +39,9 @@ def test_retokenized_trees_equal_vanilla(llm_pool, byte_level_pair, vanilla, sha
     target, draft = byte_level_pair
     single, mixed = vanilla
     llm = llm_pool.get(target, speculative_config=_spec(draft),
-                       additional_config={"easyspec": {"tree": TREES[shape] | {"retokenize": True},
+                       additional_config={"easyspec": {"tree": TREES[shape],
                                                        "layer_parallel_size": n}})
+    assert llm.collective_rpc(bridged_by_text) == [True]
     assert generate(llm, SINGLE) == single
     assert generate(llm, MIXED) == mixed
     stats = llm.collective_rpc(read_tree_stats)[0]
@@ -49,4 +55,4 @@ def test_retokenize_needs_a_pair_across_vocabularies(llm_pool, byte_level_pair):
     target, draft = byte_level_pair
     with pytest.raises(EasySpecConfigError, match="retokenize.*use_heterogeneous_vocab.*remove retokenize"):
         llm_pool.get(target, speculative_config={"method": "draft_model", "model": str(target)},
-                     additional_config={"easyspec": {"tree": TREES["static"] | {"retokenize": True}}})
+                     additional_config={"easyspec": {"tree": TREES["static"]}})

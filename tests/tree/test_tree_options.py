@@ -32,6 +32,7 @@ from vllm_easyspec.integration.config_checks import prepare_tree_engine_args
         ({"choices": [[0], [1]], "budget_by_batch": {"4": {"chain": 3}}}, "a chain may be at most the tree's 2"),
         ({"choices": [[0], [1]], "budget_by_batch": {"4": {"chain": 0}}}, '{"chain": k} with k >= 1'),
         ({"choices": [[0], [1]], "budget_by_batch": {"4": {"chian": 1}}}, "{'chian': 1} at batch size 4"),
+        ({"choices": [[0], [1]], "draw": "sample", "retokenize": True}, "retokenize needs draw = 'top_k'"),
     ],
 )
 def test_invalid_trees_name_the_field_and_the_fix(tree, message):
@@ -61,6 +62,18 @@ def test_budget_by_batch_steps_down_to_chains_and_to_no_speculation():
         "budget_by_batch": {"4": 5, "8": {"chain": 3}, "16": 0}}}}).tree
     assert [(tree.node_limit(b), tree.drafts_chain(b)) for b in (1, 4, 8, 16)] == [
         (12, False), (5, False), (3, True), (0, False)]
+
+
+def test_trees_across_vocabularies_are_bridged_by_text_unless_told_otherwise():
+    def bridged(tree: dict, across_vocabularies: bool) -> bool:
+        return parse_easyspec_config({"easyspec": {"tree": tree}}).tree.bridges_by_text(across_vocabularies)
+
+    static = {"choices": [[0], [1]]}
+    assert bridged(static, across_vocabularies=True)
+    assert not bridged(static, across_vocabularies=False)
+    assert not bridged(static | {"retokenize": False}, across_vocabularies=True)
+    assert not bridged(static | {"draw": "sample"}, across_vocabularies=True)  # i.i.d. draws keep shared ids
+    assert bridged({"top_k": 2, "depth": 2, "budget": 4}, across_vocabularies=True)
 
 
 def _engine_args(tiny_llama_dir, tiny_llama_draft_dir, spec_extra: dict, tree: dict | None = None):

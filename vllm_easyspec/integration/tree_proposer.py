@@ -70,14 +70,21 @@ class TreeDrafting:
         self.retokenizer: TreeRetokenizer | None = None
         self.draft_usable: torch.Tensor | None = None  # retokenize: draft tokens that have text (or map)
         self.unshared_target_tokens: torch.Tensor | None = None  # retokenize: target ids the draft lacks
-        if config.retokenize:
+        across_vocabularies = bool(getattr(proposer, "use_heterogeneous_vocab", False)) and \
+            getattr(proposer, "vocab_mapping", None) is not None
+        if config.bridges_by_text(across_vocabularies):
             self._bridge_by_text()
+        elif across_vocabularies:
+            reason = "retokenize is false" if config.retokenize is False else "draw is 'sample'"
+            logger.info("easyspec.tree: the vocabularies are bridged by vLLM's shared ids (%s)", reason)
 
     def _bridge_by_text(self) -> None:
         """``tree.retokenize``: the retokenizer, the draft tokens it can use, and the refined target -> draft
-        table of the proposer's vocabulary mapping (module docstring). The front end
-        (:func:`~vllm_easyspec.integration.config_checks.prepare_tree_engine_args`) has made sure the proposer
-        is a draft model with ``use_heterogeneous_vocab``."""
+        table of the proposer's vocabulary mapping (module docstring). The proposer is a draft model with
+        ``use_heterogeneous_vocab``: the front end
+        (:func:`~vllm_easyspec.integration.config_checks.prepare_tree_engine_args`) refuses an explicit
+        ``retokenize`` otherwise, and the default asks for it only then. When a tokenizer's token text is
+        unknown, an explicit ``retokenize`` is refused and the default keeps vLLM's shared-id mapping."""
         proposer = self.proposer
         from vllm.tokenizers.registry import get_tokenizer
 
@@ -86,8 +93,15 @@ class TreeDrafting:
                                          trust_remote_code=spec.target_model_config.trust_remote_code)
         draft_tokenizer = get_tokenizer(spec.draft_model_config.model,
                                         trust_remote_code=spec.draft_model_config.trust_remote_code)
+        try:
+            draft_bytes, target_bytes = token_bytes(draft_tokenizer), token_bytes(target_tokenizer)
+        except ValueError as unknown_text:
+            if self.config.retokenize:
+                raise
+            logger.info("easyspec.tree: the vocabularies are bridged by vLLM's shared ids, not by text: %s",
+                        str(unknown_text).replace("; remove retokenize", ""))
+            return
         mapping = proposer.vocab_mapping
-        draft_bytes = token_bytes(draft_tokenizer)
         draft_to_target = mapping.draft_to_target_ids.cpu()
         special = {index: int(draft_to_target[index]) for index, data in enumerate(draft_bytes)
                    if data is None and index < len(draft_to_target) and int(draft_to_target[index]) >= 0}
@@ -103,7 +117,7 @@ class TreeDrafting:
         self.draft_usable = usable.to(mapping.intersection_mask_draft.device)
         table = mapping.target_to_draft_ids.cpu()
         self.unshared_target_tokens = table == -1
-        filled = approximate_target_to_draft(table, token_bytes(target_tokenizer), encode_with(draft_tokenizer))
+        filled = approximate_target_to_draft(table, target_bytes, encode_with(draft_tokenizer))
         mapping.target_to_draft_ids.copy_(table.to(mapping.target_to_draft_ids.device))
         logger.info("easyspec.tree.retokenize: the draft proposes any of its %d tokens with text; %d target "
                     "tokens outside the shared vocabulary reach it as their draft encoding's last token",

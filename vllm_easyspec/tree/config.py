@@ -15,10 +15,11 @@ Either shape may take ``"sources": {"prompt_lookup": {"nodes": n, "min_match": 2
 continuation of the context's latest earlier n-gram match is merged into every greedy or ``top_k`` tree
 (:mod:`vllm_easyspec.tree.merging`), as up to ``n`` extra nodes.
 
-``"retokenize": true`` (with ``use_heterogeneous_vocab``) bridges the two vocabularies by text instead of by
-shared ids: the drafted tree's paths are re-encoded with the target's tokenizer and merged into one target tree,
-and target tokens the draft lacks reach the draft as the last token of their draft encoding
-(:mod:`vllm_easyspec.tree.retokenizing`).
+``"retokenize"`` bridges a draft model and a target with different vocabularies (``use_heterogeneous_vocab``)
+by text instead of by shared ids: the drafted tree's paths are re-encoded with the target's tokenizer and
+merged into one target tree, and target tokens the draft lacks reach the draft as the last token of their draft
+encoding (:mod:`vllm_easyspec.tree.retokenizing`). Unset (``None``, the default) it is on wherever it applies
+(:meth:`TreeConfig.bridges_by_text`); ``true`` requires it, ``false`` keeps vLLM's shared-id mapping.
 
 ``"budget_by_batch": {"4": 4, "8": {"chain": 2}, "16": 0}`` makes the tree follow the batch: from 4 running
 requests on each tree keeps 4 nodes, from 8 on each request drafts a chain of 2 tokens (the proposer's own
@@ -85,7 +86,7 @@ class TreeConfig(BaseModel):
     budget: int | None = None
     draw: Literal["top_k", "sample"] = "top_k"
     sources: TreeSources | None = None
-    retokenize: bool = False
+    retokenize: bool | None = None  # None: bridge by text wherever it applies (bridges_by_text)
     # running requests -> from that batch size on, most nodes per request (0: no speculation) or a chain
     budget_by_batch: dict[int, int | ChainLimit] | None = None
 
@@ -157,7 +158,7 @@ class TreeConfig(BaseModel):
         return self
 
     def _check_sources(self) -> TreeConfig:
-        if self.retokenize and self.draw == "sample":
+        if self.retokenize is True and self.draw == "sample":
             raise ValueError(
                 "retokenize needs draw = 'top_k': re-encoded candidates are not draws from the draft's "
                 "distribution over target tokens, so they verify as top-k children; remove draw or retokenize"
@@ -267,6 +268,15 @@ class TreeConfig(BaseModel):
             return ChildDrawMode.WITHOUT_REPLACEMENT
         return ChildDrawMode.IID_FROM_DRAFT
 
+    def bridges_by_text(self, across_vocabularies: bool) -> bool:
+        """Whether the tree is re-encoded in the target's vocabulary: ``retokenize`` when given, else (the
+        default) whenever the drafter's vocabulary differs from the target's (``across_vocabularies``: a draft
+        model with ``use_heterogeneous_vocab``) and children are top-k (re-encoded candidates are no i.i.d.
+        draws). The drafter may still fall back to shared ids when a tokenizer's token text is unknown."""
+        if self.retokenize is not None:
+            return self.retokenize
+        return across_vocabularies and self.draw == "top_k"
+
     def describe(self) -> str:
         if self.choices is not None:
             text = f"static tree, {self.drafted_nodes} nodes, depth {self.max_depth}, draw {self.draw}"
@@ -274,7 +284,7 @@ class TreeConfig(BaseModel):
             text = f"dynamic tree (EAGLE-2), top_k {self.top_k}, depth {self.depth}, budget {self.budget}"
         if self.sources is not None and self.sources.prompt_lookup is not None:
             text += f", plus up to {self.sources.prompt_lookup.nodes} prompt-lookup nodes"
-        if self.retokenize:
+        if self.retokenize is True:
             text += ", re-encoded in the target's vocabulary"
         return text
 
