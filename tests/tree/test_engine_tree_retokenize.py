@@ -1,8 +1,9 @@
 """Trees across vocabularies bridged by text (``tree.retokenize``, on by default for a draft model with
 ``use_heterogeneous_vocab``) through a real vLLM engine on a tiny float32 byte-level pair: the draft is the
-target's weights over a vocabulary without the target's last 30 BPE merges. Greedy output equals output without speculation while the outputs hold tokens the draft lacks (it
-reads them through their draft encoding). That such tokens get proposed and accepted needs a draft that knows
-text, so the slow real-pair test checks it (``tests/tree/test_real_pair_tree.py``)."""
+target's weights over a vocabulary without the target's last 30 BPE merges. Greedy output equals output
+without speculation while the outputs hold tokens the draft lacks (it reads them through their draft
+encoding). That such tokens get proposed and accepted needs a draft that knows text, so the slow real-pair
+test checks it (``tests/tree/test_real_pair_tree.py``)."""
 
 from __future__ import annotations
 
