@@ -142,7 +142,7 @@ def distribution(num_samples: int) -> None:
     from vllm import LLM
 
     from vllm_easyspec.eagle.trainer import train
-    from vllm_easyspec.metrics import read_spec_decode_counters
+    from vllm_easyspec.instruments.metrics import read_spec_decode_counters
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -16,7 +16,7 @@ Invariants:
   greedy runs are deterministic, so the first run's are reported; ``repeats_agree`` says whether every run
   of the setup produced the same token ids.
 - Step split: the workers time every engine step (``execute_model`` + ``sample_tokens``, see
-  ``vllm_easyspec.integration.drafting_timer.time_steps``) and the drafter inside it; verify seconds per
+  ``vllm_easyspec.instruments.drafting_timer.time_steps``) and the drafter inside it; verify seconds per
   step = (step seconds - drafting seconds) / steps. For vanilla, verify is the whole decode step.
 - Identity is judged against the setup named ``vanilla``: its first run also replays the timed request with
   ``logprobs=TOP_LOGITS_RECORDED`` on an engine started with ``logprobs_mode="raw_logits"`` (untimed, after
@@ -422,8 +422,8 @@ def _child_main(request_path: Path, result_path: Path) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_easyspec.integration.worker_extension import WORKER_EXTENSION_CLS
-    from vllm_easyspec.metrics import read_spec_decode_counters
+    from vllm_easyspec.instruments.metrics import read_spec_decode_counters
+    from vllm_easyspec.instruments.worker_extension import WORKER_EXTENSION_CLS
     from vllm_easyspec.models import prompt_token_ids
 
     request = json.loads(request_path.read_text())

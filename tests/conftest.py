@@ -1,5 +1,9 @@
 """Shared fixtures: tiny random models built once per test session, and a pool of vLLM engines shared by
 every test (engine start-up costs ~20 s on this machine, so a test asks the pool instead of building one).
+
+Every test that starts a vLLM engine is marked ``engine``: those that use the engine pool or the real models
+here (:data:`ENGINE_FIXTURES`), the others with ``@pytest.mark.engine``. ``pytest -m "not engine and not
+slow"`` runs the engine-free tests.
 """
 
 from __future__ import annotations
@@ -25,6 +29,14 @@ sys.path.insert(0, str(TESTS_DIR))
 import pytest  # noqa: E402
 from engine_pool import EnginePool  # noqa: E402
 from tiny_models import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+
+ENGINE_FIXTURES = frozenset({"llm_pool", "real_pair"})
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if ENGINE_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.engine)
 
 
 @pytest.fixture(scope="session")

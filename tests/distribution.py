@@ -139,29 +139,27 @@ def install_biased_tree_sampler(worker) -> str:
     from vllm_easyspec.integration.tree_sampler import TreeRejectionSampler
 
     runner = worker.model_runner
-    original = runner.rejection_sampler
+    original = runner.tree_sampler
 
     class DraftFavouringTreeSampler(TreeRejectionSampler):
-        def forward(self, metadata, draft_probs, logits, sampling_metadata):
-            forward = self.verifier.forward
-            if forward is not None:
-                logits = logits.clone()
-                drafts = torch.tensor(metadata.num_draft_tokens)
-                first_row = metadata.cu_num_sampled_tokens.long().cpu() - drafts - 1
-                for request in forward.step.requests:
-                    base = int(first_row[request.batch_row])
-                    for token, parent in zip(request.tokens, request.parents, strict=True):
-                        logits[base + parent + 1, token] += DRAFT_LOGIT_BOOST
-            return super().forward(metadata, draft_probs, logits, sampling_metadata)
+        def verify(self, step, metadata, logits, sampling_metadata):
+            logits = logits.clone()
+            drafts = torch.tensor(metadata.num_draft_tokens)
+            first_row = metadata.cu_num_sampled_tokens.long().cpu() - drafts - 1
+            for request in step.requests:
+                base = int(first_row[request.batch_row])
+                for token, parent in zip(request.tokens, request.parents, strict=True):
+                    logits[base + parent + 1, token] += DRAFT_LOGIT_BOOST
+            return super().verify(step, metadata, logits, sampling_metadata)
 
     biased = DraftFavouringTreeSampler.__new__(DraftFavouringTreeSampler)
     biased.__dict__.update(original.__dict__)
     runner.easyspec_unbiased_sampler = original
-    runner.rejection_sampler = biased
+    runner.tree_sampler = biased
     return type(biased).__name__
 
 
 def restore_tree_sampler(worker) -> str:
     runner = worker.model_runner
-    runner.rejection_sampler = runner.easyspec_unbiased_sampler
-    return type(runner.rejection_sampler).__name__
+    runner.tree_sampler = runner.easyspec_unbiased_sampler
+    return type(runner.tree_sampler).__name__

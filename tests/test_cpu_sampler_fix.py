@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_easyspec.integration.cpu_sampler_fix import expand_batch_in_place, upstream_expand_kernel_impl
+from vllm_easyspec.integration.cpu.sampler_fix import expand_batch_in_place, upstream_expand_kernel_impl
 
 TEMPERATURES = torch.tensor([0.7, -1.0, 1.3], dtype=torch.float32)
 CU_NUM_TOKENS = torch.tensor([2, 5, 6], dtype=torch.int32)

@@ -12,9 +12,9 @@ from distribution import (
     run_distribution_test,
 )
 
-from vllm_easyspec.integration.draft_proposer import read_drafting_stats
-from vllm_easyspec.integration.drafting_timer import read_timed_drafting_stats, time_drafter
-from vllm_easyspec.metrics import read_spec_decode_counters
+from vllm_easyspec.instruments.drafting_timer import read_timed_drafting_stats, time_drafter
+from vllm_easyspec.instruments.metrics import read_spec_decode_counters
+from vllm_easyspec.instruments.worker_extension import read_drafting_stats
 
 PROMPTS = [[1, 5, 9, 13, 17], [1, 40, 41, 42], [1, 7], [1, 60, 3, 3, 3, 3, 3, 21]]
 MAX_TOKENS = 40

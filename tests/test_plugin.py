@@ -7,20 +7,54 @@ import os
 import pytest
 
 from vllm_easyspec.easyspec.config import EasySpecConfigError, parse_easyspec_config
-from vllm_easyspec.integration import UnsupportedVLLMVersionError, check_vllm_version
+from vllm_easyspec.integration.compat import UnsupportedVLLMVersionError, check_vllm_version
 
 
 def test_register_is_idempotent():
+    import vllm.v1.worker.cpu_worker as cpu_worker
     import vllm.v1.worker.gpu_model_runner as gpu_model_runner
+    from vllm.v1.spec_decode.draft_model import DraftModelProposer
+    from vllm.v1.spec_decode.eagle import EagleProposer
 
     from vllm_easyspec import plugin
-    from vllm_easyspec.integration.draft_proposer import EasySpecDraftProposer
+    from vllm_easyspec.integration.runner import TreeRunnerMixin
 
     plugin.register()
-    first = gpu_model_runner.DraftModelProposer
+    first = cpu_worker.CPUModelRunner
     plugin.register()
-    assert gpu_model_runner.DraftModelProposer is first is EasySpecDraftProposer
-    assert EasySpecDraftProposer.__mro__[1].__module__ == "vllm.v1.spec_decode.draft_model"
+    assert cpu_worker.CPUModelRunner is first and issubclass(first, TreeRunnerMixin)
+    # the proposers are swapped only while the plugin's runner is built (test below)
+    assert gpu_model_runner.DraftModelProposer is DraftModelProposer
+    assert gpu_model_runner.EagleProposer is EagleProposer
+
+
+def test_the_plugin_proposers_are_built_only_where_the_options_ask_for_them():
+    import vllm.v1.worker.gpu_model_runner as gpu_model_runner
+    from vllm.v1.spec_decode.draft_model import DraftModelProposer
+    from vllm.v1.spec_decode.eagle import EagleProposer
+
+    from vllm_easyspec.integration.options import EasySpecOptions
+    from vllm_easyspec.integration.proposers import (
+        EasySpecDraftProposer,
+        EasySpecEagleProposer,
+        plugin_proposers,
+    )
+
+    def built(options):
+        with plugin_proposers(options):
+            return gpu_model_runner.DraftModelProposer, gpu_model_runner.EagleProposer
+
+    def options(method: str, easyspec: dict) -> EasySpecOptions:
+        config = parse_easyspec_config({"easyspec": easyspec})
+        return EasySpecOptions(config=config, method=method, layer_grouping=None, across_vocabularies=False)
+
+    tree = {"tree": {"choices": [[0], [1]]}}
+    assert built(None) == (DraftModelProposer, EagleProposer)
+    assert built(options("draft_model", {})) == (EasySpecDraftProposer, EagleProposer)
+    assert built(options("eagle3", {})) == (DraftModelProposer, EagleProposer)  # a chain: vLLM's EAGLE
+    assert built(options("eagle3", tree)) == (DraftModelProposer, EasySpecEagleProposer)
+    assert (gpu_model_runner.DraftModelProposer, gpu_model_runner.EagleProposer) == (DraftModelProposer, EagleProposer)
+    assert issubclass(EasySpecDraftProposer, DraftModelProposer) and issubclass(EasySpecEagleProposer, EagleProposer)
 
 
 @pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "0.32.1+cpu", "1.0.0"])
@@ -71,6 +105,7 @@ def test_plugin_is_loaded_in_worker_processes(llm_pool, tiny_llama_dir, tiny_lla
         assert state["drafter"] == "EasySpecDraftProposer"
 
 
+@pytest.mark.engine
 def test_vocab_mismatch_error_names_the_fix(tiny_llama_dir, tiny_root, tiny_tokenizer_dir):
     from tiny_models import build_tiny_model
     from vllm import LLM
@@ -88,9 +123,10 @@ def test_vocab_mismatch_error_names_the_fix(tiny_llama_dir, tiny_root, tiny_toke
 def test_easyspec_options_without_draft_model_warn(tiny_llama_dir, caplog):
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_easyspec.integration.config_checks import validate_engine_config
+    from vllm_easyspec.integration.front_end import validate_engine_config
+    from vllm_easyspec.integration.options import easyspec_options
 
     config = EngineArgs(
         model=str(tiny_llama_dir), enforce_eager=True, additional_config={"easyspec": {"layer_parallel_size": 2}}
     ).create_engine_config()
-    validate_engine_config(config)  # must not raise: a warning only
+    validate_engine_config(config, easyspec_options(config))  # must not raise: a warning only

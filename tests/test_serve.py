@@ -11,6 +11,8 @@ import urllib.request
 import pytest
 from serving import free_port, post, serve_command, serving
 
+pytestmark = pytest.mark.engine  # every test here starts a server
+
 PROMPT = "w5 w9 w13 w17"
 MAX_TOKENS = 24
 

@@ -27,7 +27,7 @@ def _models_list(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from vllm_easyspec.integration.cli_shim import run_vllm_cli
+    from vllm_easyspec.integration.cpu.cli_shim import run_vllm_cli
 
     return run_vllm_cli(["serve", *args.vllm_arguments])
 

@@ -21,9 +21,8 @@ from distribution import ALPHA, install_biased_tree_sampler, restore_tree_sample
 from reference_checkpoint import build_reference_checkpoint
 from request_batches import MIXED, SINGLE, generate
 
-from vllm_easyspec.integration.draft_proposer import read_drafting_stats
-from vllm_easyspec.integration.tree_runner import read_tree_stats
-from vllm_easyspec.metrics import read_spec_decode_counters
+from vllm_easyspec.instruments.metrics import read_spec_decode_counters
+from vllm_easyspec.instruments.worker_extension import read_drafting_stats, read_tree_stats
 
 STATIC = {"choices": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]}
 DYNAMIC = {"top_k": 3, "depth": 4, "budget": 10}

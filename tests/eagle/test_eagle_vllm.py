@@ -18,7 +18,7 @@ from reference_checkpoint import build_reference_checkpoint
 
 from vllm_easyspec.eagle.checkpoint import load_head
 from vllm_easyspec.eagle.simulate import replay_acceptance
-from vllm_easyspec.metrics import read_spec_decode_counters
+from vllm_easyspec.instruments.metrics import read_spec_decode_counters
 
 PROMPTS = [[1, 17, 42, 5, 33, 9], [1, 4, 8, 15, 16, 23, 42, 7]]
 MAX_TOKENS = 32

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from serving import free_port, serve_command, serving
 
+pytestmark = pytest.mark.engine  # every test here starts a server
+
 MAX_TOKENS = 24
 PROMPTS = [
     "w5 w9 w13 w17", "w40 w41 w42", "w7", "w60 w3 w3 w3 w21 w8 w30", "w12 w12 w30 w12 w12", "w33 w17 w50",

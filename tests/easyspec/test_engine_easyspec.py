@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 from distribution import ALPHA, run_distribution_test
+from kv_inspection import read_draft_kv, start_recording_block_tables
 
 from vllm_easyspec.easyspec.config import EasySpecConfigError
-from vllm_easyspec.integration.draft_proposer import read_drafting_stats
+from vllm_easyspec.instruments.metrics import read_spec_decode_counters
+from vllm_easyspec.instruments.worker_extension import read_drafting_stats
 from vllm_easyspec.integration.fuzzy_models import check_fuzzy_architecture
-from vllm_easyspec.integration.kv_inspection import read_draft_kv, start_recording_block_tables
-from vllm_easyspec.metrics import read_spec_decode_counters
 
 PROMPTS = [[1, 5, 9, 13, 17], [1, 40, 41, 42], [1, 7], [1, 60, 3, 3, 3, 3, 3, 21]]
 MAX_TOKENS = 40

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from engine_pool import greedy_tokens
 
-from vllm_easyspec.integration.draft_proposer import read_drafting_stats
+from vllm_easyspec.instruments.worker_extension import read_drafting_stats
 from vllm_easyspec.models import prompt_token_ids
 
 pytestmark = pytest.mark.slow

@@ -173,13 +173,15 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
     from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vllm_easyspec.integration.tree_attention_backend import TreeVerifyForward, verifying
-    from vllm_easyspec.integration.tree_gpu_attention_backend import (
+    from vllm_easyspec.integration.gpu.attention_backend import (
         TreeTritonAttentionImpl,
         TreeTritonAttentionMetadataBuilder,
         TreeTritonVerifyMetadata,
     )
-    from vllm_easyspec.integration.tree_runner import TreeVerifier
+    from vllm_easyspec.integration.runner import TreeRunnerMixin
+    from vllm_easyspec.integration.tree_attention import verifying
+    from vllm_easyspec.integration.tree_sampler import TreeVerdict
+    from vllm_easyspec.integration.tree_step import TreeVerifier, TreeVerifyForward
     from vllm_easyspec.tree.verify_step import TreeRequest, TreeVerifyStep
 
     dt, dev = DTYPES[dtype], _device()
@@ -272,7 +274,7 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
         impl.forward(layer, query, key, value, kv_cache, meta, output)
         forward_wrote_nothing = torch.equal(kv_cache, written)
 
-        # ---- the sampler accepts a branch per tree; finish_step moves it through VerifyKV.write -------
+        # ---- the sampler accepts a branch per tree; the runner's commit moves it through VerifyKV.write -
         accepted, moves = [], []
         for index, request in enumerate(tree_requests):
             node = max(range(request.num_nodes), key=lambda i: (_depth(request.parents, i), -i))
@@ -287,13 +289,13 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
         width = max(len(p) for p in accepted)
         accepted_nodes = torch.tensor([p + [-1] * (width - len(p)) for p in accepted])
         num_accepted = torch.tensor([len(p) for p in accepted])
-        runner = types.SimpleNamespace(
+        runner = types.SimpleNamespace(  # what TreeRunnerMixin._commit reads of the runner
             input_ids=types.SimpleNamespace(gpu=torch.zeros(num_tokens_padded, dtype=torch.int32, device=dev)),
             positions=torch.zeros(num_tokens_padded, dtype=torch.int64, device=dev),
+            tree_verifier=TreeVerifier(requests={}),
         )
-        verifier = TreeVerifier(runner=runner, config=None)
-        verifier.forward = forward
-        verifier.finish_step(accepted_nodes, num_accepted)
+        verdict = TreeVerdict(sampler_output=None, branch=step.accepted_moves(accepted_nodes, num_accepted))
+        TreeRunnerMixin._commit(runner, forward, verdict)
         for request in tree_requests:  # the branch's rows P + 1 .. P + a now carry linear positions
             a = len(accepted[tree_requests.index(request)])
             rows = request.query_start + 1 + torch.arange(a)

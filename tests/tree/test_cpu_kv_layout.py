@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_easyspec.integration.cpu_kv_layout import CpuKVLayoutError, PagedKVReader, probe_cpu_kv_layout
+from vllm_easyspec.integration.cpu.kv_layout import CpuKVLayoutError, PagedKVReader, probe_cpu_kv_layout
 
 CASES = [("vec", torch.float32), ("vec", torch.bfloat16), ("amx", torch.bfloat16), ("vec16", torch.float32)]
 

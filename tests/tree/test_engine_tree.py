@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kv_inspection import read_target_kv, start_recording_block_tables
 from request_batches import MIXED, SINGLE, generate
 
-from vllm_easyspec.integration.draft_proposer import read_drafting_stats
-from vllm_easyspec.integration.kv_inspection import read_target_kv, start_recording_block_tables
-from vllm_easyspec.integration.tree_runner import read_tree_stats
-from vllm_easyspec.metrics import read_spec_decode_counters
+from vllm_easyspec.instruments.metrics import read_spec_decode_counters
+from vllm_easyspec.instruments.worker_extension import read_drafting_stats, read_tree_stats
 
 STATIC = {"choices": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]}
 DYNAMIC = {"top_k": 3, "depth": 3, "budget": 8}

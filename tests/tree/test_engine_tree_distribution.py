@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from distribution import ALPHA, install_biased_tree_sampler, restore_tree_sampler, run_distribution_test
 
-from vllm_easyspec.integration.tree_runner import read_tree_stats
+from vllm_easyspec.instruments.worker_extension import read_tree_stats
 
 DRAW_MODES = {
     # static tree, children drawn i.i.d. from the draft: SpecInfer multi-step speculative sampling

@@ -11,7 +11,7 @@ import pytest
 from request_batches import MIXED, SINGLE, generate
 
 from vllm_easyspec.easyspec.config import EasySpecConfigError
-from vllm_easyspec.integration.tree_runner import read_tree_stats
+from vllm_easyspec.instruments.worker_extension import read_tree_stats
 
 DRAFT_VOCAB = 290  # tiny_models.build_byte_level_pair: target ids from here on are missing from the draft
 TREES = {

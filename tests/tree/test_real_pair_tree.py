@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from engine_pool import greedy_tokens
 
-from vllm_easyspec.integration.tree_runner import read_tree_stats
+from vllm_easyspec.instruments.worker_extension import read_tree_stats
 from vllm_easyspec.models import prompt_token_ids
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_easyspec.easyspec.config import EasySpecConfigError, parse_easyspec_config
-from vllm_easyspec.integration.config_checks import prepare_tree_engine_args
+from vllm_easyspec.integration.front_end import prepare_tree_engine_args
 
 
 @pytest.mark.parametrize(
@@ -53,14 +53,14 @@ def test_valid_trees_know_their_node_count():
     assert (merged.drafted_nodes, merged.num_nodes) == (2, 5)
     following = parse_easyspec_config({"easyspec": {"tree": {"top_k": 2, "depth": 2, "budget": 6,
                                                              "budget_by_batch": {"4": 2, "16": 0}}}}).tree
-    assert [following.node_limit(batch) for batch in (1, 3, 4, 15, 16, 64)] == [6, 6, 2, 2, 0, 0]
+    assert [following.budget_at(batch).nodes for batch in (1, 3, 4, 15, 16, 64)] == [6, 6, 2, 2, 0, 0]
 
 
 def test_budget_by_batch_steps_down_to_chains_and_to_no_speculation():
     tree = parse_easyspec_config({"easyspec": {"tree": {
         "top_k": 3, "depth": 4, "budget": 10, "sources": {"prompt_lookup": {"nodes": 2}},
         "budget_by_batch": {"4": 5, "8": {"chain": 3}, "16": 0}}}}).tree
-    assert [(tree.node_limit(b), tree.drafts_chain(b)) for b in (1, 4, 8, 16)] == [
+    assert [(tree.budget_at(b).nodes, tree.budget_at(b).chain) for b in (1, 4, 8, 16)] == [
         (12, False), (5, False), (3, True), (0, False)]
 
 
@@ -90,7 +90,7 @@ def _engine_args(tiny_llama_dir, tiny_llama_draft_dir, spec_extra: dict, tree: d
 def test_num_speculative_tokens_is_set_to_the_node_count(tiny_llama_dir, tiny_llama_draft_dir):
     user_spec = {}
     args = _engine_args(tiny_llama_dir, tiny_llama_draft_dir, user_spec)
-    prepare_tree_engine_args(args)
+    prepare_tree_engine_args(args, parse_easyspec_config(args.additional_config))
     assert args.speculative_config["num_speculative_tokens"] == 4
     assert "num_speculative_tokens" not in user_spec  # the user's dict is not modified
     assert args.async_scheduling is False
@@ -99,7 +99,7 @@ def test_num_speculative_tokens_is_set_to_the_node_count(tiny_llama_dir, tiny_ll
 def test_num_speculative_tokens_mismatch_names_both_fields(tiny_llama_dir, tiny_llama_draft_dir):
     args = _engine_args(tiny_llama_dir, tiny_llama_draft_dir, {"num_speculative_tokens": 3})
     with pytest.raises(EasySpecConfigError) as info:
-        prepare_tree_engine_args(args)
+        prepare_tree_engine_args(args, parse_easyspec_config(args.additional_config))
     message = str(info.value)
     assert "num_speculative_tokens = 3" in message and "easyspec.tree has 4 nodes" in message
     assert "set num_speculative_tokens to 4" in message
@@ -108,14 +108,14 @@ def test_num_speculative_tokens_mismatch_names_both_fields(tiny_llama_dir, tiny_
 def test_trees_need_a_draft_model_or_an_eagle_head(tiny_llama_dir, tiny_llama_draft_dir):
     args = _engine_args(tiny_llama_dir, tiny_llama_draft_dir, {"method": "ngram"})
     with pytest.raises(EasySpecConfigError, match="\"method\" one of draft_model, eagle, eagle3 .* got method 'ngram'"):
-        prepare_tree_engine_args(args)
+        prepare_tree_engine_args(args, parse_easyspec_config(args.additional_config))
 
 
 def test_layer_parallel_options_are_refused_for_an_eagle_tree(tiny_llama_dir, tiny_llama_draft_dir):
     args = _engine_args(tiny_llama_dir, tiny_llama_draft_dir, {"method": "eagle3"})
     args.additional_config["easyspec"]["layer_parallel_size"] = 2
     with pytest.raises(EasySpecConfigError, match="layer_parallel_size / layer_groups group a draft model's layers"):
-        prepare_tree_engine_args(args)
+        prepare_tree_engine_args(args, parse_easyspec_config(args.additional_config))
 
 
 def test_quantized_kv_cache_is_refused_with_trees(tiny_llama_dir, tiny_llama_draft_dir):

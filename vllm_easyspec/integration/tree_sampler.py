@@ -1,10 +1,10 @@
-"""The rejection sampler of tree steps: replaces ``GPUModelRunner.rejection_sampler`` (vLLM's
-``vllm.v1.sample.rejection_sampler.RejectionSampler``) when ``easyspec.tree`` is on.
+"""Rejection sampling of a tree verify step: the target's logits in, a :class:`TreeVerdict` out.
 
-In a step without token trees it is vLLM's sampler, also when every draft of the step is a top-1 chain
-(``budget_by_batch`` ``{"chain": k}``): deterministic drafts at linear positions are exactly what vLLM's
-rejection sampler verifies. In a tree step every request either has a tree (its
-drafts are the tree's nodes) or no drafts at all (prefills, and requests served without speculation):
+:class:`TreeRejectionSampler` is vLLM's ``RejectionSampler`` (whose sampler, logprobs mode and logprobs
+helpers it reuses) with one more entry point, :meth:`TreeRejectionSampler.verify`, which the runner calls for
+steps with token trees (chain steps go to vLLM's own ``forward``). In a tree step every request either has a
+tree (its drafts are the tree's nodes) or no drafts at all (prefills, and requests served without
+speculation):
 
 * requests without drafts are sampled by vLLM's own sampler on their one row, so penalties, bad words,
   logits processors and logprobs apply exactly as in vLLM;
@@ -14,14 +14,14 @@ drafts are the tree's nodes) or no drafts at all (prefills, and requests served 
   temperature, top-k, top-p and seed; under ``min_tokens`` the stop tokens are masked in the rows whose
   token would be one of the first ``min_tokens`` outputs (a row's output index depends only on its depth).
 
-The output is vLLM's chain shape (accepted tokens, then the bonus token, then -1), so the scheduler's
-rollback and bookkeeping see a chain. Afterwards the runner's verifier moves the accepted branch's K/V
-into place (:meth:`~vllm_easyspec.integration.tree_runner.TreeVerifier.finish_step`).
+The verdict's output is vLLM's chain shape (accepted tokens, then the bonus token, then -1), so the
+scheduler's rollback and bookkeeping see a chain; its accepted branch is what the runner commits. The
+sampler writes nothing outside its outputs.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from vllm.v1.outputs import SamplerOutput
@@ -29,21 +29,22 @@ from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSamp
 
 from vllm_easyspec.tree.building import ChildDrawMode
 from vllm_easyspec.tree.sampling import tree_rejection_sample
+from vllm_easyspec.tree.verify_step import AcceptedBranch, TreeVerifyStep
+
+
+@dataclass
+class TreeVerdict:
+    """What a tree verify step decided: vLLM's sampler output for the whole batch, and the accepted branch
+    of every tree request (:meth:`~vllm_easyspec.tree.verify_step.TreeVerifyStep.accepted_moves`)."""
+
+    sampler_output: SamplerOutput
+    branch: AcceptedBranch
 
 
 class TreeRejectionSampler(RejectionSampler):
-    def __init__(self, sampler, spec_config, device, verifier) -> None:
-        super().__init__(sampler, spec_config, device)
-        self.verifier = verifier
-
-    def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
-        forward = self.verifier.forward
-        if forward is None:  # no tree in this step: chains (TreeVerifier.chain_step) or not a tree run
-            output = super().forward(metadata, draft_probs, logits, sampling_metadata)
-            if self.verifier.chain_step:
-                self.verifier.finish_chain_step(output.sampled_token_ids)
-            return output
-        step = forward.step
+    def verify(self, step: TreeVerifyStep, metadata, logits: torch.Tensor, sampling_metadata) -> TreeVerdict:
+        """Sample a step whose tree requests are ``step``: ``metadata`` is vLLM's ``SpecDecodeMetadata`` of
+        the step, ``logits`` the target's rows in its order (module docstring)."""
         batch = len(metadata.num_draft_tokens)
         width = metadata.max_spec_len + 1
         output = torch.full((batch, width), PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=logits.device)
@@ -103,8 +104,8 @@ class TreeRejectionSampler(RejectionSampler):
                 sampling_metadata.max_num_logprobs, metadata, logits, raw_target_logits,
                 bonus.logprobs_tensors.logprobs, output,
             )
-        self.verifier.finish_step(accepted, num_accepted)
-        return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs_tensors)
+        return TreeVerdict(SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs_tensors),
+                           step.accepted_moves(accepted, num_accepted))
 
     @staticmethod
     def _num_drafts(metadata) -> torch.Tensor:

@@ -31,6 +31,7 @@ parents come first; :attr:`TreeConfig.num_nodes` is what ``num_speculative_token
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -77,6 +78,14 @@ class ChainLimit(BaseModel):
     chain: int = Field(ge=1)
 
 
+@dataclass(frozen=True)
+class StepBudget:
+    """What ``budget_by_batch`` gives each request of one drafting step."""
+
+    nodes: int  # the most nodes a request keeps; 0: no speculation
+    chain: bool  # a chain of ``nodes`` tokens, drafted as the proposer drafts without a tree
+
+
 class TreeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -116,16 +125,14 @@ class TreeConfig(BaseModel):
                 limit = value
         return limit
 
-    def node_limit(self, running_requests: int) -> int:
-        """Most nodes a request's tree may keep when the drafter's batch has ``running_requests`` requests:
-        the entry of ``budget_by_batch`` with the largest batch size not above it (a chain's length), else
-        every node. A tree cut to its first ``k`` nodes is a tree (parents come first)."""
+    def budget_at(self, running_requests: int) -> StepBudget:
+        """What each request may draft when the drafter's batch has ``running_requests`` requests: the entry
+        of ``budget_by_batch`` with the largest batch size not above it (a node count, or a chain's length),
+        else every node. A tree cut to its first ``k`` nodes is a tree (parents come first)."""
         limit = self._limit_at(running_requests)
-        return min(limit.chain if isinstance(limit, ChainLimit) else limit, self.num_nodes)
-
-    def drafts_chain(self, running_requests: int) -> bool:
-        """Whether ``budget_by_batch`` asks for a chain (``{"chain": k}``) at this batch size."""
-        return isinstance(self._limit_at(running_requests), ChainLimit)
+        if isinstance(limit, ChainLimit):
+            return StepBudget(nodes=min(limit.chain, self.num_nodes), chain=True)
+        return StepBudget(nodes=min(limit, self.num_nodes), chain=False)
 
     def drafted_within(self, node_limit: int) -> TreeConfig:
         """The tree to draft when each request may keep only ``node_limit`` (>= 1) nodes. A dynamic tree

@@ -1,33 +1,23 @@
 """Where the tree reaches vLLM's Triton attention backend (the GPU build of vLLM).
 
 ``TreeTritonAttentionBackend`` replaces ``TRITON_ATTN`` (``vllm.v1.attention.backends.triton_attn.
-TritonAttentionBackend``, overridden through vLLM's ``register_backend`` on CUDA / ROCm only). It is the
-GPU twin of :mod:`vllm_easyspec.integration.tree_attention_backend` (the CPU seam) and shares its
-protocol: the runner builds attention metadata inside :func:`~.tree_attention_backend.verifying`, the
-layers keep a :class:`~.tree_attention_backend.VerifyKV` per layer in ``TreeVerifyForward.kept_kv``, and
-the drafter's levels arrive as :class:`~.tree_attention_backend.TreeLevelMetadata`.
+TritonAttentionBackend``, overridden through vLLM's ``register_backend`` on CUDA / ROCm only). It is vLLM's
+backend unchanged except for the two kinds of tree forward (:mod:`~vllm_easyspec.integration.tree_attention`):
 
-* **target verify** (:class:`TreeTritonVerifyMetadata`): the builder splits the batch; requests without a
-  tree go to vLLM's own Triton kernel as a sub-batch (metadata from vLLM's builder). The tree requests'
-  ``1 + n`` rows go to :func:`vllm_easyspec.kernels.tree_attention.tree_attention_triton` over the
-  layer's FlashAttention-layout cache. That kernel reads the rows' own K/V from the cache, where vLLM's
-  ``do_kv_cache_update`` (this backend has ``forward_includes_kv_cache_update = False``) has already put
-  them at the linear slots ``P + j`` -- exactly the verify step's layout, so nothing is gathered.
-  The rows' K/V are also kept so the sampler can move the accepted branch into place; the move is
-  written with the backend's own ``do_kv_cache_update`` (vLLM's Triton reshape-and-cache).
-* **draft level** (:class:`~.tree_attention_backend.TreeLevelMetadata`): the level rows write nothing to
-  the cache; they attend to the request's cached draft prefix (positions ``< prefix_lens[b]``, gathered
-  from the FA layout with the block table) and to the stash of this step's earlier levels, with the same
-  torch SDPA as the CPU backend (:func:`vllm_easyspec.tree.attention.attention_over_prefix_and_tree`).
+* **target verify** (:class:`TreeTritonVerifyMetadata`): the tree requests' ``1 + n`` rows go to
+  :func:`vllm_easyspec.kernels.tree_attention.tree_attention_triton` over the layer's FlashAttention-layout
+  cache. That kernel reads the rows' own K/V from the cache, where vLLM's ``do_kv_cache_update`` (this
+  backend has ``forward_includes_kv_cache_update = False``) has already put them at the linear slots
+  ``P + j`` -- exactly the verify step's layout, so nothing is gathered. The rows' K/V are also kept for the
+  runner's commit, which writes the accepted branch with the backend's own ``do_kv_cache_update``.
+* **draft level**: the draft prefix is gathered from the FA layout with the block table.
 
 While ``easyspec.tree`` is configured, the builder reports at most ``UNIFORM_SINGLE_TOKEN_DECODE`` CUDA
 graph support: a full CUDA graph of a uniform ``1 + n``-token batch would replay captured chain metadata
 and never reach :meth:`TreeTritonAttentionMetadataBuilder.build`.
 
-Status: exercised only under Triton's interpreter on CPU tensors (tests/tree/test_gpu_tree_backend.py);
-it has never run on a GPU.
-
-Invariant: with no active tree step every method is vLLM's.
+Status: exercised under Triton's interpreter on CPU tensors (tests/tree/test_gpu_tree_backend.py); on an
+H100 the kernel is correct, but no engine tree step has completed on a GPU.
 """
 
 from __future__ import annotations
@@ -44,19 +34,16 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadataBuilder,
 )
 
-from vllm_easyspec.easyspec.config import EasySpecConfigError, parse_easyspec_config
-from vllm_easyspec.integration.tree_attention_backend import (
-    TreeLevelMetadata,
+from vllm_easyspec.easyspec.config import EasySpecConfigError
+from vllm_easyspec.integration.options import tree_options
+from vllm_easyspec.integration.tree_attention import (
+    TreeAttentionImplMixin,
     TreeVerifyBuilderMixin,
-    TreeVerifyForward,
-    VerifyKV,
-    _per_request,
     refuse_unsupported_layers,
-    split_verify_batch,
 )
-from vllm_easyspec.tree.attention import attention_over_prefix_and_tree
+from vllm_easyspec.integration.tree_step import TreeVerifyForward, VerifyKV
 
-BACKEND_PATH = "vllm_easyspec.integration.tree_gpu_attention_backend.TreeTritonAttentionBackend"
+BACKEND_PATH = "vllm_easyspec.integration.gpu.attention_backend.TreeTritonAttentionBackend"
 
 
 @dataclass
@@ -77,24 +64,19 @@ class TreeTritonVerifyMetadata:
     query_rows: torch.Tensor  # [R, W] flattened row of each query (padding repeats the root), for kept K/V
 
 
-def _tree_configured(vllm_config) -> bool:
-    easyspec = parse_easyspec_config(getattr(vllm_config, "additional_config", None))
-    return easyspec is not None and easyspec.tree is not None
-
-
 class TreeTritonAttentionMetadataBuilder(TreeVerifyBuilderMixin, TritonAttentionMetadataBuilder):
-    """vLLM's Triton builder; inside :func:`verifying` it builds :class:`TreeTritonVerifyMetadata` instead."""
+    """vLLM's Triton builder; inside :func:`~vllm_easyspec.integration.tree_attention.verifying` it builds :class:`TreeTritonVerifyMetadata` instead."""
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        if _tree_configured(vllm_config):
+        if tree_options(vllm_config) is not None:
             self._check_tree_support(layer_names, vllm_config)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
         support = super().get_cudagraph_support(vllm_config, kv_cache_spec)
         limit = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-        if _tree_configured(vllm_config) and support.value > limit.value:
+        if tree_options(vllm_config) is not None and support.value > limit.value:
             return limit  # verify steps (1 + n rows per request) must run eagerly through build()
         return support
 
@@ -117,10 +99,9 @@ class TreeTritonAttentionMetadataBuilder(TreeVerifyBuilderMixin, TritonAttention
                 )
         refuse_unsupported_layers(vllm_config, layer_names, no_window=(-1, -1))
 
-    def _build_verify(self, common_prefix_len, cm, forward: TreeVerifyForward) -> TreeTritonVerifyMetadata:
+    def build_verify(self, common_prefix_len, cm, forward: TreeVerifyForward) -> TreeTritonVerifyMetadata:
         step = forward.step
-        sub, chain_rows = split_verify_batch(cm, step)
-        chain = None if sub is None else self.build_without_trees(common_prefix_len, sub)
+        chain, chain_rows = self.build_requests_without_tree(common_prefix_len, cm, step)
         device = self.device
         rows = step.attention_rows()
         cu_query_lens = torch.zeros(len(step) + 1, dtype=torch.int32)
@@ -142,20 +123,10 @@ class TreeTritonAttentionMetadataBuilder(TreeVerifyBuilderMixin, TritonAttention
         )
 
 
-class TreeTritonAttentionImpl(TritonAttentionImpl):
+class TreeTritonAttentionImpl(TreeAttentionImplMixin, TritonAttentionImpl):
     """vLLM's Triton attention, plus the tree-verify and draft-level forwards (module docstring)."""
 
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
-                output_scale=None, output_block_scale=None):
-        tree = isinstance(attn_metadata, TreeTritonVerifyMetadata | TreeLevelMetadata)
-        if tree and (output_scale is not None or output_block_scale is not None):
-            raise NotImplementedError("easyspec.tree: tree attention does not fuse output quantization")
-        if isinstance(attn_metadata, TreeTritonVerifyMetadata):
-            return self._verify(layer, query, key, value, kv_cache, attn_metadata, output)
-        if isinstance(attn_metadata, TreeLevelMetadata):
-            return self._level(layer, query, key, value, kv_cache, attn_metadata, output)
-        return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
-                               output_scale=output_scale, output_block_scale=output_block_scale)
+    verify_metadata = TreeTritonVerifyMetadata
 
     def _fa_caches(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[num_blocks, block_size, Hkv, D]`` key and value views of the layer's logical
@@ -163,14 +134,9 @@ class TreeTritonAttentionImpl(TritonAttentionImpl):
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
         return key_cache, value_cache
 
-    def _verify(self, layer, query, key, value, kv_cache, meta: TreeTritonVerifyMetadata, output):
+    def verify_trees(self, layer, query, key, value, kv_cache, meta: TreeTritonVerifyMetadata, output):
         from vllm_easyspec.kernels.tree_attention import tree_attention_triton
 
-        if meta.chain is not None:
-            rows = meta.chain_rows
-            chain_out = output.new_empty((rows.numel(), *output.shape[1:]))
-            super().forward(layer, query[rows], key[rows], value[rows], kv_cache, meta.chain, chain_out)
-            output[rows] = chain_out
         key_cache, value_cache = self._fa_caches(kv_cache)
         rows = meta.tree_rows
         out = tree_attention_triton(
@@ -193,24 +159,8 @@ class TreeTritonAttentionImpl(TritonAttentionImpl):
         self.do_kv_cache_update(layer, keys.contiguous(), values.contiguous(), kv_cache,
                                 slots.to(kv_cache.device, torch.int64))
 
-    def _level(self, layer, query, key, value, kv_cache, meta: TreeLevelMetadata, output):
-        state = meta.state
-        batch = int(state.prefix_lens.shape[0])
-        count = batch * meta.width
-        level_key, level_value = _per_request(key, value, batch, meta.width)
-        tree_key, tree_value = state.append(layer.layer_name, level_key, level_value)
-        if layer.layer_name not in state.prefix_kv:
-            state.prefix_kv[layer.layer_name] = gather_fa_prefix(
-                *self._fa_caches(kv_cache), state.block_table, state.prefix_lens
-            )
-        prefix_key, prefix_value = state.prefix_kv[layer.layer_name]
-        query = query[:count].reshape(batch, meta.width, *query.shape[1:])
-        out = attention_over_prefix_and_tree(
-            query, prefix_key, prefix_value, state.prefix_lens, tree_key, tree_value,
-            meta.tree_mask.to(query.device), self.scale,
-        )
-        output[:count] = out.reshape(count, *out.shape[2:]).to(output.dtype)
-        return output
+    def gather_prefix(self, layer, kv_cache, block_table, prefix_lens, plans):
+        return gather_fa_prefix(*self._fa_caches(kv_cache), block_table, prefix_lens)
 
 
 def gather_fa_prefix(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,

@@ -1,7 +1,6 @@
 """Drafting-stage time per step for any proposer, vLLM's built-in ones included.
 
-The plugin's own drafters (``EasySpecDraftProposer`` with an ``easyspec`` config, ``EasySpecEagleProposer``)
-time themselves. For every other proposer (``EagleProposer``, ``NgramProposer``, a plain ``draft_model``),
+The plugin's own proposers (:mod:`vllm_easyspec.integration.proposers`) time themselves. For every other proposer (``EagleProposer``, ``NgramProposer``, a plain ``draft_model``),
 ``time_drafter`` wraps the ``propose`` bound method of this worker's drafter instance -- it replaces, on that one instance only,
 vLLM's ``SpecDecodeBaseProposer.propose`` / ``NgramProposer.propose`` -- so that benchmarks report
 drafting time at the same boundary (one ``drafter.propose`` call per engine step) for every method.
@@ -20,14 +19,14 @@ from typing import Any
 
 import torch
 
-from vllm_easyspec.integration.draft_proposer import DraftingStats
+from vllm_easyspec.integration.proposers import DraftingStats
 
 _TIMER_ATTRIBUTE = "_easyspec_drafting_timer"
 
 
 def _self_timed(drafter: Any) -> bool:
-    """The plugin's proposers time themselves when an ``easyspec`` config is in use."""
-    return getattr(drafter, "easyspec_config", None) is not None
+    """The plugin's proposers time themselves."""
+    return getattr(drafter, "drafting_stats", None) is not None
 
 
 def time_drafter(worker: Any) -> bool:
@@ -100,7 +99,7 @@ def _cumulative_drafting_seconds(runner: Any) -> float:
         return 0.0
     stats = getattr(drafter, _TIMER_ATTRIBUTE, None)
     if stats is None and _self_timed(drafter):
-        stats = drafter.drafting_stats  # read each time: reset_drafting_stats replaces the object
+        stats = drafter.drafting_stats
     return stats.drafting_seconds if stats is not None else 0.0
 
 

@@ -3,7 +3,7 @@
 A debugging and testing aid: after a step, the draft KV of every position below the new bonus token must
 equal what an exact draft holds (bonus calibration), and the target KV must be that of the verified
 chain (tree KV compaction). The CPU attention backend stores K/V in an ISA-specific packed layout, read
-back through the layout probed by :mod:`vllm_easyspec.integration.cpu_kv_layout`.
+back through the layout probed by :mod:`vllm_easyspec.integration.cpu.kv_layout`.
 
 All functions here take a vLLM worker and are meant for ``LLM.collective_rpc``. Invariant: reading is
 side-effect free on the engine's caches (only a scratch tensor is written).
@@ -15,21 +15,35 @@ from typing import Any
 
 import torch
 
+_RECORDED = "_easyspec_recorded_block_tables"
+
 
 def start_recording_block_tables(worker: Any) -> bool:
-    """Make the EasySpec drafter remember each request's block ids from now on (clears old records)."""
+    """From now on, remember each request's block ids as the plugin's drafter sees them in ``propose`` (clears
+    old records). Wraps, on this worker's drafter instance only, its ``propose``."""
+    from vllm_easyspec.integration.proposers import PROPOSE_SIGNATURE
+
     drafter = _drafter(worker)
-    drafter.record_block_tables = True
-    drafter.last_block_tables = {}
+    if not hasattr(drafter, _RECORDED):
+        unrecorded_propose = drafter.propose
+        runner = worker.model_runner
+
+        def recording_propose(*args: Any, **kwargs: Any) -> torch.Tensor:
+            cad = PROPOSE_SIGNATURE.bind(drafter, *args, **kwargs).arguments["common_attn_metadata"]
+            table = cad.block_table_tensor.cpu()
+            for row, req_id in enumerate(list(runner.input_batch.req_ids)[: cad.batch_size()]):
+                getattr(drafter, _RECORDED)[req_id] = [int(b) for b in table[row].tolist()]
+            return unrecorded_propose(*args, **kwargs)
+
+        drafter.propose = recording_propose
+    setattr(drafter, _RECORDED, {})
     return True
 
 
 def _drafter(worker: Any):
-    from vllm_easyspec.integration.draft_proposer import EasySpecDraftProposer
-
     drafter = getattr(worker.model_runner, "drafter", None)
-    if not isinstance(drafter, EasySpecDraftProposer) or drafter.easyspec_config is None:
-        raise RuntimeError("KV inspection needs the EasySpec drafter with additional_config['easyspec'] set")
+    if getattr(drafter, "options", None) is None:
+        raise RuntimeError("KV inspection needs the plugin's drafter (additional_config['easyspec'] set)")
     return drafter
 
 
@@ -52,9 +66,9 @@ def read_target_kv(worker: Any, num_positions: int) -> dict[str, dict[str, torch
 
 
 def _read_layers(worker: Any, names: list[str], num_positions: int) -> dict[str, dict[str, torch.Tensor]]:
-    from vllm_easyspec.integration.cpu_kv_layout import PagedKVReader, probe_cpu_kv_layout
+    from vllm_easyspec.integration.cpu.kv_layout import PagedKVReader, probe_cpu_kv_layout
 
-    tables = _drafter(worker).last_block_tables
+    tables = getattr(_drafter(worker), _RECORDED)
     if len(tables) != 1:
         raise RuntimeError(f"expected exactly one recorded request, found {sorted(tables)}")
     (block_ids,) = tables.values()

@@ -1,17 +1,17 @@
-"""Front-end checks: bad options fail in the process the user started, with one line that names the fix,
-before any engine process starts."""
+"""The front end's seam, ``EngineArgs.create_engine_config``: the ``easyspec`` options are parsed once, a
+tree fills in the engine arguments it fixes, bad options fail in the process the user started (one line that
+names the field and the fix, before any engine process starts), and the resolved options are attached to the
+engine's config (:mod:`~vllm_easyspec.integration.options`)."""
 
 from __future__ import annotations
 
 import functools
 
-from vllm_easyspec.easyspec.config import EasySpecConfigError, parse_easyspec_config
-from vllm_easyspec.integration import plugin_logger
+from vllm_easyspec.easyspec.config import EasySpecConfig, EasySpecConfigError, parse_easyspec_config
+from vllm_easyspec.integration.compat import plugin_logger
+from vllm_easyspec.integration.options import TREE_METHODS, EasySpecOptions, attach_options
 
 logger = plugin_logger(__name__)
-
-
-TREE_METHODS = ("draft_model", "eagle", "eagle3")  # speculative methods whose drafter can draft trees
 
 
 def install() -> None:
@@ -30,23 +30,26 @@ def install() -> None:
 def _checked_create_engine_config(original):
     @functools.wraps(original)
     def create_engine_config(self, *args, **kwargs):
-        prepare_tree_engine_args(self)
+        config = parse_easyspec_config(self.additional_config)
+        prepare_tree_engine_args(self, config)
         vllm_config = original(self, *args, **kwargs)
-        validate_engine_config(vllm_config)
+        options = None if config is None else EasySpecOptions.resolve(config, vllm_config)
+        validate_engine_config(vllm_config, options)
+        attach_options(vllm_config, options)
         return vllm_config
 
     create_engine_config._easyspec_patched = True
     return create_engine_config
 
 
-def prepare_tree_engine_args(engine_args) -> None:
-    """With ``easyspec.tree``, fill in what a tree fixes before vLLM builds its config.
+def prepare_tree_engine_args(engine_args, easyspec: EasySpecConfig | None) -> None:
+    """With ``easyspec.tree`` (of the options ``easyspec`` parsed from ``engine_args``), fill in what a tree
+    fixes before vLLM builds its config.
 
     ``num_speculative_tokens`` is the tree's node count (vLLM schedules one speculative token per node): it
     is set when absent and a different value is refused with an error naming both fields. Trees verify
     synchronously (the runner rewrites the step's inputs after sampling), so async scheduling is turned off.
     """
-    easyspec = parse_easyspec_config(engine_args.additional_config)
     if easyspec is None or easyspec.tree is None:
         return
     spec = engine_args.speculative_config
@@ -92,7 +95,7 @@ def prepare_tree_engine_args(engine_args) -> None:
     from vllm.platforms import current_platform
 
     if current_platform.is_cuda_alike():
-        # On GPUs the tree rows go through the plugin's TRITON_ATTN backend (tree_gpu_attention_backend).
+        # On GPUs the tree rows go through the plugin's TRITON_ATTN backend (integration/gpu/attention_backend).
         backend = engine_args.attention_backend
         name = getattr(backend, "name", backend)
         if name not in (None, "TRITON_ATTN"):
@@ -103,35 +106,28 @@ def prepare_tree_engine_args(engine_args) -> None:
         engine_args.attention_backend = "TRITON_ATTN"
 
 
-def validate_engine_config(vllm_config) -> None:
-    """Checks that need only the front-end config; draft-model checks run again when the draft loads."""
-    easyspec = parse_easyspec_config(vllm_config.additional_config)
-    if easyspec is None:
+def validate_engine_config(vllm_config, options: EasySpecOptions | None) -> None:
+    """Checks of the resolved options against the engine's config (the draft's layer groups and architecture
+    were checked when ``options`` were resolved)."""
+    if options is None:
         return
     spec = vllm_config.speculative_config
-    if easyspec.tree is not None and spec is not None and spec.method in TREE_METHODS:
+    if options.tree is not None and spec is not None and spec.method in TREE_METHODS:
         _validate_tree_engine_config(vllm_config)
-        if spec.method != "draft_model":
-            return  # an EAGLE head drafts the tree; prepare_tree_engine_args refused draft-model-only options
-    if spec is None or spec.method != "draft_model":
+    drafts = options.drafts_with_draft_model or options.drafts_eagle_trees
+    if drafts and vllm_config.use_v2_model_runner:
+        raise EasySpecConfigError(
+            "additional_config.easyspec drafts through vLLM's V1 model runner, but this engine would run Model "
+            "Runner V2; set VLLM_USE_V2_MODEL_RUNNER=0 (and drop features that force V2, such as watermarking), "
+            "or remove additional_config.easyspec"
+        )
+    if not drafts:
         logger.warning(
             "additional_config.easyspec is set but speculative decoding is not method 'draft_model' "
             "(got %s); the EasySpec options have no effect. Add --speculative-config "
             "'{\"method\": \"draft_model\", \"model\": DRAFT, \"num_speculative_tokens\": K}'.",
             None if spec is None else spec.method,
         )
-        return
-    from vllm_easyspec.easyspec.layer_grouping import resolve_layer_groups
-
-    grouping = resolve_layer_groups(
-        easyspec,
-        num_layers=spec.draft_model_config.hf_text_config.num_hidden_layers,
-        tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size,
-    )
-    if grouping.fuzzy_groups:
-        from vllm_easyspec.integration.fuzzy_models import check_fuzzy_architecture
-
-        check_fuzzy_architecture(spec.draft_model_config.hf_config.architectures, spec.draft_model_config.hf_text_config)
 
 
 def _validate_tree_engine_config(vllm_config) -> None:

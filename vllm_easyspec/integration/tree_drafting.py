@@ -1,6 +1,5 @@
-"""The drafter drafts the tree: the tree path of the plugin's draft-model proposer
-(:class:`~vllm_easyspec.integration.draft_proposer.EasySpecDraftProposer`) and of its EAGLE proposer
-(:class:`~vllm_easyspec.integration.eagle_proposer.EasySpecEagleProposer`).
+"""The drafter drafts the tree: the tree path of the plugin's draft-model proposer and of its EAGLE proposer
+(:mod:`~vllm_easyspec.integration.proposers`).
 
 One drafting step is:
 
@@ -11,22 +10,24 @@ One drafting step is:
    its last row gives the root's distribution;
 2. one forward per further level of the tree over that level's frontier nodes
    (:class:`~vllm_easyspec.tree.drafting.LevelwiseTreeDraft`), attending through
-   :class:`~vllm_easyspec.integration.tree_attention_backend.TreeLevelMetadata` to the draft prefix and
+   :class:`~vllm_easyspec.integration.tree_attention.TreeLevelMetadata` to the draft prefix and
    their ancestors; they write nothing to the cache. With ``layer_parallel_size`` > 1 these forwards run
    fuzzy (EasySpec), in ``fused`` or ``tensor_parallel`` mode;
 3. with ``sources.prompt_lookup``, the continuation of the context's latest earlier n-gram match is merged
-   into each greedy or top-k tree (:mod:`vllm_easyspec.tree.merging`); with ``budget_by_batch``, each tree
-   keeps only the first nodes the batch size allows (none: no speculation this step, and no level forward),
-   and a dynamic tree is drafted at that budget (:meth:`~vllm_easyspec.tree.config.TreeConfig.drafted_within`);
-4. the trees go to the runner's verifier and their nodes, parents first, to the scheduler as the
-   request's speculative tokens.
+   into each greedy or top-k tree (:mod:`vllm_easyspec.tree.merging`); with ``budget_by_batch``, a dynamic
+   tree is drafted at the step's budget (:meth:`~vllm_easyspec.tree.config.TreeConfig.budget_at`,
+   :meth:`~vllm_easyspec.tree.config.TreeConfig.drafted_within`; none: no speculation this step, and no
+   level forward);
+4. each request's tree goes to the runner's verifier as a
+   :class:`~vllm_easyspec.integration.tree_step.PendingTree` (cut to the budget there) and its nodes,
+   parents first, to the scheduler as the request's speculative tokens.
 
 At a batch size where ``budget_by_batch`` asks for ``{"chain": k}``, the whole step is the proposer's own
 chain drafting instead (vLLM's ``propose`` with ``k`` tokens, after the branch's hidden states are moved
 into place), handed over as paths, which the runner verifies as vLLM verifies a chain.
 
 An EAGLE head also reads a hidden state per row: in the first pass the target's, of the accepted branch
-(:meth:`~vllm_easyspec.integration.tree_runner.TreeVerifier.branch_hidden_states` moves the winning nodes'
+(:meth:`~vllm_easyspec.integration.tree_step.TreeVerifier.branch_hidden_states` moves the winning nodes'
 states to the branch's rows, whichever branch won); at every level each node gets the state the head
 produced for its parent (the root's for depth 1). Its logits are over the target vocabulary already (an
 EAGLE-3 head maps its draft vocabulary through ``d2t``).
@@ -45,11 +46,11 @@ from collections.abc import Callable
 import torch
 from vllm.forward_context import set_forward_context
 
-from vllm_easyspec.integration import plugin_logger
-from vllm_easyspec.integration.tree_attention_backend import DraftTreeAttention, TreeLevelMetadata
-from vllm_easyspec.integration.tree_runner import PendingTree
+from vllm_easyspec.integration.compat import plugin_logger
+from vllm_easyspec.integration.options import EasySpecOptions
+from vllm_easyspec.integration.tree_attention import DraftTreeAttention, TreeLevelMetadata
+from vllm_easyspec.integration.tree_step import PendingTree, TreeVerifier
 from vllm_easyspec.tree.building import ChildDrawMode
-from vllm_easyspec.tree.config import TreeConfig
 from vllm_easyspec.tree.drafting import LevelwiseTreeDraft
 from vllm_easyspec.tree.merging import merge_path, prompt_lookup
 from vllm_easyspec.tree.retokenizing import TreeRetokenizer, approximate_target_to_draft, token_bytes
@@ -62,19 +63,17 @@ SAMPLING_EPS = 1e-5  # vLLM's greedy threshold on temperature
 class TreeDrafting:
     """Drafts token trees with a vLLM draft-model proposer (see the module docstring)."""
 
-    def __init__(self, proposer, config: TreeConfig, draft_chain: Callable[..., torch.Tensor]) -> None:
+    def __init__(self, proposer, options: EasySpecOptions, draft_chain: Callable[..., torch.Tensor]) -> None:
         """``draft_chain``: the proposer's chain drafting, called with vLLM's ``propose`` arguments."""
         self.proposer = proposer
-        self.config = config
+        self.config = config = options.tree
         self.draft_chain = draft_chain
         self.retokenizer: TreeRetokenizer | None = None
         self.draft_usable: torch.Tensor | None = None  # retokenize: draft tokens that have text (or map)
         self.unshared_target_tokens: torch.Tensor | None = None  # retokenize: target ids the draft lacks
-        across_vocabularies = bool(getattr(proposer, "use_heterogeneous_vocab", False)) and \
-            getattr(proposer, "vocab_mapping", None) is not None
-        if config.bridges_by_text(across_vocabularies):
+        if options.bridges_by_text:
             self._bridge_by_text()
-        elif across_vocabularies:
+        elif options.across_vocabularies:
             reason = "retokenize is false" if config.retokenize is False else "draw is 'sample'"
             logger.info("easyspec.tree: the vocabularies are bridged by vLLM's shared ids (%s)", reason)
 
@@ -82,7 +81,7 @@ class TreeDrafting:
         """``tree.retokenize``: the retokenizer, the draft tokens it can use, and the refined target -> draft
         table of the proposer's vocabulary mapping (module docstring). The proposer is a draft model with
         ``use_heterogeneous_vocab``: the front end
-        (:func:`~vllm_easyspec.integration.config_checks.prepare_tree_engine_args`) refuses an explicit
+        (:func:`~vllm_easyspec.integration.front_end.prepare_tree_engine_args`) refuses an explicit
         ``retokenize`` otherwise, and the default asks for it only then. When a tokenizer's token text is
         unknown, an explicit ``retokenize`` is refused and the default keeps vLLM's shared-id mapping."""
         proposer = self.proposer
@@ -124,9 +123,8 @@ class TreeDrafting:
                     int(usable.sum()), filled)
 
     @property
-    def verifier(self):
-        runner = self.proposer.easyspec_runner
-        return getattr(runner, "tree_verifier", None)
+    def verifier(self) -> TreeVerifier:
+        return self.proposer.easyspec_runner.tree_verifier
 
     def propose(self, **arguments) -> torch.Tensor:
         """vLLM's ``propose`` arguments in, ``[B, N]`` node tokens out (module docstring)."""
@@ -134,11 +132,11 @@ class TreeDrafting:
         batch_size = arguments["common_attn_metadata"].batch_size()
         if proposer.pass_hidden_states_to_model:  # an EAGLE head reads the target's states of the accepted branch
             arguments["target_hidden_states"] = self.verifier.branch_hidden_states(arguments["target_hidden_states"])
-        node_limit = self.config.node_limit(batch_size)
-        if node_limit and self.config.drafts_chain(batch_size):
-            chains = self.draft_chain(**(arguments | {"num_speculative_tokens": node_limit}))
-            return self._hand_over_chains(chains, batch_size, node_limit)
-        return self._propose_trees(node_limit, **arguments)
+        budget = self.config.budget_at(batch_size)
+        if budget.chain:
+            chains = self.draft_chain(**(arguments | {"num_speculative_tokens": budget.nodes}))
+            return self._hand_over_chains(chains, batch_size)
+        return self._propose_trees(budget.nodes, **arguments)
 
     def _propose_trees(self, node_limit: int, *, target_token_ids, target_positions, target_hidden_states,
                        next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
@@ -234,44 +232,35 @@ class TreeDrafting:
             logits = proposer.vocab_mapping.constrain_draft_logits(logits)
         return logits
 
-    def _hand_over_chains(self, chains: torch.Tensor, batch_size: int, length: int) -> torch.Tensor:
-        """The proposer's ``[B, length]`` chain drafts (target ids) to the runner's verifier, as paths."""
+    def _hand_over_chains(self, chains: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """The proposer's ``[B, k]`` chain drafts (target ids) to the runner's verifier, as chains."""
         verifier = self.verifier
-        req_ids = self._start_hand_over(batch_size, length, chain=True)
+        req_ids = self._request_ids(batch_size)
         rows = chains.tolist()
-        paths: dict[str, PendingTree] = {}
-        for row, req_id in enumerate(req_ids):
-            if verifier.fallback_reason(req_id) is None:
-                paths[req_id] = PendingTree(tokens=rows[row], parents=list(range(-1, length - 1)),
-                                            draw_mode=ChildDrawMode.WITHOUT_REPLACEMENT)
-        verifier.propose(paths, set(req_ids) - set(paths))
+        paths = {req_id: PendingTree.chain(rows[row]) for row, req_id in enumerate(req_ids)
+                 if verifier.fallback_reason(req_id) is None}
+        verifier.propose(paths, set(req_ids) - set(paths), node_limit=chains.shape[1], chain=True)
         return chains
 
-    def _start_hand_over(self, batch_size: int, node_limit: int, chain: bool) -> list[str]:
-        """The batch's request ids; the step's limit goes into the verifier's stats."""
-        stats = self.verifier.stats
-        stats.last_node_limit = node_limit
-        stats.last_limit_is_chain = chain
-        stats.steps_without_speculation += node_limit == 0
+    def _request_ids(self, batch_size: int) -> list[str]:
         return list(self.proposer.easyspec_runner.input_batch.req_ids[:batch_size])
 
     def _hand_over(self, trees, batch_size: int, next_token_ids: torch.Tensor, node_limit: int) -> torch.Tensor:
-        """Map to target ids, merge the sources' candidates in, cut every tree to ``node_limit`` nodes (none
-        drafted when it is 0), give the trees to the runner's verifier, and return ``[B, N]`` node tokens (a
-        tree with fewer than ``N`` nodes is cut to its own size later, in
-        :meth:`~vllm_easyspec.integration.tree_runner.TreeVerifier.trim_drafts`)."""
+        """Map to target ids, merge the sources' candidates in, give the trees (cut to ``node_limit`` nodes;
+        none drafted when it is 0) to the runner's verifier, and return ``[B, N]`` node tokens (a tree with
+        fewer than ``N`` nodes is cut to its own size later, in
+        :meth:`~vllm_easyspec.integration.tree_step.TreeVerifier.trim_drafts`)."""
         proposer = self.proposer
         verifier = self.verifier
-        req_ids = self._start_hand_over(batch_size, node_limit, chain=False)
+        req_ids = self._request_ids(batch_size)
         if trees is None:
-            verifier.propose({}, set(req_ids))
+            verifier.propose({}, set(req_ids), node_limit=node_limit, chain=False)
             return torch.zeros(batch_size, self.config.num_nodes, dtype=torch.long, device=next_token_ids.device)
         tokens = trees.tokens
         mapping = proposer.vocab_mapping if proposer.use_heterogeneous_vocab else None
         token_lists = tokens.tolist()
         parent_lists = trees.parents.tolist()
         if self.retokenizer is not None:
-            verifier.unshared_target_tokens = self.unshared_target_tokens
             retokenized = [self.retokenizer.retokenize(row_tokens, row_parents, self.config.drafted_nodes)
                            for row_tokens, row_parents in zip(token_lists, parent_lists, strict=True)]
             token_lists = [row_tokens for row_tokens, _ in retokenized]
@@ -289,21 +278,15 @@ class TreeDrafting:
             probs = trees.draft_probs.get(row)  # None for top-k rows, and for every retokenized row (config)
             if probs is not None and mapping is not None:
                 probs = _to_target_vocab(probs, mapping)
-            tree = PendingTree(
-                tokens=token_lists[row],
-                parents=parent_lists[row],
-                draw_mode=trees.draw_modes[row],
-                draft_probs=probs,
-                drafted=len(token_lists[row]),
-            )
-            if lookup is not None and tree.draw_mode is ChildDrawMode.WITHOUT_REPLACEMENT:
+            row_tokens, row_parents, mode = token_lists[row], parent_lists[row], trees.draw_modes[row]
+            drafted = len(row_tokens)
+            if lookup is not None and mode is ChildDrawMode.WITHOUT_REPLACEMENT:
                 path = prompt_lookup(self._history(row, req_id, int(next_token_ids[row])),
                                      lookup.min_match, lookup.max_match, self.config.max_depth + lookup.nodes)
-                tree.tokens, tree.parents, added = merge_path(tree.tokens, tree.parents, path, lookup.nodes)
+                row_tokens, row_parents, added = merge_path(row_tokens, row_parents, path, lookup.nodes)
                 verifier.stats.source_nodes += added
-            tree.tokens, tree.parents = tree.tokens[:node_limit], tree.parents[:node_limit]  # still a tree
-            pending[req_id] = tree
-        verifier.propose(pending, no_drafts)
+            pending[req_id] = PendingTree.within(node_limit, row_tokens, row_parents, mode, probs, drafted)
+        verifier.propose(pending, no_drafts, node_limit=node_limit, chain=False)
         if lookup is None and self.retokenizer is None:
             return tokens
         out = torch.zeros(batch_size, self.config.num_nodes, dtype=tokens.dtype, device=tokens.device)

@@ -1,0 +1,8 @@
+"""Measuring speculative decoding with the plugin, for users, benchmarks and tests (no engine path).
+
+* :mod:`.metrics`: mean acceptance length and per-position acceptance as vLLM defines them, from
+  ``LLM.get_metrics()``.
+* :mod:`.worker_extension`: pass ``worker_extension_cls=WORKER_EXTENSION_CLS`` to ``LLM`` to read the plugin's
+  per-worker counters (drafting time, tree steps) with ``LLM.collective_rpc``.
+* :mod:`.drafting_timer`: drafting and whole-step timers for any speculative method, vLLM's own included.
+"""

@@ -1,0 +1,79 @@
+"""A worker extension (``worker_extension_cls``) that lets the front end read the plugin's per-worker
+counters through ``LLM.collective_rpc("easyspec_drafting_stats")`` without sending code to workers, and
+time the drafting stage of any speculative method (``LLM.collective_rpc("easyspec_time_drafter")``) and whole
+engine steps of any setup (``easyspec_time_steps`` / ``easyspec_step_stats``).
+
+The ``read_*`` functions take a vLLM worker; tests and benchmarks also send them to workers directly
+(``LLM.collective_rpc(read_tree_stats)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+WORKER_EXTENSION_CLS = "vllm_easyspec.instruments.worker_extension.EasySpecWorkerExtension"
+
+
+def read_drafting_stats(worker) -> dict[str, Any] | None:
+    """This rank's drafting counters of the plugin's proposer, or None when it drafts with vLLM's own."""
+    drafter = getattr(worker.model_runner, "drafter", None)
+    stats = getattr(drafter, "drafting_stats", None)
+    if stats is None:
+        return None
+    result: dict[str, Any] = asdict(stats) | {"seconds_per_step": stats.seconds_per_step}
+    calibration = getattr(drafter, "calibration", None)
+    if calibration is not None:
+        result["exact_first_forwards"] = calibration.exact_first_forwards
+        result["fuzzy_first_forwards"] = calibration.fuzzy_first_forwards
+    controller = getattr(drafter, "fuzzy_controller", None)
+    if controller is not None:
+        counts = controller.counts
+        result |= {
+            "exact_forwards": counts.exact,
+            "fuzzy_forwards": counts.fuzzy,
+            "fused_group_calls": counts.fused_groups,
+            "parallel_group_calls": counts.parallel_groups,
+        }
+    grouping = getattr(drafter, "layer_grouping", None)
+    if grouping is not None:
+        result["mode"] = grouping.mode
+        result["groups"] = [list(g) for g in grouping.groups]
+    return result
+
+
+def read_tree_stats(worker) -> dict[str, int] | None:
+    """This rank's token-tree counters (:class:`~vllm_easyspec.integration.tree_step.TreeStats`), or None
+    without trees."""
+    verifier = getattr(worker.model_runner, "tree_verifier", None)
+    return None if verifier is None else asdict(verifier.stats)
+
+
+class EasySpecWorkerExtension:
+    def easyspec_drafting_stats(self) -> dict[str, float] | None:
+        """This rank's drafting counters: the plugin drafter's own, else those of ``easyspec_time_drafter``."""
+        from vllm_easyspec.instruments.drafting_timer import read_timed_drafting_stats
+
+        return read_drafting_stats(self) or read_timed_drafting_stats(self)
+
+    def easyspec_time_drafter(self) -> bool:
+        """Time every ``drafter.propose`` call of this rank, whatever the speculative method."""
+        from vllm_easyspec.instruments.drafting_timer import time_drafter
+
+        return time_drafter(self)
+
+    def easyspec_time_steps(self) -> bool:
+        """Time every engine step (``execute_model`` + ``sample_tokens``) of this rank; idempotent."""
+        from vllm_easyspec.instruments.drafting_timer import time_steps
+
+        return time_steps(self)
+
+    def easyspec_step_stats(self) -> dict[str, float] | None:
+        """This rank's cumulative step counters from ``easyspec_time_steps``, or None when not timed."""
+        from vllm_easyspec.instruments.drafting_timer import read_step_stats
+
+        return read_step_stats(self)
+
+    def easyspec_tree_stats(self) -> dict[str, int] | None:
+        """This rank's token-tree counters (steps, tree requests, nodes verified, accepted, fallbacks)."""
+        return read_tree_stats(self)

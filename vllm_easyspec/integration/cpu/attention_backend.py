@@ -1,0 +1,182 @@
+"""Where the tree reaches vLLM's CPU attention backend.
+
+``TreeCPUAttentionBackend`` replaces ``CPU_ATTN`` (``vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend``,
+overridden through vLLM's ``register_backend``). It is vLLM's backend unchanged except for the two kinds of
+tree forward (:mod:`~vllm_easyspec.integration.tree_attention`):
+
+* **target verify** (:class:`TreeVerifyMetadata`): each tree request's ``1 + n`` rows attend, in one masked
+  SDPA per layer, to its cached prefix (read with the layout probed at start-up,
+  :mod:`~vllm_easyspec.integration.cpu.kv_layout`) and to the forward's own K/V of its root and nodes under
+  the ancestor mask. The rows' K/V still go to their linear slots as vLLM writes them, and are kept for the
+  runner's commit, which writes the accepted branch through vLLM's own ``cpu_attn_reshape_and_cache``.
+* **draft level**: the draft prefix is read through the same layout reader.
+
+The C++ kernel has no arbitrary mask and returns no log-sum-exp, so the tree rows cannot use it; they
+never read a slot that the step itself wrote, so the cache is only ever read back for the prefix.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadataBuilder,
+)
+
+from vllm_easyspec.easyspec.config import EasySpecConfigError
+from vllm_easyspec.integration.cpu.kv_layout import GatherPlan, PagedKVReader, probe_cpu_kv_layout
+from vllm_easyspec.integration.options import tree_options
+from vllm_easyspec.integration.tree_attention import (
+    TreeAttentionImplMixin,
+    TreeVerifyBuilderMixin,
+    masked_attention,
+    refuse_unsupported_layers,
+)
+from vllm_easyspec.integration.tree_step import TreeVerifyForward, VerifyKV
+
+BACKEND_PATH = "vllm_easyspec.integration.cpu.attention_backend.TreeCPUAttentionBackend"
+
+
+def gather_cpu_prefix(layer: Any, kv_cache: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor,
+                      plans: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[R, heads, max(lengths), dim]`` of one layer's cache; the gather indices are built
+    once per layout and kept in ``plans`` for every layer of the forward."""
+    num_blocks, kv_heads, block_size, fused = kv_cache.shape
+    key = (layer.isa, kv_cache.dtype, kv_heads, block_size, fused // 2)
+    if key not in plans:
+        reader = _reader(*key)
+        plans[key] = (reader, reader.index(block_table, lengths))
+    reader, plan = plans[key]
+    return reader.gather(kv_cache, plan)
+
+
+@functools.lru_cache(maxsize=16)
+def _reader(isa: str, dtype: torch.dtype, kv_heads: int, block_size: int, head_size: int) -> PagedKVReader:
+    return PagedKVReader(probe_cpu_kv_layout(isa, dtype, kv_heads, block_size, head_size))
+
+
+@dataclass
+class TreeVerifyMetadata:
+    """Per-forward metadata of a verify step that contains token trees (shared by all target layers)."""
+
+    num_actual_tokens: int
+    chain: Any | None  # vLLM's CPUAttentionMetadata for the requests without trees, or None
+    chain_rows: torch.Tensor | None  # their flattened rows
+    forward: TreeVerifyForward
+    query_rows: torch.Tensor  # [R, W] flattened row of each query (padding repeats the root)
+    valid_flat_rows: torch.Tensor  # forward rows of the real (non-padding) queries
+    valid_flat_index: torch.Tensor  # their places in the [R * W] query layout
+    single: tuple[int, int] | None  # (first, end) forward rows when the step has one tree request
+    tree_mask: torch.Tensor  # [R, W, W]
+    prefix_lens: torch.Tensor  # [R] = P, the cached prefix is positions < P
+    block_table: torch.Tensor  # [R, max_blocks] of the tree requests
+    gather_plans: dict[Any, GatherPlan] = field(default_factory=dict)  # prefix reads, shared by the layers
+    biases: dict[tuple, torch.Tensor] = field(default_factory=dict)  # built once, shared by the layers
+
+
+class TreeCPUAttentionMetadataBuilder(TreeVerifyBuilderMixin, CPUAttentionMetadataBuilder):
+    """vLLM's builder; inside :func:`~vllm_easyspec.integration.tree_attention.verifying` it builds
+    :class:`TreeVerifyMetadata` instead."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        if tree_options(vllm_config) is not None:
+            self._check_tree_support(layer_names, vllm_config)
+
+    def _check_tree_support(self, layer_names, vllm_config) -> None:
+        """Start-up self-check: refuse tree mode where tree attention would not be exact."""
+        dtype = vllm_config.model_config.dtype if self.kv_cache_dtype in ("auto", None) else None
+        if dtype is None:
+            raise EasySpecConfigError(
+                f"easyspec.tree supports only unquantized KV caches, got kv_cache_dtype {self.kv_cache_dtype!r}"
+            )
+        probe_cpu_kv_layout(self.isa, dtype, self.num_kv_heads, self.block_size, self.head_dim)
+        refuse_unsupported_layers(vllm_config, layer_names, no_window=-1)
+
+    def build_verify(self, common_prefix_len, cm, forward: TreeVerifyForward) -> TreeVerifyMetadata:
+        step = forward.step
+        chain, chain_rows = self.build_requests_without_tree(common_prefix_len, cm, step)
+        block_table = cm.block_table_tensor[step.batch_rows]
+        forward.block_table = block_table
+        query_rows = step.attention_rows()
+        return TreeVerifyMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            chain=chain,
+            chain_rows=chain_rows,
+            forward=forward,
+            query_rows=query_rows,
+            valid_flat_rows=query_rows[step.valid_rows],
+            valid_flat_index=step.valid_rows.flatten().nonzero().flatten(),
+            single=None if len(step) > 1 else (int(step.query_starts[0]), int(step.query_starts[0]) + step.width),
+            tree_mask=step.attention_mask,
+            prefix_lens=step.prefix_lens,
+            block_table=block_table,
+        )
+
+
+class TreeCPUAttentionImpl(TreeAttentionImplMixin, CPUAttentionBackendImpl):
+    """vLLM's CPU attention, plus the tree-verify and draft-level forwards (module docstring)."""
+
+    verify_metadata = TreeVerifyMetadata
+
+    def gather_prefix(self, layer, kv_cache, block_table, prefix_lens, plans):
+        return gather_cpu_prefix(layer, kv_cache, block_table, prefix_lens, plans)
+
+    def verify_trees(self, layer, query, key, value, kv_cache, meta: TreeVerifyMetadata, output):
+        if meta.single is not None:  # one tree: its rows are one slice of the batch, no gathers
+            first, end = meta.single
+            tree_query = query[first:end].unsqueeze(0)
+            tree_key = key[first:end].transpose(0, 1).unsqueeze(0).clone()  # [1, Hkv, W, D], kept past the layer
+            tree_value = value[first:end].transpose(0, 1).unsqueeze(0).clone()
+        else:
+            rows = meta.query_rows
+            tree_query = query[rows]
+            tree_key = key[rows].transpose(1, 2)  # [R, Hkv, W, D]
+            tree_value = value[rows].transpose(1, 2)
+        prefix_key, prefix_value = self.gather_prefix(layer, kv_cache, meta.block_table, meta.prefix_lens,
+                                                      meta.gather_plans)
+        out = masked_attention(meta, meta.prefix_lens, tree_query, prefix_key, prefix_value, tree_key, tree_value,
+                               self.scale)
+        if meta.single is not None:
+            output[first:end] = out[0]
+        else:
+            output.index_copy_(0, meta.valid_flat_rows, out.reshape(-1, *out.shape[2:]).index_select(
+                0, meta.valid_flat_index).to(output.dtype))
+        meta.forward.kept_kv[layer.layer_name] = VerifyKV(
+            tree_key, tree_value, kv_cache.shape[2], functools.partial(_write_cpu_cache, layer, kv_cache)
+        )
+        return output
+
+
+def _write_cpu_cache(layer, kv_cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     slots: torch.Tensor) -> None:
+    """Write K/V rows to ``slots`` of one layer's cache through vLLM's own op (whatever its layout)."""
+    from vllm import _custom_ops as ops
+
+    num_blocks, kv_heads, block_size, _ = kv_cache.shape
+    key_cache, value_cache = kv_cache.view(num_blocks, kv_heads, 2 * block_size, -1).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, layer.isa,
+                                   k_scale=layer._k_scale_float, v_scale=layer._v_scale_float)
+
+
+class TreeCPUAttentionBackend(CPUAttentionBackend):
+    @staticmethod
+    def get_impl_cls() -> type[TreeCPUAttentionImpl]:
+        return TreeCPUAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[TreeCPUAttentionMetadataBuilder]:
+        return TreeCPUAttentionMetadataBuilder
+
+
+def install() -> None:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    # Replaces the class behind AttentionBackendEnum.CPU_ATTN
+    # (vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend) with the subclass above.
+    register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)

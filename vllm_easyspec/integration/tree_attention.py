@@ -1,0 +1,303 @@
+"""What the CPU and GPU tree attention backends share (``cpu/attention_backend.py``,
+``gpu/attention_backend.py``): how the runner's tree step reaches them, the batch split, the draft-level
+forward, and the start-up checks.
+
+* **target verify**: while the runner builds attention metadata for a step with token trees
+  (:func:`verifying`), a backend's metadata builder builds tree metadata instead of vLLM's. The requests
+  without a tree go to vLLM's own kernel as a sub-batch (:func:`split_verify_batch`); the tree rows attend
+  to their cached prefix and their ancestors. Each layer keeps the tree rows' K/V
+  (:class:`~vllm_easyspec.integration.tree_step.VerifyKV`) for the runner's commit.
+* **draft level** (:class:`TreeLevelMetadata`): a drafter forward over one depth of the draft trees. Those
+  rows write nothing to the cache; they attend to the draft prefix (through the root) and to the K/V of
+  their ancestors from earlier levels of the same step, kept in :class:`DraftTreeAttention`. A backend
+  supplies only how its cache layout yields a request's prefix (:meth:`TreeAttentionImplMixin.gather_prefix`).
+
+Invariant: with no active tree step every builder and impl method is vLLM's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm_easyspec.easyspec.config import EasySpecConfigError
+from vllm_easyspec.integration.tree_step import TreeVerifyForward
+from vllm_easyspec.tree.attention import attention_over_prefix_and_tree, prefix_and_tree_bias
+from vllm_easyspec.tree.verify_step import TreeVerifyStep
+
+_ACTIVE_VERIFY: contextvars.ContextVar[TreeVerifyForward | None] = contextvars.ContextVar(
+    "easyspec_tree_verify", default=None
+)
+
+
+@contextlib.contextmanager
+def verifying(forward: TreeVerifyForward) -> Iterator[None]:
+    """Attention metadata built inside this context is tree-verify metadata for ``forward``."""
+    token = _ACTIVE_VERIFY.set(forward)
+    try:
+        yield
+    finally:
+        _ACTIVE_VERIFY.reset(token)
+
+
+# ------------------------------------------------------------------------------------------ batch split
+class SubBatchField(enum.Enum):
+    """How :func:`split_verify_batch` carries one field of vLLM's ``CommonAttentionMetadata``."""
+
+    PER_REQUEST = "sliced by request"  # tensors and arrays with one entry per request; other values kept
+    PER_TOKEN = "sliced by row"  # one entry per forward row
+    RECOMPUTED = "recomputed for the sub-batch"
+    CLEARED = "cleared"  # derived caches, and kv-sharing fast-prefill indices into the full batch
+
+
+# Every field of vLLM 0.32.0's CommonAttentionMetadata, once (a test checks the set is exactly vLLM's).
+SUB_BATCH_FIELDS: dict[str, SubBatchField] = {
+    "query_start_loc": SubBatchField.RECOMPUTED,
+    "query_start_loc_cpu": SubBatchField.RECOMPUTED,
+    "seq_lens": SubBatchField.PER_REQUEST,
+    "num_reqs": SubBatchField.RECOMPUTED,
+    "num_actual_tokens": SubBatchField.RECOMPUTED,
+    "max_query_len": SubBatchField.RECOMPUTED,
+    "max_seq_len": SubBatchField.RECOMPUTED,
+    "block_table_tensor": SubBatchField.PER_REQUEST,
+    "slot_mapping": SubBatchField.PER_TOKEN,
+    "causal": SubBatchField.PER_REQUEST,
+    "logits_indices_padded": SubBatchField.CLEARED,
+    "num_logits_indices": SubBatchField.CLEARED,
+    "max_logits_per_req": SubBatchField.CLEARED,
+    "encoder_seq_lens": SubBatchField.PER_REQUEST,
+    "encoder_seq_lens_cpu": SubBatchField.PER_REQUEST,
+    "dcp_local_seq_lens": SubBatchField.PER_REQUEST,
+    "dcp_local_seq_lens_cpu_upper_bound": SubBatchField.PER_REQUEST,
+    "positions": SubBatchField.PER_TOKEN,
+    "is_prefilling": SubBatchField.PER_REQUEST,
+    "seq_lens_cpu_upper_bound": SubBatchField.PER_REQUEST,
+    "req_idx": SubBatchField.PER_REQUEST,
+    "mm_req_doc_ranges": SubBatchField.RECOMPUTED,
+    "rswa_prefix_lens": SubBatchField.PER_REQUEST,
+    "replayssm_decode_base_cpu": SubBatchField.PER_REQUEST,
+    "_num_computed_tokens_cache": SubBatchField.CLEARED,
+    "_token_to_req_indices_cache": SubBatchField.CLEARED,
+}
+
+
+def split_verify_batch(cm, step: TreeVerifyStep):
+    """The requests of ``cm`` (vLLM's ``CommonAttentionMetadata``) that have no tree in ``step``, as their own
+    ``CommonAttentionMetadata`` with their flattened rows in the full batch; ``(None, None)`` if none has a row.
+
+    Every field is carried as :data:`SUB_BATCH_FIELDS` says; ``max_seq_len`` uses the CPU upper bound when
+    the runner gives one (no device sync), and requests with no rows (CUDA-graph padding) never make a
+    sub-batch on their own.
+    """
+    num_reqs = cm.num_reqs
+    query_start = cm.query_start_loc_cpu[: num_reqs + 1].long()
+    is_tree = torch.zeros(num_reqs, dtype=torch.bool)
+    is_tree[step.batch_rows] = True
+    chain_requests = (~is_tree).nonzero().flatten()
+    lengths = query_start[1:] - query_start[:-1]
+    if not chain_requests.numel() or not int(lengths[chain_requests].sum()):
+        return None, None
+    chain_lengths = lengths[chain_requests]
+    chain_rows = torch.cat([
+        torch.arange(int(query_start[r]), int(query_start[r + 1])) for r in chain_requests.tolist()
+    ])
+    rows = chain_rows.to(cm.slot_mapping.device)
+
+    def per_request(x):
+        if isinstance(x, torch.Tensor):
+            return x[chain_requests.to(x.device)]
+        if hasattr(x, "shape"):  # numpy arrays (encoder_seq_lens_cpu, req_idx)
+            return x[chain_requests.numpy()]
+        return x  # None, or a value shared by every request (causal=True)
+
+    carried = {
+        SubBatchField.PER_REQUEST: per_request,
+        SubBatchField.PER_TOKEN: lambda x: None if x is None else x[rows],
+        SubBatchField.CLEARED: lambda x: None,
+    }
+    values = {f.name: carried[SUB_BATCH_FIELDS[f.name]](getattr(cm, f.name))
+              for f in dataclasses.fields(cm) if SUB_BATCH_FIELDS[f.name] is not SubBatchField.RECOMPUTED}
+    sub_query_start = torch.zeros(len(chain_requests) + 1, dtype=cm.query_start_loc_cpu.dtype)
+    sub_query_start[1:] = chain_lengths.cumsum(0)
+    upper = values["seq_lens_cpu_upper_bound"]
+    ranges = cm.mm_req_doc_ranges
+    if ranges is not None:
+        ranges = {new: ranges[old] for new, old in enumerate(chain_requests.tolist()) if old in ranges}
+    values |= {
+        "query_start_loc": sub_query_start.to(cm.query_start_loc.device),
+        "query_start_loc_cpu": sub_query_start,
+        "num_reqs": len(chain_requests),
+        "num_actual_tokens": int(chain_rows.numel()),
+        "max_query_len": int(chain_lengths.max()),
+        "max_seq_len": int((upper if upper is not None else values["seq_lens"]).max()),
+        "mm_req_doc_ranges": ranges,
+    }
+    return type(cm)(**values), chain_rows
+
+
+# ------------------------------------------------------------------------------------------ draft levels
+@dataclass
+class DraftTreeAttention:
+    """Shared by the level forwards of one drafting step: the cached draft prefix (through the root) of
+    every request and, per draft layer, the K/V of the nodes forwarded so far."""
+
+    prefix_lens: torch.Tensor  # [B] = root position + 1
+    block_table: torch.Tensor  # [B, max_blocks]
+    stash: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # [B, Hkv, S, D]
+    prefix_kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    gather_plans: dict[Any, Any] = field(default_factory=dict)  # a backend's prefix reads, shared by layers
+
+    def append(self, layer_name: str, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add a level's K/V ``[B, Hkv, F, D]`` to a layer's stash; return the layer's whole stash."""
+        if layer_name in self.stash:
+            old_key, old_value = self.stash[layer_name]
+            key, value = torch.cat([old_key, key], dim=2), torch.cat([old_value, value], dim=2)
+        self.stash[layer_name] = (key, value)
+        return key, value
+
+
+@dataclass
+class TreeLevelMetadata:
+    """Per-forward metadata of one drafter level (shared by all draft layers)."""
+
+    state: DraftTreeAttention
+    width: int  # F frontier nodes per request
+    tree_mask: torch.Tensor  # [B, F, S + F]
+    biases: dict[tuple, torch.Tensor] = field(default_factory=dict)  # built once, shared by the layers
+
+    @property
+    def num_actual_tokens(self) -> int:
+        return int(self.state.prefix_lens.shape[0]) * self.width
+
+
+def per_request_rows(key: torch.Tensor, value: torch.Tensor, batch: int, width: int):
+    """Level rows ``[B * F, Hkv, D]`` (request-major) as ``[B, Hkv, F, D]``."""
+
+    def split(x: torch.Tensor) -> torch.Tensor:
+        return x[: batch * width].reshape(batch, width, *x.shape[1:]).transpose(1, 2)
+
+    return split(key), split(value)
+
+
+def masked_attention(meta: Any, prefix_lens: torch.Tensor, query: torch.Tensor, prefix_key: torch.Tensor,
+                     prefix_value: torch.Tensor, tree_key: torch.Tensor, tree_value: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """:func:`~vllm_easyspec.tree.attention.attention_over_prefix_and_tree` with ``meta.tree_mask``; the
+    additive mask is built by a forward's first layer, on the query's device, and kept in ``meta.biases``."""
+    group = query.shape[2] // prefix_key.shape[1]
+    shape = (prefix_key.shape[2], tree_key.shape[2], group, query.dtype)
+    tree_mask = meta.tree_mask.to(query.device)
+    bias = meta.biases.get(shape)
+    if bias is None:
+        bias = meta.biases[shape] = prefix_and_tree_bias(prefix_lens, shape[0], tree_mask, group, query.dtype)
+    return attention_over_prefix_and_tree(query, prefix_key, prefix_value, prefix_lens, tree_key, tree_value,
+                                          tree_mask, scale, bias=bias)
+
+
+# ------------------------------------------------------------------------------------------ backends
+class TreeVerifyBuilderMixin:
+    """``build`` of a tree backend's metadata builder: vLLM's own, except while the runner builds a verify
+    step's metadata (:func:`verifying`), when the backend's ``build_verify`` builds tree metadata."""
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        forward = _ACTIVE_VERIFY.get()
+        if forward is None:
+            return self.build_without_trees(common_prefix_len, common_attn_metadata, fast_build)
+        return self.build_verify(common_prefix_len, common_attn_metadata, forward)
+
+    def build_without_trees(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        """vLLM's builder (the next class in the MRO); used for the requests without a tree too."""
+        return super().build(common_prefix_len, common_attn_metadata, fast_build)
+
+    def build_requests_without_tree(self, common_prefix_len, cm, step: TreeVerifyStep):
+        """vLLM's metadata for the step's requests without a tree and their rows, or ``(None, None)``."""
+        sub, rows = split_verify_batch(cm, step)
+        return (None, None) if sub is None else (self.build_without_trees(common_prefix_len, sub), rows)
+
+    def build_verify(self, common_prefix_len, cm, forward: TreeVerifyForward):
+        raise NotImplementedError
+
+
+class TreeAttentionImplMixin:
+    """``forward`` of a tree backend's impl: vLLM's own for its metadata, the verify forward for the
+    backend's ``verify_metadata`` class (requests without a tree through vLLM's kernel, then the backend's
+    ``verify_trees``), and the draft-level forward. A backend supplies ``verify_trees`` and
+    :meth:`gather_prefix`."""
+
+    verify_metadata: type
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        verify = isinstance(attn_metadata, self.verify_metadata)
+        if not verify and not isinstance(attn_metadata, TreeLevelMetadata):
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale=output_scale, output_block_scale=output_block_scale)
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("easyspec.tree: tree attention does not fuse output quantization")
+        if not verify:
+            return self._level(layer, query, key, value, kv_cache, attn_metadata, output)
+        if attn_metadata.chain is not None:  # the requests without a tree: vLLM's kernel on their rows
+            rows = attn_metadata.chain_rows
+            chain_out = output.new_empty((rows.numel(), *output.shape[1:]))
+            super().forward(layer, query[rows], key[rows], value[rows], kv_cache, attn_metadata.chain, chain_out)
+            output[rows] = chain_out
+        return self.verify_trees(layer, query, key, value, kv_cache, attn_metadata, output)
+
+    def verify_trees(self, layer, query, key, value, kv_cache, meta, output):
+        raise NotImplementedError
+
+    def gather_prefix(self, layer, kv_cache: torch.Tensor, block_table: torch.Tensor, prefix_lens: torch.Tensor,
+                      plans: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[R, Hkv, max(prefix_lens), D]`` of one layer's cached prefixes (``plans``: what
+        the backend keeps across the layers of one forward)."""
+        raise NotImplementedError
+
+    def _level(self, layer, query, key, value, kv_cache, meta: TreeLevelMetadata, output):
+        state = meta.state
+        batch = int(state.prefix_lens.shape[0])
+        count = batch * meta.width
+        level_key, level_value = per_request_rows(key, value, batch, meta.width)
+        tree_key, tree_value = state.append(layer.layer_name, level_key, level_value)
+        if layer.layer_name not in state.prefix_kv:
+            state.prefix_kv[layer.layer_name] = self.gather_prefix(
+                layer, kv_cache, state.block_table, state.prefix_lens, state.gather_plans
+            )
+        prefix_key, prefix_value = state.prefix_kv[layer.layer_name]
+        query = query[:count].reshape(batch, meta.width, *query.shape[1:])
+        out = masked_attention(meta, state.prefix_lens, query, prefix_key, prefix_value, tree_key, tree_value,
+                               self.scale)
+        output[:count] = out.reshape(count, *out.shape[2:]).to(output.dtype)
+        return output
+
+
+def refuse_unsupported_layers(vllm_config, layer_names, no_window: Any) -> None:
+    """Start-up self-check shared by the tree backends: refuse tree mode for attention layers whose features
+    tree attention does not implement (``no_window`` is the backend's value for "no sliding window")."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    for name, layer in get_layers_from_vllm_config(vllm_config, Attention, layer_names).items():
+        impl = layer.impl
+        window = getattr(impl, "sliding_window", no_window)
+        unsupported = [
+            what for what, present in (
+                ("a sliding window", (tuple(window) if isinstance(window, list | tuple) else window)
+                 not in (no_window, None)),
+                ("ALiBi", getattr(impl, "alibi_slopes", None) is not None),
+                ("a logits soft cap", bool(getattr(impl, "logits_soft_cap", 0))),
+                ("attention sinks", getattr(impl, "sinks", None) is not None),
+                ("chunked local attention", getattr(impl, "chunk_lookback", -1) != -1),
+            ) if present
+        ]
+        if unsupported:
+            raise EasySpecConfigError(
+                f"easyspec.tree: attention layer {name} uses {' and '.join(unsupported)}, which tree "
+                "attention does not implement; remove easyspec.tree to use chain speculation with this model"
+            )

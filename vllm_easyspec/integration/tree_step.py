@@ -1,0 +1,226 @@
+"""The tree step's hub: what passes between the drafter, the verify step and the runner.
+
+A tree step is a sequence of values, each made by one party:
+
+1. the drafter (:mod:`~vllm_easyspec.integration.tree_drafting`) hands each request's drafts over as a
+   :class:`PendingTree` (:meth:`TreeVerifier.propose`), already cut to the step's node budget and saying
+   whether it is a chain;
+2. the runner (:mod:`~vllm_easyspec.integration.runner`) turns the scheduled drafts and their pending trees
+   into a :class:`~vllm_easyspec.tree.verify_step.TreeVerifyStep`, held here as :attr:`TreeVerifier.forward`
+   while the target forward runs;
+3. the tree sampler (:mod:`~vllm_easyspec.integration.tree_sampler`) returns a verdict with each request's
+   accepted branch;
+4. the runner commits the branch (target K/V, input ids, positions) and records it here
+   (:meth:`TreeVerifier.record_branch`), where the next drafting step reads it.
+
+Invariant: a request with a pending tree gets exactly that tree's nodes as its speculative tokens
+(:meth:`TreeVerifier.trim_drafts`); a request the tree cannot serve exactly gets none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm_easyspec.integration.compat import plugin_logger
+from vllm_easyspec.tree.building import ChildDrawMode
+from vllm_easyspec.tree.verify_step import AcceptedBranch, TreeVerifyStep
+
+logger = plugin_logger(__name__)
+
+
+def tree_fallback_reason(params) -> str | None:
+    """Why a request with these ``SamplingParams`` cannot be verified as a tree exactly, or None.
+
+    The tree sampler implements temperature, top-k, top-p and seeds. Everything that changes the target
+    distribution at draft positions in ways that depend on the path (penalties, bad words, grammars,
+    logits processors) or reports per-position values (logprobs) is served without speculation.
+    ``min_tokens`` depends only on a node's depth and is applied by the tree sampler.
+    """
+    checks = (
+        (params.presence_penalty != 0.0, "presence_penalty"),
+        (params.frequency_penalty != 0.0, "frequency_penalty"),
+        (params.repetition_penalty != 1.0, "repetition_penalty"),
+        (params.min_p > 0.0, "min_p"),
+        (params.logprobs is not None, "logprobs"),
+        (bool(params.logprob_token_ids), "logprob_token_ids"),
+        (bool(params.bad_words), "bad_words"),
+        (bool(params.logit_bias), "logit_bias"),
+        (params.allowed_token_ids is not None, "allowed_token_ids"),
+        (params.structured_outputs is not None, "structured output"),
+        (bool(params.watermarking), "watermarking"),
+        (params.thinking_token_budget is not None, "thinking_token_budget"),
+        (bool(params.extra_args), "extra_args (custom logits processors)"),
+    )
+    reasons = [name for present, name in checks if present]
+    return ", ".join(reasons) if reasons else None
+
+
+@dataclass
+class PendingTree:
+    """A request's drafts for its next verify step (target vocabulary), as the drafter hands them over.
+
+    Invariant: at most ``node_limit`` nodes, parents first; ``is_chain`` exactly when the nodes are a path of
+    deterministic drafts (each the only child of the one before), which the runner verifies as vLLM verifies
+    a chain. Build it with :meth:`within` or :meth:`chain`, which keep that invariant.
+    """
+
+    tokens: list[int]
+    parents: list[int]
+    draw_mode: ChildDrawMode
+    node_limit: int  # the most nodes the step's budget allowed
+    is_chain: bool
+    draft_probs: torch.Tensor | None = None  # [n + 1, V], i.i.d.-drawn trees only
+    drafted: int | None = None  # nodes before this index were drafted, the rest merged from sources
+
+    @classmethod
+    def within(cls, node_limit: int, tokens: list[int], parents: list[int], draw_mode: ChildDrawMode,
+               draft_probs: torch.Tensor | None = None, drafted: int | None = None) -> PendingTree:
+        """The first ``node_limit`` nodes of a tree (still a tree: parents come first). This is where a
+        step's node budget (``budget_by_batch``) is applied."""
+        tokens, parents = tokens[:node_limit], parents[:node_limit]
+        is_chain = (draw_mode is ChildDrawMode.WITHOUT_REPLACEMENT and draft_probs is None
+                    and parents == list(range(-1, len(parents) - 1)))
+        return cls(tokens, parents, draw_mode, node_limit, is_chain, draft_probs, drafted)
+
+    @classmethod
+    def chain(cls, tokens: list[int]) -> PendingTree:
+        """A chain of deterministic drafts, as a proposer drafts without a tree."""
+        return cls.within(len(tokens), tokens, list(range(-1, len(tokens) - 1)), ChildDrawMode.WITHOUT_REPLACEMENT)
+
+
+@dataclass
+class TreeStats:
+    """Per-worker counters of tree verification (read through the worker extension)."""
+
+    steps: int = 0
+    tree_requests: int = 0
+    nodes_verified: int = 0
+    accepted: int = 0
+    chain_fallbacks: int = 0  # scheduled drafts that matched no proposed tree, verified as a chain
+    truncated_trees: int = 0  # trees the scheduler cut short (token budget, model length)
+    requests_without_speculation: int = 0
+    source_nodes: int = 0  # nodes merged in from sources (prompt lookup), scheduled or not
+    source_nodes_accepted: int = 0
+    off_top_path_branches: int = 0  # accepted branches with a node that is not its parent's first child
+    last_node_limit: int = 0  # nodes per tree that budget_by_batch allowed at the last drafting step
+    last_limit_is_chain: bool = False  # ... and whether that was a chain ({"chain": k})
+    chain_steps: int = 0  # verify steps whose drafts were all top-1 chains, verified by vLLM's own path
+    chain_requests: int = 0  # requests verified in those steps (nodes_verified and accepted count theirs)
+    steps_without_speculation: int = 0  # drafting steps at a batch size budget_by_batch gives no nodes
+    accepted_outside_shared_vocab: int = 0  # tree.retokenize: accepted tokens the draft's vocabulary lacks
+
+
+@dataclass
+class VerifyKV:
+    """One target layer's K/V of the tree rows, kept by its attention backend for the runner's commit."""
+
+    key: torch.Tensor  # [R, Hkv, W, D]
+    value: torch.Tensor
+    block_size: int
+    write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # (keys, values [A, Hkv, D], slots [A])
+
+
+@dataclass
+class TreeVerifyForward:
+    """The verify forward in progress: its trees, and the K/V each target layer keeps of the tree rows."""
+
+    step: TreeVerifyStep
+    kept_kv: dict[str, VerifyKV] = field(default_factory=dict)  # by layer name
+    block_table: torch.Tensor | None = None  # [R, max_blocks] of the tree requests, set by the builder
+
+
+@dataclass
+class TreeVerifier:
+    """Carries trees from the drafter to the verify step of the same requests, and branches back."""
+
+    requests: Mapping[str, Any]  # the runner's request states (vLLM's CachedRequestState), by request id
+    unshared_target_tokens: torch.Tensor | None = None  # tree.retokenize: bool [target vocab] the draft lacks
+    pending: dict[str, PendingTree] = field(default_factory=dict)
+    no_drafts: set[str] = field(default_factory=set)
+    drafted_this_step: bool = False
+    forward: TreeVerifyForward | None = None  # the tree verify forward of the step in progress
+    chain_step: dict[int, str] = field(default_factory=dict)  # batch row -> request id, in a chain step
+    last_branch: dict[str, list[int]] = field(default_factory=dict)  # tokens each request accepted this step
+    # (source rows, destination rows) of this step's accepted nodes in the verify forward, or None
+    branch_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    stats: TreeStats = field(default_factory=TreeStats)
+    _explained: set[str] = field(default_factory=set)
+
+    # ------------------------------------------------------------------------------------------ drafting
+    def fallback_reason(self, req_id: str) -> str | None:
+        """Why this request is served without speculation (logged once per request), or None."""
+        params = getattr(self.requests.get(req_id), "sampling_params", None)
+        reason = None if params is None else tree_fallback_reason(params)
+        if reason is not None and req_id not in self._explained:
+            self._explained.add(req_id)
+            self.stats.requests_without_speculation += 1
+            logger.info("easyspec.tree: request %s is served without speculation (%s)", req_id, reason)
+        return reason
+
+    def propose(self, trees: dict[str, PendingTree], no_drafts: set[str], node_limit: int, chain: bool) -> None:
+        """The drafter's output of one step at budget ``node_limit`` (a chain of that length if ``chain``):
+        trees for ``trees``' requests, no drafts for ``no_drafts``."""
+        live = set(self.requests)
+        self.pending = {req_id: tree for req_id, tree in self.pending.items() if req_id in live} | trees
+        self._explained &= live
+        self.no_drafts = no_drafts
+        self.drafted_this_step = True
+        self.stats.last_node_limit = node_limit
+        self.stats.last_limit_is_chain = chain
+        self.stats.steps_without_speculation += node_limit == 0
+
+    def trim_drafts(self, drafts) -> None:
+        """``take_draft_token_ids``: requests without speculation (or a step without drafting) get none, and
+        trees smaller than the widest (sources added fewer nodes) get their own node count."""
+        for index, req_id in enumerate(drafts.req_ids):
+            if not self.drafted_this_step or req_id in self.no_drafts:
+                drafts.draft_token_ids[index] = []
+            elif req_id in self.pending:
+                drafts.draft_token_ids[index] = drafts.draft_token_ids[index][: len(self.pending[req_id].tokens)]
+        self.drafted_this_step = False
+
+    # ------------------------------------------------------------------------------------------ verifying
+    def start_step(self) -> None:
+        """A new verify step: nothing of the last one is in progress."""
+        self.forward = None
+        self.chain_step = {}
+        self.last_branch = {}
+        self.branch_rows = None
+
+    def record_chain_step(self, output_token_ids: torch.Tensor) -> None:
+        """After vLLM's sampler verified a chain step: each request's accepted drafts (its output row up to the
+        bonus token), for the next step's prompt lookup."""
+        rows = output_token_ids.tolist()
+        for batch_row, req_id in self.chain_step.items():
+            tokens = [token for token in rows[batch_row] if token >= 0][:-1]
+            self.last_branch[req_id] = tokens
+            self.stats.accepted += len(tokens)
+        self.chain_step = {}
+
+    def record_branch(self, step: TreeVerifyStep, branch: AcceptedBranch) -> None:
+        """The accepted branch of a tree step, committed by the runner: counters, each request's accepted
+        tokens, and the forward rows its nodes moved from and to."""
+        self.stats.accepted += len(branch)
+        if not len(branch):
+            return
+        if self.unshared_target_tokens is not None:
+            unshared = self.unshared_target_tokens[branch.tokens.to(self.unshared_target_tokens.device)]
+            self.stats.accepted_outside_shared_vocab += int(unshared.sum())
+        from_sources = branch.source_column - 1 >= step.drafted_nodes[branch.request_index]
+        self.stats.source_nodes_accepted += int(from_sources.sum())
+        self.stats.off_top_path_branches += len(step.left_the_top_path(branch))
+        for index, token in zip(branch.request_index.tolist(), branch.tokens.tolist(), strict=True):
+            self.last_branch.setdefault(step.requests[index].req_id, []).append(token)
+        self.branch_rows = step.branch_rows(branch)
+
+    def branch_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The verify forward's per-row hidden states with each accepted node's state moved to its branch row
+        ``P + 1 .. P + a`` (where the runner moved its token); rows of other steps are unchanged."""
+        if self.branch_rows is None:
+            return hidden_states
+        source, destination = (rows.to(hidden_states.device) for rows in self.branch_rows)
+        return hidden_states.index_copy(0, destination, hidden_states[source])
