@@ -164,11 +164,12 @@ class TreeRunnerMixin:
         if not len(branch):
             return
         block_table = forward.block_table.long()
+        moved = branch.to(block_table.device)  # the host's branch goes to the cache's device once
         for kept in forward.kept_kv.values():
-            blocks = block_table[branch.request_index, branch.destination // kept.block_size]
-            slots = blocks * kept.block_size + branch.destination % kept.block_size
-            kept.write(kept.key[branch.request_index, :, branch.source_column],
-                       kept.value[branch.request_index, :, branch.source_column], slots)
+            blocks = block_table[moved.request_index, moved.destination // kept.block_size]
+            slots = blocks * kept.block_size + moved.destination % kept.block_size
+            kept.write(kept.key[moved.request_index, :, moved.source_column],
+                       kept.value[moved.request_index, :, moved.source_column], slots)
         rows = self.tree_verifier.branch_rows[1]
         input_ids = self.input_ids.gpu
         input_ids[rows.to(input_ids.device)] = branch.tokens.to(input_ids.device, input_ids.dtype)

@@ -295,7 +295,7 @@ class TreeDrafting:
         for row, req_id in enumerate(req_ids):
             if req_id in pending:
                 merged = pending[req_id].tokens
-                out[row, : len(merged)] = torch.tensor(merged, dtype=tokens.dtype)
+                out[row, : len(merged)] = torch.tensor(merged, dtype=tokens.dtype, device=out.device)
         return out
 
     def _history(self, row: int, req_id: str, next_token: int) -> list[int]:

@@ -14,9 +14,9 @@ speculation):
   temperature, top-k, top-p and seed; under ``min_tokens`` the stop tokens are masked in the rows whose
   token would be one of the first ``min_tokens`` outputs (a row's output index depends only on its depth).
 
-The verdict's output is vLLM's chain shape (accepted tokens, then the bonus token, then -1), so the
-scheduler's rollback and bookkeeping see a chain; its accepted branch is what the runner commits. The
-sampler writes nothing outside its outputs.
+The verdict's output is vLLM's chain shape (accepted tokens, then the bonus token, then -1), on the logits'
+device, so the scheduler's rollback and bookkeeping see a chain; its accepted branch (on the host) is what the
+runner commits. The sampler writes nothing outside its outputs.
 """
 
 from __future__ import annotations
@@ -67,11 +67,11 @@ class TreeRejectionSampler(RejectionSampler):
         accepted = torch.full((len(step), max(step.trees.max_depth, 1)), -1, dtype=torch.long)
         num_accepted = torch.zeros(len(step), dtype=torch.long)
         for mode in ChildDrawMode:
-            group = step.trees_with_mode(mode)
+            group = step.trees_with_mode(mode, device=logits.device)
             if group is None:
                 continue
             indices, trees = group
-            rows = step.batch_rows[indices]
+            rows = step.batch_rows[indices]  # host: bookkeeping and Python indices
             if len(indices) == 1:  # one request: its logit rows are one slice, [1, 1 + n, V]
                 first = int(first_logit_row[rows[0]])
                 tree_logits = logits[first : first + int(trees.num_nodes[0]) + 1].unsqueeze(0)
@@ -90,8 +90,9 @@ class TreeRejectionSampler(RejectionSampler):
                             if r in sampling_metadata.generators},
                 output_width=width,
             )
-            output[rows] = result.output_token_ids.to(output.dtype)
+            output[rows.to(output.device)] = result.output_token_ids.to(output.dtype)
             depth = result.accepted_nodes.shape[1]
+            # the accepted nodes come to the host once, on purpose: the branch's bookkeeping reads them
             accepted[indices, :depth] = result.accepted_nodes.cpu()
             num_accepted[indices] = result.num_accepted.cpu()
 

@@ -229,6 +229,9 @@ def tree_rejection_sample(
         output_width: width ``W`` of ``output_token_ids`` (vLLM uses ``max_spec_len + 1``);
             default ``tree.max_depth + 1``.
     """
+    if tree.device != target_logits.device:
+        raise ValueError(f"the trees are on {tree.device} but the target logits on {target_logits.device}; build "
+                         "the TokenTreeBatch on the logits' device")
     logits = _padded_rows(tree, target_logits, "target_logits")
     batch, width, vocab = logits.shape
     if tree.draw_mode is ChildDrawMode.IID_FROM_DRAFT and tree.draft_probs.shape[2] != vocab:

@@ -116,12 +116,14 @@ class TreeVerifyStep:
         pairs = torch.tensor([requests, columns], dtype=torch.int64).reshape(2, -1)
         return pairs, torch.tensor(tokens, dtype=torch.int64)
 
-    def trees_with_mode(self, mode: ChildDrawMode) -> tuple[list[int], TokenTreeBatch] | None:
-        """The requests drawn in ``mode`` (their indices in this step) as one batch, or None."""
+    def trees_with_mode(self, mode: ChildDrawMode, device: torch.device | None = None
+                        ) -> tuple[list[int], TokenTreeBatch] | None:
+        """The requests drawn in ``mode`` (their indices in this step) as one batch on ``device`` (default: the
+        step's), or None."""
         picked = [i for i, r in enumerate(self.requests) if r.draw_mode is mode]
         if not picked:
             return None
-        return picked, _tree_batch([self.requests[i] for i in picked], mode, self.device)
+        return picked, _tree_batch([self.requests[i] for i in picked], mode, device or self.device)
 
     def accepted_moves(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> AcceptedBranch:
         """Where the accepted branch's K/V must go: ``accepted_nodes`` ``[R, D]`` (node indices, root side
@@ -164,6 +166,10 @@ class AcceptedBranch:
 
     def __len__(self) -> int:
         return int(self.request_index.numel())
+
+    def to(self, device: torch.device) -> AcceptedBranch:
+        return AcceptedBranch(*(x.to(device) for x in (self.request_index, self.source_column, self.destination,
+                                                       self.tokens)))
 
 
 def _tree_batch(requests: list[TreeRequest], mode: ChildDrawMode, device: torch.device) -> TokenTreeBatch:
