@@ -1,9 +1,25 @@
-"""The main job on built-in defaults: fetch the default pair and compare, side by side in one run,
-vanilla vLLM, vLLM's built-in ``draft_model``, the plugin's EasySpec chain drafter and its token tree with
-the same draft, and (for the default target) vLLM's ``eagle3`` with this project's committed head and the
-plugin's EAGLE-2 tree with that head merged with prompt lookup.
+"""The main job on built-in defaults: fetch the default models and compare, side by side in one run, vanilla
+vLLM with vLLM's best built-in speculative method and the plugin's fastest setup on the same prompts.
 
 Run from the repository root: ``python -m benchmarks.main_job`` (the README's first command does this).
+
+- Default (about 10 minutes on the 2-core CPU machine, after the one-time model fetch): vanilla, vLLM's
+  ``eagle3`` with this project's committed head, and the plugin's EAGLE-2 tree with that head merged with
+  prompt lookup. The draft-model setups are left out: each engine process costs about a minute on that
+  machine, so three more setups would add about 10 minutes.
+- ``--full`` (about 20 minutes): all six setups, adding vLLM's built-in ``draft_model``, the plugin's
+  EasySpec chain drafter and its token tree with the same draft.
+- A ``--target`` without the committed EAGLE head (any target but the default) compares the draft-model
+  setups instead: by default vanilla, vLLM's ``draft_model`` and the plugin's token tree; ``--full`` adds the
+  EasySpec chain drafter.
+
+Invariants:
+- Both modes run the same prompts, tokens, batch, dtype and engine processes per setup (``--repeats``,
+  interleaved by the harness), so a setup's row in the default run compares with its row in the full run.
+- The default run writes ``benchmarks/results/main_job.{json,md,png}``, ``--full`` ``main_job_full.*``
+  (``--stem`` overrides either), so the quick run never overwrites the full comparison.
+- Before any model is fetched, it prints the setups, the workload and an estimate of the run time.
+- Exit code 1 when a setup's outputs fail the lossless check against vanilla, 2 when a model cannot be had.
 """
 
 from __future__ import annotations
@@ -15,6 +31,7 @@ from pathlib import Path
 
 from benchmarks.harness import (
     DEFAULT_REPEATS,
+    VANILLA,
     Setup,
     Workload,
     load_prompts,
@@ -22,7 +39,15 @@ from benchmarks.harness import (
     run_setups,
     write_results,
 )
-from vllm_easyspec.models import DEFAULT_DRAFT, DEFAULT_TARGET, MODELS, ModelFetchError, fetch_model
+from vllm_easyspec.models import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    MODELS,
+    ModelFetchError,
+    fetch_model,
+    is_fetched,
+    model_dir,
+)
 from vllm_easyspec.tree.config import TreeConfig
 
 # The plugin's drafter as the main job runs it: EasySpec fused fuzzy drafting, groups of 2, calibrated.
@@ -43,6 +68,29 @@ EAGLE3_K = 3
 # --lookup-nodes 4): an EAGLE-2 tree of 4 head nodes merged with up to 4 prompt-lookup nodes.
 EAGLE3_TREE: dict = {"top_k": 2, "depth": 3, "budget": 4, "sources": {"prompt_lookup": {"nodes": 4}}}
 
+# Setups of the quick default run, by name; --full runs every setup of main_setups.
+DEFAULT_EAGLE_SETUPS = (VANILLA, "eagle3-head", "eagle3-tree")
+DEFAULT_DRAFT_MODEL_SETUPS = (VANILLA, "vllm-draft_model", "easyspec-tree")
+DEFAULT_STEM = "main_job"
+FULL_STEM = "main_job_full"
+
+# Constants of the printed run-time estimate, from the timed default run on the 2-core CPU machine (10 min 31 s;
+# benchmarks/results/main_job.json, each engine process's end taken from its log's modification time in
+# benchmarks/results/logs/): every engine process took 44 s [42-46] besides its timed generate call
+# (interpreter start, imports, engine start-up, warm-up), and the generate calls, vanilla's identity replay
+# included, took 0.06 s per generated token (0.042 for eagle3 at 24 tok/s, 0.099 for a vanilla run slowed
+# to 10 tok/s). With them --full comes to about 1,230 s; its last recorded run took 1,169 s (README, Timings).
+SECONDS_PER_ENGINE_PROCESS = 44.0
+SECONDS_PER_GENERATED_TOKEN = 0.06
+
+
+def model_folder(name_or_path: str) -> str:
+    """Where a model lives without fetching it: a catalogue name's cache folder, else the path as given.
+    ``resolve_model`` returns the same folder once the model is there."""
+    if name_or_path in MODELS:
+        return str(model_dir(name_or_path))
+    return str(Path(name_or_path).expanduser())
+
 
 def resolve_model(name_or_path: str) -> str:
     """A catalogue name is fetched (cached); anything else must be an existing HF model folder."""
@@ -57,7 +105,13 @@ def resolve_model(name_or_path: str) -> str:
     return str(path)
 
 
-def main_setups(draft: str, k: int, target_is_default: bool) -> list[Setup]:
+def eagle_head_available(target_is_default: bool) -> bool:
+    """The committed EAGLE head was trained for the default target only."""
+    return target_is_default and (EAGLE3_HEAD / "config.json").is_file()
+
+
+def main_setups(draft: str, k: int, with_eagle: bool) -> list[Setup]:
+    """Every setup of the full comparison, vanilla first; the EAGLE setups only ``with_eagle``."""
     speculative = {
         "method": "draft_model",
         "model": draft,
@@ -65,7 +119,7 @@ def main_setups(draft: str, k: int, target_is_default: bool) -> list[Setup]:
         "use_heterogeneous_vocab": True,
     }
     setups = [
-        Setup("vanilla", "vLLM without speculation"),
+        Setup(VANILLA, "vLLM without speculation"),
         Setup("vllm-draft_model", f"vLLM built-in draft_model, k={k}", speculative_config=speculative),
         Setup("easyspec", PLUGIN_DESCRIPTION, speculative_config=speculative, additional_config=PLUGIN_ADDITIONAL_CONFIG),
         Setup(
@@ -74,7 +128,7 @@ def main_setups(draft: str, k: int, target_is_default: bool) -> list[Setup]:
             additional_config={"easyspec": {"tree": PLUGIN_TREE}},
         ),
     ]
-    if target_is_default and (EAGLE3_HEAD / "config.json").is_file():
+    if with_eagle:
         eagle3 = {"method": "eagle3", "model": str(EAGLE3_HEAD), "num_speculative_tokens": EAGLE3_K}
         setups.append(Setup("eagle3-head", f"vLLM eagle3 with this project's head, k={EAGLE3_K}", eagle3))
         setups.append(Setup(
@@ -85,42 +139,113 @@ def main_setups(draft: str, k: int, target_is_default: bool) -> list[Setup]:
     return setups
 
 
+def chosen_setups(all_setups: list[Setup], full: bool, with_eagle: bool) -> list[Setup]:
+    """All setups with ``full``; else vanilla, vLLM's best built-in method and the plugin's fastest setup:
+    the EAGLE pair when the head is there, else vLLM's draft_model and the plugin's draft-model tree."""
+    if full:
+        return all_setups
+    names = DEFAULT_EAGLE_SETUPS if with_eagle else DEFAULT_DRAFT_MODEL_SETUPS
+    return [setup for setup in all_setups if setup.name in names]
+
+
+def uses_draft_model(setups: list[Setup]) -> bool:
+    """Whether any setup drafts with the draft model (so the draft must be fetched)."""
+    return any((s.speculative_config or {}).get("method") == "draft_model" for s in setups)
+
+
+def estimated_seconds(processes: int, generated_tokens: int) -> float:
+    """Rough wall time of the comparison (no model fetch): a fixed cost per engine process plus a cost per
+    generated token, both calibrated at batch 1 (larger batches generate faster, so this overestimates
+    them). ``generated_tokens`` counts every timed generate call and vanilla's replay for the identity
+    check."""
+    return processes * SECONDS_PER_ENGINE_PROCESS + generated_tokens * SECONDS_PER_GENERATED_TOKEN
+
+
+def plan_text(
+    setups: list[Setup], left_out: list[Setup], workload: Workload, repeats: int, models_to_fetch: list[str]
+) -> str:
+    """What the run will do and roughly how long it takes, printed before anything is fetched."""
+    processes = len(setups) * repeats
+    tokens_per_process = len(workload.prompts) * workload.max_tokens
+    estimate_minutes = estimated_seconds(processes, (processes + 1) * tokens_per_process) / 60
+    width = max(len(s.name) for s in setups)
+    lines = [
+        f"main job: {len(setups)} setups x {repeats} engine processes each, run interleaved "
+        f"(speeds are medians with their min-max):",
+        *(f"  {s.name:<{width}}  {s.description}" for s in setups),
+        f"workload: {Path(workload.target).name}, {len(workload.prompts)} prompts x {workload.max_tokens} "
+        f"tokens, batch {workload.batch_size}, {workload.dtype}, greedy",
+        f"estimated time: about {max(round(estimate_minutes), 1)} minutes on a 2-core CPU for {processes} "
+        f"engine processes"
+        + (f", plus a one-time fetch of {', '.join(models_to_fetch)} (a few minutes)" if models_to_fetch else ""),
+    ]  # fmt: skip
+    if left_out:
+        lines.append(f"left out (run them with --full): {', '.join(s.name for s in left_out)}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--full", action="store_true", help="all six setups (about 20 minutes on a 2-core CPU)")
     parser.add_argument("--target", default=DEFAULT_TARGET, help="catalogue name or HF folder")
-    parser.add_argument("--draft", default=DEFAULT_DRAFT, help="catalogue name or HF folder")
+    parser.add_argument(
+        "--draft", default=DEFAULT_DRAFT,
+        help="catalogue name or HF folder; used by the draft-model setups (--full, or a target without the EAGLE head)",
+    )  # fmt: skip
     parser.add_argument("--num-prompts", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=3, help="draft_model chain length")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    parser.add_argument("--stem", default="main_job", help="file name stem under benchmarks/results/")
+    parser.add_argument(
+        "--stem", help=f"file name stem under benchmarks/results/ (default {DEFAULT_STEM}, {FULL_STEM} with --full)"
+    )  # fmt: skip
     parser.add_argument(
         "--repeats", type=int, default=DEFAULT_REPEATS,
         help="engine processes per setup, run interleaved; speeds are medians with their min-max",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    try:
-        target = resolve_model(args.target)
-        draft = resolve_model(args.draft)
-    except ModelFetchError as exc:
-        print(f"main_job: error: {exc}", file=sys.stderr)
-        return 2
+
+    with_eagle = eagle_head_available(target_is_default=args.target == DEFAULT_TARGET)
+    all_setups = main_setups(model_folder(args.draft), args.num_speculative_tokens, with_eagle)
+    setups = chosen_setups(all_setups, args.full, with_eagle)
+    needs_draft = uses_draft_model(setups)
     workload = Workload(
-        target=target,
+        target=model_folder(args.target),
         prompts=load_prompts(args.num_prompts),
         max_tokens=args.max_tokens,
         batch_size=args.batch_size,
         dtype=args.dtype,
     )
-    setups = main_setups(draft, args.num_speculative_tokens, target_is_default=args.target == DEFAULT_TARGET)
+    models = [args.target, args.draft] if needs_draft else [args.target]
+    to_fetch = [name for name in models if name in MODELS and not is_fetched(name)]
+    left_out = [s for s in all_setups if s not in setups]
+    print(plan_text(setups, left_out, workload, args.repeats, to_fetch))
+    if args.target != DEFAULT_TARGET:
+        print(f"no EAGLE setups: the committed head {EAGLE3_HEAD.name} is for {DEFAULT_TARGET} only")
+    elif not with_eagle:
+        print(f"no EAGLE setups: the committed head {EAGLE3_HEAD} has no config.json")
+    elif not needs_draft and args.draft != DEFAULT_DRAFT:
+        print(f"note: --draft {args.draft} is used by the draft-model setups only; add --full to run them")
+    print(flush=True)
+    try:
+        for name in models:
+            resolve_model(name)
+    except ModelFetchError as exc:
+        print(f"main_job: error: {exc}", file=sys.stderr)
+        return 2
+
     rows = run_setups(setups, workload, repeats=args.repeats)
     command = "python -m benchmarks.main_job " + shlex.join(argv if argv is not None else sys.argv[1:])
+    drafters = ([f"draft {Path(model_folder(args.draft)).name}"] if needs_draft else []) + (
+        [f"EAGLE head {EAGLE3_HEAD.name}"] if any(s.name.startswith("eagle3") for s in setups) else []
+    )
     title = (
-        f"{Path(target).name} with draft {Path(draft).name}: {len(workload.prompts)} prompts, "
+        f"{Path(workload.target).name} with {' and '.join(drafters)}: {len(workload.prompts)} prompts, "
         f"{args.max_tokens} tokens, batch {args.batch_size}, {args.dtype}, greedy"
     )
-    paths = write_results(rows, args.stem, title, command.strip())
+    stem = args.stem or (FULL_STEM if args.full else DEFAULT_STEM)
+    paths = write_results(rows, stem, title, command.strip())
     print(f"\n{title}\n\n{markdown_table(rows)}\n")
     identical = all(r["outputs_identical_to_vanilla"] for r in rows)
     failed = [r["setup"] for r in rows if r["identity"] == "FAILED"]
@@ -134,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{best['speedup_vs_vanilla']:.2f}x vanilla [{best['speedup_min']:.2f}–{best['speedup_max']:.2f}] "
         f"over {best['repeats']} runs"
     )
+    if left_out:
+        print(f"left out of this run: {', '.join(s.name for s in left_out)} (python -m benchmarks.main_job --full)")
     print("results: " + ", ".join(str(p) for p in paths.values()))
     if failed:
         print(f"LOSSLESS CHECK FAILED for: {', '.join(failed)} (see the lines above)", file=sys.stderr)
