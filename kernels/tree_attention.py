@@ -1,36 +1,176 @@
-"""Triton tree attention over vLLM's paged KV cache (FlashAttention layout).
+"""Triton tree attention over vLLM's paged KV cache (FlashAttention layout), split over the KV length.
 
 Contract (shared with ``vllm_easyspec.tree.attention``):
 
 * ``query`` ``[T, Hq, D]``: the tree query tokens of the batch; request ``b`` owns rows
   ``cu_query_lens[b]:cu_query_lens[b + 1]`` (request-local query index ``j = 0, 1, ...``).
 * ``key_cache`` / ``value_cache`` ``[num_blocks, block_size, Hkv, D]``; ``block_table`` ``[B, max_blocks]``
-  int32 maps logical block ``i`` of request ``b`` to a physical block.
+  int32 maps logical block ``i`` of request ``b`` to a physical block. Any strides, except that the head
+  dimension of ``query``, the caches and ``out`` must be contiguous.
 * The K/V of *every* query token is already in the cache: query ``j`` of request ``b`` sits at logical
   position ``prefix_lens[b] + j`` (vLLM's linear slot accounting writes it there before attention).
   Positions ``< prefix_lens[b]`` are the request's prefix.
 * ``tree_mask`` ``[T, W]`` (bool / uint8): ``tree_mask[t, j]`` is true iff request-local query ``j``
-  is an ancestor of row ``t`` or ``t`` itself. It must include the diagonal.
+  is an ancestor of row ``t`` or ``t`` itself. It must include the diagonal. Only columns ``j < n_b``
+  (the request's own queries) are read.
 * Row ``t`` attends to the whole prefix plus the tree positions its mask allows. Softmax in fp32,
-  output in the query dtype. GQA: ``Hq`` must be a multiple of ``Hkv``.
+  output in ``out``'s dtype (the query dtype by default). GQA: ``Hq`` must be a multiple of ``Hkv``.
+  Positions past ``prefix_lens[b] + n_b`` and block-table entries past them are never read.
 
-The kernel runs one program per (request, tile of ``BLOCK_Q`` query tokens, KV head); the ``GROUP``
-query heads that share the KV head are stacked with the tile's tokens into ``BLOCK_Q * BLOCK_H`` rows
-so one K/V tile load serves all of them. It walks the positions ``[0, prefix + last query of the tile]``
-in tiles of ``BLOCK_N`` (block-table lookup per position, so any vLLM block size works) with online
-softmax; ancestors always precede their descendants, so later tree positions are never needed.
+Design (flash decoding for a tree):
+
+* **Rows.** The ``GROUP = Hq / Hkv`` query heads that share a KV head are stacked with the request's
+  query tokens into ``R_b = n_b * GROUP`` rows (row ``r``: token ``r // GROUP``, head ``r % GROUP``), cut
+  into row tiles of ``BLOCK_M`` rows. One program computes one row tile against one KV split, so every
+  K/V tile it loads serves all ``BLOCK_M`` rows (``tl.dot`` of ``[BLOCK_M, D] x [D, BLOCK_N]``).
+* **Splits.** The positions ``[0, prefix_b + n_b)`` of request ``b`` are cut into ``num_splits`` equal
+  ranges (``split_len_b = max(min_split_len, round_up(cdiv(prefix_b + n_b, num_splits), BLOCK_N))``, so
+  short requests use fewer splits and the rest of their programs only record an empty result). Inside a
+  range, prefix positions need no mask; tree positions (``>= prefix_b``, a second loop starting exactly
+  at ``prefix_b``) are masked with ``tree_mask``. A row tile stops at its last query's position:
+  ancestors precede their descendants.
+* **Merge.** With one split, the program normalises and writes ``out`` directly. With several, each
+  program writes its unnormalised fp32 accumulator and its running max / sum (base-2 logits) per row
+  to scratch buffers on the query's device, and ``_merge_splits_kernel`` combines them per
+  (token, query head): ``out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s`` with ``M = max_s m_s``.
+  There are no atomics; every output element is a fixed sequence of operations, so repeated runs are
+  bitwise identical.
+* **Grid.** One flat axis, ``row_tile`` fastest, then ``split``, then ``(request, KV head)``: the row
+  tiles that read the same K/V range run side by side, so their repeated reads are L2 hits.
+
+**Read count.** Each prefix K/V byte of request ``b`` and one KV head is loaded by exactly
+``cdiv(n_b * GROUP, BLOCK_M)`` programs (one per row tile; splits partition the positions) and a tree
+position by at most as many. For Llama-3-8B (``GROUP = 4``) the chosen ``BLOCK_M`` gives 1 load for
+trees of up to 32 query tokens, 2 for 33-64 and 3 for 65 (a 64-node tree plus its root).
+:func:`choose_launch` picks ``BLOCK_M``, ``BLOCK_N``, ``num_splits``, ``num_warps`` and ``num_stages``.
 """
 
 from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+# Streaming multiprocessors assumed where no GPU can be asked (CPU tensors under Triton's interpreter):
+# an H100's, so interpreter runs take the launch an H100 would.
+NOMINAL_SM_COUNT = 132
+# Shared memory per program assumed where no GPU can be asked (the H100's opt-in limit).
+NOMINAL_SHARED_MEMORY = 227 * 1024
+# Fraction of a device's shared memory per program that the launch estimate may plan to use; the rest is
+# left for what the estimate leaves out (block-table tiles, reduction scratch, layout conversions).
+SHARED_MEMORY_MARGIN = 0.75
+# At most this many KV splits: the merge kernel holds all splits of a head in registers.
+MAX_SPLITS = 64
+# Fraction of the best wave efficiency that the split count must reach (FlashAttention-2's heuristic).
+WAVE_EFFICIENCY_TOLERANCE = 0.85
+
+
+@dataclass(frozen=True)
+class TreeAttentionLaunch:
+    """Launch parameters of :func:`tree_attention_triton` (see :func:`choose_launch`).
+
+    Invariants: ``block_m``, ``block_n`` powers of two ``>= 16``; ``num_splits >= 1``;
+    ``min_split_len`` a positive multiple of ``block_n``.
+    """
+
+    block_m: int  # rows (query token x query head of the group) per program
+    block_n: int  # KV positions per inner iteration
+    num_splits: int  # KV ranges per (request, KV head, row tile)
+    min_split_len: int  # positions a KV range covers at least
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if self.num_splits < 1:
+            raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
+        if self.min_split_len <= 0 or self.min_split_len % self.block_n:
+            raise ValueError(f"min_split_len ({self.min_split_len}) must be a positive multiple of "
+                             f"block_n ({self.block_n})")
+
+
+def _shared_memory_bytes(block_m: int, block_n: int, block_d: int, num_stages: int, element_size: int) -> int:
+    """Estimated shared memory of one program: the query tile plus ``num_stages`` buffered K and V tiles."""
+    return element_size * block_d * (block_m + 2 * num_stages * block_n)
+
+
+def _split_count(programs_per_split: int, sm_count: int, max_splits: int) -> int:
+    """FlashAttention-2's split heuristic: the fewest splits whose wave efficiency (programs over whole
+    waves of ``sm_count``) reaches ``WAVE_EFFICIENCY_TOLERANCE`` of the best; 1 when the unsplit grid
+    already nearly fills the device."""
+    if programs_per_split >= 0.8 * sm_count or max_splits <= 1:
+        return 1
+
+    def efficiency(splits: int) -> float:
+        waves = programs_per_split * splits / sm_count
+        return waves / math.ceil(waves)
+
+    best = max(efficiency(s) for s in range(1, max_splits + 1))
+    return next(s for s in range(1, max_splits + 1) if efficiency(s) >= WAVE_EFFICIENCY_TOLERANCE * best)
+
+
+def choose_launch(*, batch: int, num_kv_heads: int, group: int, max_query_len: int, kv_len_bound: int,
+                  head_dim: int, element_size: int, sm_count: int, shared_memory: int) -> TreeAttentionLaunch:
+    """Launch parameters from the shape alone (host values only: no device-to-host sync).
+
+    * ``block_m``: the smallest power of two ``>= 16`` holding one request's ``max_query_len * group`` rows,
+      at most 128 (64 for fp32, whose IEEE dots run on CUDA cores); halved while the fp32 accumulator would
+      exceed 64 registers per thread (``block_m * block_d / (32 * num_warps)``, 8 warps at ``block_m`` 128).
+    * ``num_splits``: FlashAttention-2's wave-efficiency heuristic over ``batch * num_kv_heads * row_tiles``
+      programs per split and ``sm_count`` SMs, at most :data:`MAX_SPLITS` and at most
+      ``kv_len_bound / min_split_len`` (``kv_len_bound``: the block table's width in positions, an upper
+      bound of every request's ``prefix + n``).
+    * ``min_split_len``: ``max(128, block_m)`` rounded up to ``block_n``: a split reads at least as many K/V
+      positions as its row tile has rows, so the fp32 partial result it writes (``rows * D * 4`` bytes, read
+      back once by the merge) is at most the 16-bit K/V it reads (``positions * D * 2 * 2`` bytes).
+    * ``block_n``: 128 where the tile rows are few (``block_m <= 64``), the splits are long (``>= 512``
+      positions expected) and the inputs are 16-bit; else 64 (32 for fp32).
+    * ``num_stages``: 3, or 2 or 1 where the estimated shared memory (query tile plus buffered K and V tiles)
+      would exceed :data:`SHARED_MEMORY_MARGIN` of ``shared_memory``; ``block_n`` and then ``block_m`` are
+      halved if even one stage does not fit.
+    """
+    rows = max(1, max_query_len * group)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_m = min(max(16, triton.next_power_of_2(rows)), 64 if element_size >= 4 else 128)
+    while block_m > 16 and block_m * block_d > 128 * 128:
+        block_m //= 2
+    num_warps = 8 if block_m * block_d >= 128 * 128 else 4
+    row_tiles = triton.cdiv(rows, block_m)
+    block_n = 32 if element_size >= 4 else 64
+    min_split_len = triton.cdiv(max(128, block_m), block_n) * block_n
+    max_splits = min(MAX_SPLITS, max(1, kv_len_bound // min_split_len))
+    num_splits = _split_count(batch * num_kv_heads * row_tiles, sm_count, max_splits)
+    budget = SHARED_MEMORY_MARGIN * shared_memory
+    if element_size < 4 and block_m <= 64 and kv_len_bound >= 512 * num_splits:
+        if _shared_memory_bytes(block_m, 128, block_d, 2, element_size) <= budget:
+            block_n = 128
+            min_split_len = triton.cdiv(min_split_len, block_n) * block_n
+    num_stages = 3
+    while _shared_memory_bytes(block_m, block_n, block_d, num_stages, element_size) > budget:
+        if num_stages > 1:
+            num_stages -= 1
+        elif block_n > 16:
+            block_n //= 2
+        elif block_m > 16:
+            block_m //= 2
+        else:
+            break
+    return TreeAttentionLaunch(block_m=block_m, block_n=block_n, num_splits=num_splits,
+                               min_split_len=min_split_len, num_warps=num_warps, num_stages=num_stages)
+
 
 @triton.jit
 def _tree_attention_kernel(
     out_ptr,
+    partial_acc_ptr,
+    partial_stats_ptr,
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -38,7 +178,7 @@ def _tree_attention_kernel(
     prefix_lens_ptr,
     cu_q_ptr,
     mask_ptr,
-    scale,
+    scale_log2,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -51,78 +191,180 @@ def _tree_attention_kernel(
     stride_vh,
     stride_bt,
     stride_mt,
+    stats_plane,
+    num_kv_heads,
+    row_tiles,
+    num_splits,
+    min_split_len,
     KV_BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    req = tl.program_id(0)
-    q_tile = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    """One row tile of one (request, KV head) against one KV range (module docstring).
+
+    ``SPLIT``: write the unnormalised accumulator to ``partial_acc [T, Hq, num_splits, HEAD_DIM]`` and the
+    base-2 running max / sum to ``partial_stats [2, T, Hq, num_splits]`` (planes ``stats_plane`` apart);
+    otherwise write the normalised output to ``out``. Rows whose KV range is empty record max ``-inf``,
+    sum 0 and no accumulator.
+    """
+    pid = tl.program_id(0)
+    row_tile = pid % row_tiles
+    rest = pid // row_tiles
+    split = rest % num_splits
+    rest = rest // num_splits
+    kv_head = rest % num_kv_heads
+    req = rest // num_kv_heads
     q_start = tl.load(cu_q_ptr + req)
     n_q = tl.load(cu_q_ptr + req + 1) - q_start
-    if q_tile * BLOCK_Q < n_q:
+    first_row = row_tile * BLOCK_M
+    if first_row < n_q * GROUP:
         prefix = tl.load(prefix_lens_ptr + req)
-        rows = tl.arange(0, BLOCK_Q * BLOCK_H)
-        local_q = q_tile * BLOCK_Q + rows // BLOCK_H
-        head_in_group = rows % BLOCK_H
-        row_ok = (local_q < n_q) & (head_in_group < GROUP)
-        q_head = kv_head * GROUP + head_in_group
+        rows = first_row + tl.arange(0, BLOCK_M)
+        local_q = rows // GROUP
+        row_ok = local_q < n_q
+        q_head = kv_head * GROUP + rows % GROUP
         token = (q_start + local_q).to(tl.int64)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM
+        # this tile's last query is its last visible position: ancestors precede descendants
+        kv_end = prefix + tl.minimum(n_q, (first_row + BLOCK_M - 1) // GROUP + 1)
+        split_len = tl.maximum(min_split_len, tl.cdiv(tl.cdiv(prefix + n_q, num_splits), BLOCK_N) * BLOCK_N)
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, kv_end)
+        # rows whose own position (prefix + local_q) is not before the range: only they can see a position of it
+        row_sees_range = row_ok & (prefix + local_q >= lo)
         q = tl.load(q_ptr + token[:, None] * stride_qt + q_head[:, None] * stride_qh + d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                    mask=row_sees_range[:, None] & d_ok[None, :], other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-        m_i = tl.full([BLOCK_Q * BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_Q * BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_Q * BLOCK_H, BLOCK_D], tl.float32)
-        kv_end = prefix + tl.minimum(n_q, (q_tile + 1) * BLOCK_Q)
-        for start in range(0, kv_end, BLOCK_N):
+        # prefix positions [lo, min(hi, prefix)): every row sees all of them
+        prefix_hi = tl.minimum(hi, prefix)
+        for start in range(lo, prefix_hi, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
-            pos_ok = pos < kv_end
+            pos_ok = pos < prefix_hi
             block = tl.load(block_table_ptr + req * stride_bt + pos // KV_BLOCK_SIZE, mask=pos_ok, other=0)
             block = block.to(tl.int64)
             slot = pos % KV_BLOCK_SIZE
             k = tl.load(k_cache_ptr + block[None, :] * stride_kb + slot[None, :] * stride_ks
                         + kv_head * stride_kh + d[:, None],
                         mask=pos_ok[None, :] & d_ok[:, None], other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-            scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
-            tree_j = pos - prefix
-            in_tree = (tree_j >= 0) & pos_ok
-            tree_allowed = tl.load(mask_ptr + token[:, None] * stride_mt + tree_j[None, :],
-                                   mask=row_ok[:, None] & in_tree[None, :], other=0)
-            allowed = ((pos < prefix) & pos_ok)[None, :] | (tree_allowed != 0)
-            scores = tl.where(allowed, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(scores - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs
                         + kv_head * stride_vh + d[None, :],
                         mask=pos_ok[:, None] & d_ok[None, :], other=0.0)
             if UPCAST:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+            scores = tl.where(pos_ok[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(scores - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
-        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + token[:, None] * stride_ot + q_head[:, None] * stride_oh + d[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+        # tree positions [max(lo, prefix), hi): tree_mask decides per row
+        for start in range(tl.maximum(lo, prefix), hi, BLOCK_N):
+            pos = start + tl.arange(0, BLOCK_N)
+            pos_ok = pos < hi
+            block = tl.load(block_table_ptr + req * stride_bt + pos // KV_BLOCK_SIZE, mask=pos_ok, other=0)
+            block = block.to(tl.int64)
+            slot = pos % KV_BLOCK_SIZE
+            k = tl.load(k_cache_ptr + block[None, :] * stride_kb + slot[None, :] * stride_ks
+                        + kv_head * stride_kh + d[:, None],
+                        mask=pos_ok[None, :] & d_ok[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs
+                        + kv_head * stride_vh + d[None, :],
+                        mask=pos_ok[:, None] & d_ok[None, :], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+            allowed = tl.load(mask_ptr + token[:, None] * stride_mt + (pos - prefix)[None, :],
+                              mask=row_ok[:, None] & pos_ok[None, :], other=0)
+            scores = tl.where(allowed != 0, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(scores - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        if SPLIT:
+            part = (token * (num_kv_heads * GROUP) + q_head) * num_splits + split
+            tl.store(partial_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc,
+                     mask=row_sees_range[:, None] & d_ok[None, :])
+            tl.store(partial_stats_ptr + part, m_i, mask=row_ok)
+            tl.store(partial_stats_ptr + stats_plane + part, l_i, mask=row_ok)
+        else:
+            acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(out_ptr + token[:, None] * stride_ot + q_head[:, None] * stride_oh + d[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,
+    partial_acc_ptr,
+    partial_stats_ptr,
+    stride_ot,
+    stride_oh,
+    stats_plane,
+    num_q_heads,
+    num_splits,
+    HEADS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Log-sum-exp merge of ``num_splits`` partial results for ``HEADS`` query heads of one token.
+
+    Splits whose max is ``-inf`` (no visible position in their range) get weight 0 and their accumulator,
+    possibly never written, is not read. A row with no visible position at all is written as 0.
+    """
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    splits = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    part = (token * num_q_heads + heads[:, None]) * num_splits + splits[None, :]
+    part_ok = (heads < num_q_heads)[:, None] & (splits < num_splits)[None, :]
+    m = tl.load(partial_stats_ptr + part, mask=part_ok, other=float("-inf"))
+    sums = tl.load(partial_stats_ptr + stats_plane + part, mask=part_ok, other=0.0)
+    m_max = tl.max(m, 1)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    weight = tl.exp2(m - m_safe[:, None])
+    denominator = tl.sum(weight * sums, 1)
+    acc = tl.load(partial_acc_ptr + part[:, :, None] * HEAD_DIM + d[None, None, :],
+                  mask=(weight > 0.0)[:, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0)
+    merged = tl.sum(acc * weight[:, :, None], 1) / tl.where(denominator == 0.0, 1.0, denominator)[:, None]
+    tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             merged.to(out_ptr.dtype.element_ty), mask=(heads < num_q_heads)[:, None] & (d < HEAD_DIM)[None, :])
 
 
 def _is_interpreted(kernel) -> bool:
     return type(kernel).__name__ == "InterpretedFunction"
+
+
+@functools.cache
+def _device_limits(device: torch.device) -> tuple[int, int]:
+    """(SM count, shared memory per program in bytes) of ``device``; nominal H100 values off-GPU."""
+    if device.type != "cuda":
+        return NOMINAL_SM_COUNT, NOMINAL_SHARED_MEMORY
+    props = torch.cuda.get_device_properties(device)
+    shared = getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block
+    return props.multi_processor_count, shared
 
 
 def tree_attention_triton(
@@ -136,11 +378,15 @@ def tree_attention_triton(
     softmax_scale: float,
     out: torch.Tensor | None = None,
     max_query_len: int | None = None,
+    *,
+    launch: TreeAttentionLaunch | None = None,
 ) -> torch.Tensor:
-    """Launch the tree-attention kernel (see the module docstring for the contract).
+    """Tree attention (see the module docstring for the contract and the design).
 
-    ``max_query_len`` (the largest number of query rows of one request) sizes the grid; pass it to
-    avoid a device-to-host sync.
+    ``max_query_len`` (the largest number of query rows of one request) sizes the grid; pass it to avoid
+    a device-to-host sync: the launch then depends on host values only (shapes, ``max_query_len``, the
+    block table's width). ``launch`` overrides :func:`choose_launch` (tests force many small splits and
+    row tiles with it). Scratch buffers for the split results are allocated on the query's device.
     """
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
@@ -155,33 +401,63 @@ def tree_attention_triton(
         max_query_len = int((cu_query_lens[1:] - cu_query_lens[:-1]).max()) if batch else 0
     if out is None:
         out = torch.empty_like(query)
-    if num_tokens == 0 or batch == 0:
+    elif out.stride(-1) != 1:
+        raise ValueError("out needs a contiguous last (head_size) dimension.")
+    if num_tokens == 0 or batch == 0 or max_query_len == 0:
         return out
     mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
     if mask.stride(-1) != 1:
         mask = mask.contiguous()
     group = num_q_heads // num_kv_heads
-    block_h = triton.next_power_of_2(group)
-    block_q = max(1, 16 // block_h)
+    block_size = key_cache.shape[1]
+    if launch is None:
+        sm_count, shared_memory = _device_limits(query.device)
+        launch = choose_launch(batch=batch, num_kv_heads=num_kv_heads, group=group, max_query_len=max_query_len,
+                               kv_len_bound=block_table.shape[1] * block_size, head_dim=head_dim,
+                               element_size=query.element_size(), sm_count=sm_count, shared_memory=shared_memory)
     block_d = max(16, triton.next_power_of_2(head_dim))
     interpreted = _is_interpreted(_tree_attention_kernel)
+    # tl.dot on bf16 misreads its operands under the interpreter (triton-lang/triton#11584): upcast there.
+    # fp32 inputs (and the upcast interpreter path) use exact fp32 products, not TF32.
     upcast = query.dtype == torch.float32 or interpreted
-    # Triton's interpreter converts fp32 -> bf16 by truncation (GPUs round to nearest), which would
-    # double the output error; under the interpreter, write fp32 and round with torch instead.
-    kernel_out = torch.empty(out.shape, dtype=torch.float32) if interpreted and out.dtype == torch.bfloat16 else out
-    grid = (batch, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    # Triton's interpreter converts fp32 -> bf16 by truncation (GPUs round to nearest), which would double
+    # the output error; under the interpreter, write fp32 and round with torch instead.
+    kernel_out = (torch.empty(out.shape, dtype=torch.float32, device=out.device)
+                  if interpreted and out.dtype == torch.bfloat16 else out)
+    split = launch.num_splits > 1
+    if split:
+        partial_acc = torch.empty((num_tokens, num_q_heads, launch.num_splits, head_dim), dtype=torch.float32,
+                                  device=query.device)
+        partial_stats = torch.empty((2, num_tokens, num_q_heads, launch.num_splits), dtype=torch.float32,
+                                    device=query.device)
+    else:  # never dereferenced: SPLIT is False
+        partial_acc = partial_stats = kernel_out
+    stats_plane = num_tokens * num_q_heads * launch.num_splits
+    row_tiles = triton.cdiv(max_query_len * group, launch.block_m)
+    grid = (batch * num_kv_heads * launch.num_splits * row_tiles,)
     _tree_attention_kernel[grid](
-        kernel_out, query, key_cache, value_cache, block_table, prefix_lens, cu_query_lens, mask,
-        float(softmax_scale),
+        kernel_out, partial_acc, partial_stats, query, key_cache, value_cache, block_table, prefix_lens,
+        cu_query_lens, mask,
+        float(softmax_scale) * math.log2(math.e),
         query.stride(0), query.stride(1), kernel_out.stride(0), kernel_out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0), mask.stride(0),
-        KV_BLOCK_SIZE=key_cache.shape[1], GROUP=group, BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_N=32,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, UPCAST=upcast,
-        # fp32 inputs (and the upcast interpreter path) use exact fp32 products, not TF32
+        stats_plane, num_kv_heads, row_tiles, launch.num_splits, launch.min_split_len,
+        KV_BLOCK_SIZE=block_size, GROUP=group, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT=split, UPCAST=upcast,
         DOT_PRECISION="ieee" if upcast else "tf32",
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
+    if split:
+        block_s = triton.next_power_of_2(launch.num_splits)
+        heads_per_program = max(1, min(triton.next_power_of_2(num_q_heads), 8192 // (block_s * block_d)))
+        _merge_splits_kernel[(num_tokens, triton.cdiv(num_q_heads, heads_per_program))](
+            kernel_out, partial_acc, partial_stats, kernel_out.stride(0), kernel_out.stride(1), stats_plane,
+            num_q_heads, launch.num_splits,
+            HEADS=heads_per_program, BLOCK_S=block_s, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            num_warps=8 if heads_per_program * block_s * block_d > 8192 else 4,
+        )
     if kernel_out is not out:
         out.copy_(kernel_out)
     return out

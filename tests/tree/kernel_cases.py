@@ -16,23 +16,69 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def triton_attention_error(dtype: str, block_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                           sizes: list[int], prefix_lens: list[int], seed: int, scale: float,
-                           forest_request: int | None = None) -> float:
-    """Max error of the Triton kernel against the float64 reference (unrounded), measured as
-    ``|out - ref| / max(1, |ref|)``: absolute for outputs up to 1, relative above (storing the output
-    in bf16 alone costs up to 2^-9 * |ref|)."""
-    from vllm_easyspec.kernels.tree_attention import tree_attention_triton
-
+def _poisoned_batch(dtype: str, block_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                    sizes: list[int], prefix_lens: list[int], seed: int, forest_request: int | None) -> dict:
+    """``make_paged_batch`` with everything the kernel must not read poisoned: the pool blocks no request
+    owns and the slots past each request's last position hold NaN, and the tree mask gets three extra
+    columns, true (like every column ``>= n_b`` of request ``b``'s rows)."""
     gen = torch.Generator().manual_seed(seed)
     parents = [random_parents(n, gen, forest=(i == forest_request)) for i, n in enumerate(sizes)]
     args = make_paged_batch(parents, prefix_lens, block_size, num_q_heads, num_kv_heads, head_dim,
-                            DTYPES[dtype], seed=seed + 1, device=_device())
-    out = tree_attention_triton(**args, softmax_scale=scale)
+                            DTYPES[dtype], seed=seed + 1)
+    owned = [0] * args["key_cache"].shape[0]
+    for b, (prefix, size) in enumerate(zip(prefix_lens, sizes)):
+        end = prefix + size
+        for logical in range(-(-end // block_size)):
+            owned[int(args["block_table"][b, logical])] = min(block_size, end - logical * block_size)
+    for block, used in enumerate(owned):
+        args["key_cache"][block, used:] = float("nan")
+        args["value_cache"][block, used:] = float("nan")
+    mask = torch.ones(args["tree_mask"].shape[0], args["tree_mask"].shape[1] + 3, dtype=torch.bool)
+    start = 0
+    for size in sizes:
+        mask[start:start + size, :size] = args["tree_mask"][start:start + size, :size]
+        start += size
+    args["tree_mask"] = mask
+    return {k: v.to(_device()) for k, v in args.items()}
+
+
+def _run_triton(args: dict, scale: float, launch: dict | None) -> torch.Tensor:
+    """The kernel on ``args`` into a NaN-filled output (every element must be written)."""
+    from vllm_easyspec.kernels.tree_attention import TreeAttentionLaunch, tree_attention_triton
+
+    out = torch.full(args["query"].shape, float("nan"), dtype=args["query"].dtype, device=args["query"].device)
+    sizes = args["cu_query_lens"][1:] - args["cu_query_lens"][:-1]
+    result = tree_attention_triton(**args, softmax_scale=scale, out=out, max_query_len=int(sizes.max()),
+                                   launch=None if launch is None else TreeAttentionLaunch(**launch))
+    assert result is out
+    return out
+
+
+def triton_attention_error(dtype: str, block_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                           sizes: list[int], prefix_lens: list[int], seed: int, scale: float,
+                           forest_request: int | None = None, launch: dict | None = None) -> float:
+    """Max error of the Triton kernel against the float64 reference (unrounded), measured as
+    ``|out - ref| / max(1, |ref|)``: absolute for outputs up to 1, relative above (storing the output
+    in bf16 alone costs up to 2^-9 * |ref|). ``launch``: ``TreeAttentionLaunch`` fields forcing the
+    splits and row tiles (default: the kernel's own choice). NaN (a poisoned read) fails as inf."""
+    args = _poisoned_batch(dtype, block_size, num_q_heads, num_kv_heads, head_dim, sizes, prefix_lens, seed,
+                           forest_request)
+    out = _run_triton(args, scale, launch)
     assert out.dtype == DTYPES[dtype] and out.shape == args["query"].shape
     ref = tree_attention_reference(**{k: v.cpu() for k, v in args.items()}, softmax_scale=scale,
                                    out_dtype=torch.float32)
-    return ((out.cpu().float() - ref).abs() / ref.abs().clamp_min(1.0)).max().item()
+    error = ((out.cpu().float() - ref).abs() / ref.abs().clamp_min(1.0)).nan_to_num(nan=float("inf"))
+    return error.max().item()
+
+
+def triton_attention_repeat_is_bitwise(dtype: str, block_size: int, num_q_heads: int, num_kv_heads: int,
+                                       head_dim: int, sizes: list[int], prefix_lens: list[int], seed: int,
+                                       launch: dict | None = None) -> bool:
+    """Two runs of the kernel on the same inputs give bitwise identical outputs (no race, no atomics)."""
+    args = _poisoned_batch(dtype, block_size, num_q_heads, num_kv_heads, head_dim, sizes, prefix_lens, seed, None)
+    first, second = (_run_triton(args, 0.3, launch) for _ in range(2))
+    bits = {4: torch.int32, 2: torch.int16}[first.element_size()]
+    return torch.equal(first.view(bits), second.view(bits))
 
 
 def dispatcher_uses_triton(seed: int) -> float:

@@ -110,6 +110,99 @@ def test_triton_kernel_without_gqa_and_single_node(kernel_runner):
     assert err < TOLERANCE[torch.float32]
 
 
+# Launches that force the split path: KV ranges of 16 or 32 positions (several per request), row tiles
+# of 16 that do not divide the rows (e.g. 9 tokens x group 4 = 36 rows = 16 + 16 + 4).
+SPLIT_LAUNCH = dict(block_m=16, block_n=16, num_splits=5, min_split_len=16, num_warps=4, num_stages=2)
+WIDE_SPLIT_LAUNCH = dict(block_m=32, block_n=16, num_splits=3, min_split_len=32, num_warps=4, num_stages=2)
+# a request without prefix, one whose prefix is shorter than one split, one far longer than the rest
+SPLIT_TREES = dict(sizes=[5, 1, 9, 3], prefix_lens=[0, 7, 150, 33])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_triton_kernel_with_kv_splits(kernel_runner, dtype, block_size):
+    err = kernel_runner(kernel_cases.triton_attention_error, dtype, block_size, 8, 2, 32, SPLIT_TREES["sizes"],
+                        SPLIT_TREES["prefix_lens"], seed=3 + block_size, scale=0.2, forest_request=3,
+                        launch=SPLIT_LAUNCH)
+    print(f"triton tree attention, 5 KV splits, {dtype} block_size={block_size}: max error {err:.2e}")
+    assert err < TOLERANCE[kernel_cases.DTYPES[dtype]]
+
+
+@pytest.mark.parametrize("heads", [(3, 3), (6, 2), (8, 2), (8, 1)], ids=["group1", "group3", "group4", "group8"])
+@pytest.mark.parametrize("launch", [SPLIT_LAUNCH, WIDE_SPLIT_LAUNCH], ids=["m16", "m32"])
+def test_triton_kernel_splits_across_groups(kernel_runner, heads, launch):
+    err = kernel_runner(kernel_cases.triton_attention_error, "float32", 16, *heads, 16, [7, 2, 4], [40, 0, 3],
+                        seed=sum(heads), scale=0.25, launch=launch)
+    assert err < TOLERANCE[torch.float32]
+
+
+def test_triton_default_launch_splits_a_long_prefix(kernel_runner):
+    """Batch 1 with a long prefix: the kernel's own launch splits the KV length (and stays exact)."""
+    from vllm_easyspec.kernels.tree_attention import NOMINAL_SHARED_MEMORY, NOMINAL_SM_COUNT, choose_launch
+
+    launch = choose_launch(batch=1, num_kv_heads=2, group=2, max_query_len=6, kv_len_bound=(600 + 6 + 20) // 16 * 16,
+                           head_dim=16, element_size=2, sm_count=NOMINAL_SM_COUNT,
+                           shared_memory=NOMINAL_SHARED_MEMORY)
+    assert launch.num_splits > 1
+    err = kernel_runner(kernel_cases.triton_attention_error, "float16", 16, 4, 2, 16, [6], [600], seed=5, scale=0.3)
+    assert err < TOLERANCE[torch.float16]
+
+
+def test_triton_kernel_repeat_is_bitwise_identical(kernel_runner):
+    assert kernel_runner(kernel_cases.triton_attention_repeat_is_bitwise, "bfloat16", 16, 8, 2, 32,
+                         SPLIT_TREES["sizes"], SPLIT_TREES["prefix_lens"], seed=21, launch=SPLIT_LAUNCH)
+
+
+LLAMA3_8B = dict(num_kv_heads=8, group=4, head_dim=128, element_size=2, sm_count=132, shared_memory=227 * 1024)
+
+
+@pytest.mark.parametrize("prefix", [2048, 8192])
+@pytest.mark.parametrize("tree", [8, 16, 32, 64, 65])
+def test_choose_launch_fills_an_h100_at_batch_1(prefix, tree):
+    from vllm_easyspec.kernels.tree_attention import choose_launch
+
+    launch = choose_launch(batch=1, max_query_len=tree, kv_len_bound=prefix + 128, **LLAMA3_8B)
+    row_tiles = -(-tree * 4 // launch.block_m)
+    assert launch.num_splits > 1
+    assert 0.8 * 132 <= 8 * row_tiles * launch.num_splits <= 2 * 132
+    assert row_tiles <= (1 if tree <= 32 else 3)  # the read count of the module docstring
+    assert launch.min_split_len >= launch.block_m
+
+
+@pytest.mark.parametrize("batch", [16, 64])
+def test_choose_launch_does_not_split_full_batches(batch):
+    from vllm_easyspec.kernels.tree_attention import choose_launch
+
+    assert choose_launch(batch=batch, max_query_len=9, kv_len_bound=8192, **LLAMA3_8B).num_splits == 1
+
+
+@pytest.mark.parametrize("element_size", [2, 4])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("shared_memory", [99 * 1024, 163 * 1024, 227 * 1024])
+def test_choose_launch_fits_shared_memory_and_registers(element_size, head_dim, shared_memory):
+    from vllm_easyspec.kernels.tree_attention import SHARED_MEMORY_MARGIN, _shared_memory_bytes, choose_launch
+
+    for tree, kv_len_bound in [(1, 64), (16, 8192), (65, 32768)]:
+        launch = choose_launch(batch=1, num_kv_heads=8, group=4, max_query_len=tree, kv_len_bound=kv_len_bound,
+                               head_dim=head_dim, element_size=element_size, sm_count=132,
+                               shared_memory=shared_memory)
+        assert _shared_memory_bytes(launch.block_m, launch.block_n, head_dim, launch.num_stages,
+                                    element_size) <= SHARED_MEMORY_MARGIN * shared_memory
+        assert launch.block_m * head_dim <= 64 * 32 * launch.num_warps  # fp32 accumulator registers
+        assert element_size == 2 or launch.block_m <= 64
+
+
+def test_launch_rejects_bad_parameters():
+    from vllm_easyspec.kernels.tree_attention import TreeAttentionLaunch
+
+    with pytest.raises(ValueError, match="power of two"):
+        TreeAttentionLaunch(block_m=24, block_n=16, num_splits=1, min_split_len=16, num_warps=4, num_stages=2)
+    with pytest.raises(ValueError, match="multiple of block_n"):
+        TreeAttentionLaunch(block_m=16, block_n=32, num_splits=2, min_split_len=48, num_warps=4, num_stages=2)
+    with pytest.raises(ValueError, match="num_splits"):
+        TreeAttentionLaunch(block_m=16, block_n=16, num_splits=0, min_split_len=16, num_warps=4, num_stages=2)
+
+
 def test_dispatcher_routes_to_triton(kernel_runner):
     assert kernel_runner(kernel_cases.dispatcher_uses_triton, seed=4) < 1e-5
 
@@ -127,6 +220,21 @@ def test_dispatcher_rejects_unknown_backend():
 def test_triton_kernel_matches_reference_large(kernel_runner, dtype, block_size):
     err = kernel_runner(kernel_cases.triton_attention_error, dtype, block_size, 8, 2, 128, [64, 17, 33],
                         [300, 0, 129], seed=11, scale=128 ** -0.5)
+    assert err < TOLERANCE[kernel_cases.DTYPES[dtype]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_triton_kernel_splits_large(kernel_runner, dtype):
+    """Llama-3-8B heads (32 / 8, head size 128): a 65-row tree (3 row tiles of 128 rows) over 6 KV splits next
+    to small trees, and batch 1 with the kernel's own launch over a 1000-token prefix."""
+    err = kernel_runner(kernel_cases.triton_attention_error, dtype, 16, 32, 8, 128, [65, 4, 1], [700, 0, 13],
+                        seed=17, scale=128 ** -0.5,
+                        launch=dict(block_m=128, block_n=64, num_splits=6, min_split_len=128, num_warps=8,
+                                    num_stages=3))
+    assert err < TOLERANCE[kernel_cases.DTYPES[dtype]]
+    err = kernel_runner(kernel_cases.triton_attention_error, dtype, 16, 32, 8, 128, [16], [1000], seed=18,
+                        scale=128 ** -0.5)
     assert err < TOLERANCE[kernel_cases.DTYPES[dtype]]
 
 
