@@ -38,10 +38,12 @@ Design (flash decoding for a tree):
 * **Grid.** One flat axis, ``row_tile`` fastest, then ``split``, then ``(request, KV head)``: the row
   tiles that read the same K/V range run side by side, so their repeated reads are L2 hits.
 
-**Read count.** Each prefix K/V byte of request ``b`` and one KV head is loaded by exactly
-``cdiv(n_b * GROUP, BLOCK_M)`` programs (one per row tile; splits partition the positions) and a tree
-position by at most as many. For Llama-3-8B (``GROUP = 4``) the chosen ``BLOCK_M`` gives 1 load for
-trees of up to 32 query tokens, 2 for 33-64 and 3 for 65 (a 64-node tree plus its root).
+**Read count.** Per request ``b`` and KV head, each prefix K/V byte is loaded by exactly
+``cdiv(n_b * GROUP, BLOCK_M)`` programs (one per row tile; splits partition the positions), each tree
+position by at most as many; the query tile is loaded once per split, and with ``S > 1`` splits the
+partial results (``rows * (D + 2) * 4`` bytes per split) are written once and read once by the merge. For
+Llama-3-8B (``GROUP = 4``) the chosen ``BLOCK_M`` gives 1 load for trees of up to 32 query tokens, 2 for
+33-64 and 3 for 65 (a 64-node tree plus its root).
 :func:`choose_launch` picks ``BLOCK_M``, ``BLOCK_N``, ``num_splits``, ``num_warps`` and ``num_stages``.
 """
 
@@ -167,6 +169,41 @@ def choose_launch(*, batch: int, num_kv_heads: int, group: int, max_query_len: i
 
 
 @triton.jit
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_row_ptr, pos, pos_ok, kv_head, d, d_ok,
+                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                  KV_BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr):
+    """K as ``[BLOCK_D, BLOCK_N]`` and V as ``[BLOCK_N, BLOCK_D]`` at logical positions ``pos`` of one request
+    (block-table lookup per position, so any block size works); positions with ``pos_ok`` false are
+    neither looked up nor read (0)."""
+    block = tl.load(block_table_row_ptr + pos // KV_BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+    slot = pos % KV_BLOCK_SIZE
+    k = tl.load(k_cache_ptr + block[None, :] * stride_kb + slot[None, :] * stride_ks + kv_head * stride_kh
+                + d[:, None], mask=pos_ok[None, :] & d_ok[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
+                + d[None, :], mask=pos_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr):
+    """Fold one K/V tile into the running base-2 max ``m_i``, sum ``l_i`` and unnormalised ``acc``;
+    ``allowed`` (broadcast to ``[BLOCK_M, BLOCK_N]``) masks scores to ``-inf``. A row with nothing allowed
+    so far keeps ``m_i = -inf``, ``l_i = 0``, ``acc = 0``."""
+    scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+    scores = tl.where(allowed, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _tree_attention_kernel(
     out_ptr,
     partial_acc_ptr,
@@ -249,58 +286,27 @@ def _tree_attention_kernel(
 
         # prefix positions [lo, min(hi, prefix)): every row sees all of them
         prefix_hi = tl.minimum(hi, prefix)
+        kv_row_ptr = block_table_ptr + req * stride_bt
         for start in range(lo, prefix_hi, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
             pos_ok = pos < prefix_hi
-            block = tl.load(block_table_ptr + req * stride_bt + pos // KV_BLOCK_SIZE, mask=pos_ok, other=0)
-            block = block.to(tl.int64)
-            slot = pos % KV_BLOCK_SIZE
-            k = tl.load(k_cache_ptr + block[None, :] * stride_kb + slot[None, :] * stride_ks
-                        + kv_head * stride_kh + d[:, None],
-                        mask=pos_ok[None, :] & d_ok[:, None], other=0.0)
-            v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs
-                        + kv_head * stride_vh + d[None, :],
-                        mask=pos_ok[:, None] & d_ok[None, :], other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
-            scores = tl.where(pos_ok[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(scores - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, kv_row_ptr, pos, pos_ok, kv_head, d, d_ok,
+                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                 KV_BLOCK_SIZE, UPCAST)
+            m_i, l_i, acc = _online_softmax_step(q, k, v, pos_ok[None, :], m_i, l_i, acc, scale_log2,
+                                                 DOT_PRECISION)
 
         # tree positions [max(lo, prefix), hi): tree_mask decides per row
         for start in range(tl.maximum(lo, prefix), hi, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
             pos_ok = pos < hi
-            block = tl.load(block_table_ptr + req * stride_bt + pos // KV_BLOCK_SIZE, mask=pos_ok, other=0)
-            block = block.to(tl.int64)
-            slot = pos % KV_BLOCK_SIZE
-            k = tl.load(k_cache_ptr + block[None, :] * stride_kb + slot[None, :] * stride_ks
-                        + kv_head * stride_kh + d[:, None],
-                        mask=pos_ok[None, :] & d_ok[:, None], other=0.0)
-            v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs
-                        + kv_head * stride_vh + d[None, :],
-                        mask=pos_ok[:, None] & d_ok[None, :], other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+            k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, kv_row_ptr, pos, pos_ok, kv_head, d, d_ok,
+                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                 KV_BLOCK_SIZE, UPCAST)
             allowed = tl.load(mask_ptr + token[:, None] * stride_mt + (pos - prefix)[None, :],
                               mask=row_ok[:, None] & pos_ok[None, :], other=0)
-            scores = tl.where(allowed != 0, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(scores - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(q, k, v, allowed != 0, m_i, l_i, acc, scale_log2,
+                                                 DOT_PRECISION)
 
         if SPLIT:
             part = (token * (num_kv_heads * GROUP) + q_head) * num_splits + split
