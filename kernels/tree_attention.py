@@ -118,9 +118,11 @@ def _split_count(programs_per_split: int, sm_count: int, max_splits: int) -> int
     return next(s for s in range(1, max_splits + 1) if efficiency(s) >= WAVE_EFFICIENCY_TOLERANCE * best)
 
 
+@functools.cache
 def choose_launch(*, batch: int, num_kv_heads: int, group: int, max_query_len: int, kv_len_bound: int,
                   head_dim: int, element_size: int, sm_count: int, shared_memory: int) -> TreeAttentionLaunch:
-    """Launch parameters from the shape alone (host values only: no device-to-host sync).
+    """Launch parameters from the shape alone (host values only: no device-to-host sync). A pure function of
+    its arguments, cached: every layer of a forward pass asks again with the same shape.
 
     * ``block_m``: the smallest power of two ``>= 16`` holding one request's ``max_query_len * group`` rows,
       at most 128 (64 for fp32, whose IEEE dots run on CUDA cores); halved while the fp32 accumulator would

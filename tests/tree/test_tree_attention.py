@@ -128,7 +128,8 @@ def test_triton_kernel_with_kv_splits(kernel_runner, dtype, block_size):
     assert err < TOLERANCE[kernel_cases.DTYPES[dtype]]
 
 
-@pytest.mark.parametrize("heads", [(3, 3), (6, 2), (8, 2), (8, 1)], ids=["group1", "group3", "group4", "group8"])
+@pytest.mark.parametrize("heads", [(3, 3), (6, 2), (8, 2), (8, 1), (32, 1)],
+                         ids=["group1", "group3", "group4", "group8", "group32"])  # 32: a token spans row tiles
 @pytest.mark.parametrize("launch", [SPLIT_LAUNCH, WIDE_SPLIT_LAUNCH], ids=["m16", "m32"])
 def test_triton_kernel_splits_across_groups(kernel_runner, heads, launch):
     err = kernel_runner(kernel_cases.triton_attention_error, "float32", 16, *heads, 16, [7, 2, 4], [40, 0, 3],
