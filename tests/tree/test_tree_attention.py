@@ -137,6 +137,15 @@ def test_triton_kernel_splits_across_groups(kernel_runner, heads, launch):
     assert err < TOLERANCE[torch.float32]
 
 
+def test_triton_kernel_with_the_most_splits(kernel_runner):
+    """64 splits of 16 positions (most of them empty for the short request) at head size 128: the merge
+    runs one query head per program over all 64 partial results."""
+    launch = dict(block_m=16, block_n=16, num_splits=64, min_split_len=16, num_warps=4, num_stages=2)
+    err = kernel_runner(kernel_cases.triton_attention_error, "bfloat16", 16, 2, 1, 128, [3, 2], [70, 1000],
+                        seed=1, scale=0.1, launch=launch)
+    assert err < TOLERANCE[torch.bfloat16]
+
+
 def test_triton_default_launch_splits_a_long_prefix(kernel_runner):
     """Batch 1 with a long prefix: the kernel's own launch splits the KV length (and stays exact)."""
     from vllm_easyspec.kernels.tree_attention import NOMINAL_SHARED_MEMORY, NOMINAL_SM_COUNT, choose_launch
