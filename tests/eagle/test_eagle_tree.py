@@ -22,14 +22,20 @@ from reference_checkpoint import build_reference_checkpoint
 from request_batches import MIXED, SINGLE, generate
 
 from vllm_easyspec.instruments.metrics import read_spec_decode_counters
-from vllm_easyspec.instruments.worker_extension import read_drafting_stats, read_tree_stats
+from vllm_easyspec.instruments.worker_extension import (
+    read_controller_stats,
+    read_drafting_stats,
+    read_tree_stats,
+)
 
 STATIC = {"choices": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]}
 DYNAMIC = {"top_k": 3, "depth": 4, "budget": 10}
 # from 4 running requests on, the EAGLE-2 tree of 3 nodes (fewer levels), from 6 on a chain of 2 verified by
 # vLLM's own path; the mixed batch of 8 shrinks through both
 FOLLOWING_THE_BATCH = DYNAMIC | {"budget_by_batch": {"4": 3, "6": {"chain": 2}}}
-TREES = {"static": STATIC, "dynamic": DYNAMIC, "dynamic-following-the-batch": FOLLOWING_THE_BATCH}
+# easyspec.tree.auto: the controller chooses every request's nodes of the merged tree every step
+AUTO = DYNAMIC | {"sources": {"prompt_lookup": {"nodes": 3}}, "auto": True}
+TREES = {"static": STATIC, "dynamic": DYNAMIC, "dynamic-following-the-batch": FOLLOWING_THE_BATCH, "auto": AUTO}
 
 def _eagle_tree_engine(llm_pool, target, fmt: str, head, tree: dict):
     return llm_pool.get(target, speculative_config={"method": fmt, "model": str(head)},
@@ -47,7 +53,7 @@ def _vanilla(llm_pool, target, name: str, requests) -> list:
 
 
 @pytest.mark.parametrize(("shape", "fmt"), [("static", "eagle3"), ("dynamic", "eagle"),
-                                           ("dynamic-following-the-batch", "eagle3")])
+                                           ("dynamic-following-the-batch", "eagle3"), ("auto", "eagle3")])
 def test_greedy_eagle_trees_equal_vanilla(llm_pool, tiny_llama_dir, trained_tiny_heads, fmt, shape):
     single = _vanilla(llm_pool, tiny_llama_dir, "single", SINGLE)
     mixed = _vanilla(llm_pool, tiny_llama_dir, "mixed", MIXED)
@@ -68,6 +74,9 @@ def test_greedy_eagle_trees_equal_vanilla(llm_pool, tiny_llama_dir, trained_tiny
         assert stats["chain_steps"] > 0 and stats["chain_requests"] >= 6 * stats["chain_steps"]
         requests = stats["tree_requests"] + stats["chain_requests"]
         assert 2 * requests < stats["nodes_verified"] < DYNAMIC["budget"] * requests
+    if shape == "auto":
+        controller = llm.collective_rpc(read_controller_stats)[0]
+        assert controller["steps"] > 0 and controller["nodes_chosen"] > 0 and controller["realised_accepted"] > 0
 
 
 def test_eagle_trees_accept_nodes_off_the_top_path(llm_pool, tiny_llama_dir, trained_tiny_heads):
@@ -184,6 +193,9 @@ DRAW_MODES = {
                [1, 17, 42, 5, 33, 37, 8, 9, 17, 42, 5, 33]),
     # budget_by_batch down to a top-1 chain at every batch size: vLLM's rejection sampler verifies the drafts
     "chain": ({"top_k": 3, "depth": 3, "budget": 6, "budget_by_batch": {"1": {"chain": 3}}}, None),
+    # the controller chooses the nodes of the merged tree (easyspec.tree.auto)
+    "auto": ({"top_k": 3, "depth": 3, "budget": 6, "sources": {"prompt_lookup": {"nodes": 3, "min_match": 1}},
+              "auto": True}, [1, 17, 42, 5, 33, 37, 8, 9, 17, 42, 5, 33]),
 }
 
 
@@ -195,10 +207,13 @@ def test_distribution_with_eagle_trees_matches_target(llm_pool, tiny_llama_dir, 
     result = run_distribution_test(llm, tiny_llama_dir, temperature=0.7, prompt=prompt)
     stats = llm.collective_rpc(read_tree_stats)[0]
     verified = "chain_requests" if mode == "chain" else "tree_requests"
-    assert stats[verified] - before[verified] >= result.num_samples
+    if mode != "auto":  # the controller may verify chains, or nothing, for some requests
+        assert stats[verified] - before[verified] >= result.num_samples
     assert 0 < stats["accepted"] - before["accepted"] < stats["nodes_verified"] - before["nodes_verified"]
     if mode == "merged":
         assert stats["source_nodes_accepted"] - before["source_nodes_accepted"] > result.num_samples // 2
+    if mode == "auto":
+        assert llm.collective_rpc(read_controller_stats)[0]["nodes_chosen"] > 0
     assert result.p_value >= ALPHA, f"chi2={result.statistic:.1f} dof={result.degrees_of_freedom} p={result.p_value:.2e}"
 
 

@@ -49,6 +49,29 @@ def read_tree_stats(worker) -> dict[str, int] | None:
     return None if verifier is None else asdict(verifier.stats)
 
 
+def read_controller_stats(worker) -> dict[str, Any] | None:
+    """This rank's ``easyspec.tree.auto`` controller: its counters (chosen nodes per request, drafted depth per
+    step, predicted against realised accepted tokens, its own seconds), the measured cost curves with their
+    current scales, and the acceptance model's calibration tables; None without the controller."""
+    verifier = getattr(worker.model_runner, "tree_verifier", None)
+    controller = None if verifier is None else verifier.controller
+    if controller is None:
+        return None
+    stats = asdict(controller.stats)
+    stats["nodes_per_request"] = dict(sorted(controller.stats.nodes_per_request.items()))
+    stats["depth_per_step"] = dict(sorted(controller.stats.depth_per_step.items()))
+    cost = controller.cost
+    return stats | {
+        "verify_curve": {"rows": list(cost.verify.rows), "seconds": list(cost.verify.seconds),
+                         "scale": cost.verify_scale},
+        "draft_level_curve": {"rows": list(cost.draft_level.rows), "seconds": list(cost.draft_level.seconds),
+                              "scale": cost.draft_scale},
+        "cost_observations": dict(cost.observations),
+        "calibration_conditional": controller.acceptance.conditional.table(),
+        "calibration_path": controller.acceptance.path.table(),
+    }
+
+
 class EasySpecWorkerExtension:
     def easyspec_drafting_stats(self) -> dict[str, float] | None:
         """This rank's drafting counters: the plugin drafter's own, else those of ``easyspec_time_drafter``."""
@@ -77,3 +100,7 @@ class EasySpecWorkerExtension:
     def easyspec_tree_stats(self) -> dict[str, int] | None:
         """This rank's token-tree counters (steps, tree requests, nodes verified, accepted, fallbacks)."""
         return read_tree_stats(self)
+
+    def easyspec_controller_stats(self) -> dict[str, Any] | None:
+        """This rank's ``easyspec.tree.auto`` controller (:func:`read_controller_stats`)."""
+        return read_controller_stats(self)

@@ -25,13 +25,23 @@ builds the plugin's proposers (:func:`~vllm_easyspec.integration.proposers.plugi
 
 from __future__ import annotations
 
+import time
+
+import torch
+
+from vllm_easyspec.control.controller import SpeculationController
+from vllm_easyspec.control.cost import CostCurve, StepCostModel
+from vllm_easyspec.integration.compat import plugin_logger
 from vllm_easyspec.integration.options import easyspec_options
 from vllm_easyspec.integration.proposers import plugin_proposers
 from vllm_easyspec.integration.tree_attention import verifying
 from vllm_easyspec.integration.tree_sampler import TreeRejectionSampler, TreeVerdict
 from vllm_easyspec.integration.tree_step import TreeVerifier, TreeVerifyForward
 from vllm_easyspec.tree.building import ChildDrawMode
+from vllm_easyspec.tree.config import TreeConfig
 from vllm_easyspec.tree.verify_step import TreeRequest, TreeVerifyStep
+
+logger = plugin_logger(__name__)
 
 
 class TreeRunnerMixin:
@@ -39,6 +49,7 @@ class TreeRunnerMixin:
 
     tree_verifier: TreeVerifier | None = None
     tree_sampler: TreeRejectionSampler | None = None
+    _step_clock: tuple[float, int] | None = None  # auto: (start, rows) of a decode step's verify in progress
 
     def __init__(self, vllm_config, device) -> None:
         options = easyspec_options(vllm_config)
@@ -50,11 +61,24 @@ class TreeRunnerMixin:
         self.tree_verifier = TreeVerifier(self.requests, drafting.unshared_target_tokens)
         self.tree_sampler = TreeRejectionSampler(self.sampler, self.speculative_config, self.device)
 
+    # Extends GPUModelRunner.initialize_kv_cache (CPUModelRunner's too): with easyspec.tree.auto, the step's
+    # cost is measured once the caches exist, and the controller starts.
+    def initialize_kv_cache(self, *args, **kwargs):
+        result = super().initialize_kv_cache(*args, **kwargs)
+        tree = None if self.tree_verifier is None else easyspec_options(self.vllm_config).tree
+        if tree is not None and tree.auto is not None:
+            self.tree_verifier.controller = self._start_controller(tree)
+        return result
     # Extends GPUModelRunner._prepare_inputs: tree rows get the positions P + depth.
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        started = time.perf_counter()
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         if self.tree_verifier is not None:
             self._start_tree_step(scheduler_output)
+            decode_only = not scheduler_output.scheduled_new_reqs and all(
+                count == 1 + len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+                for req_id, count in scheduler_output.num_scheduled_tokens.items())
+            self._step_clock = (started, scheduler_output.total_num_scheduled_tokens) if decode_only else None
         return result
 
     # Extends GPUModelRunner._build_attention_metadata: tree requests get tree-attention metadata.
@@ -73,13 +97,20 @@ class TreeRunnerMixin:
             output = super()._sample(logits, spec_decode_metadata)
             if verifier is not None and verifier.chain_step:
                 verifier.record_chain_step(output.sampled_token_ids)
-            return output
-        self.input_batch.update_async_output_token_ids()  # as vLLM's _sample (a no-op: trees run synchronously)
-        verdict = self.tree_sampler.verify(forward.step, spec_decode_metadata, logits,
-                                           self.input_batch.sampling_metadata)
-        verifier.forward = None
-        self._commit(forward, verdict)
-        return verdict.sampler_output
+        else:
+            self.input_batch.update_async_output_token_ids()  # as vLLM's _sample (a no-op: trees run synchronously)
+            verdict = self.tree_sampler.verify(forward.step, spec_decode_metadata, logits,
+                                               self.input_batch.sampling_metadata)
+            verifier.forward = None
+            self._commit(forward, verdict)
+            output = verdict.sampler_output
+        if self._step_clock is not None and verifier.controller is not None:  # auto: keep the cost model current
+            started, rows = self._step_clock
+            if output.sampled_token_ids.is_cuda:
+                torch.cuda.synchronize(output.sampled_token_ids.device)
+            verifier.controller.observe_verify(rows, time.perf_counter() - started)
+            self._step_clock = None
+        return output
 
     # Extends GPUModelRunner.take_draft_token_ids: requests served without speculation get no drafts.
     def take_draft_token_ids(self):
@@ -111,14 +142,16 @@ class TreeRunnerMixin:
             if pending is not None and pending.tokens[:n] == tokens:
                 stats.truncated_trees += n < len(pending.tokens)
                 parents = pending.parents[:n]
-                drafted = n if pending.drafted is None else min(n, pending.drafted)
+                from_lookup = pending.from_lookup[:n]
+                if pending.features is not None:
+                    verifier.scheduled[req_id] = (pending.features[:n], parents)
                 mode = pending.draw_mode
                 probs = None if pending.draft_probs is None else pending.draft_probs[: n + 1]
                 all_chains &= pending.is_chain
             else:  # not drafted by this drafter as a tree: any fixed drafts verify exactly as a chain
                 stats.chain_fallbacks += 1
                 parents, mode, probs = list(range(-1, n - 1)), ChildDrawMode.WITHOUT_REPLACEMENT, None
-                drafted = n
+                from_lookup = ()
             state = self.requests[req_id]
             params = state.sampling_params
             banned_depth = 0
@@ -135,7 +168,7 @@ class TreeRunnerMixin:
                 stop_tokens_banned_below_depth=banned_depth,
                 stop_token_ids=tuple(sorted(params.all_stop_token_ids)) if banned_depth > 0 else (),
                 req_id=req_id,
-                drafted_nodes=drafted,
+                from_lookup=from_lookup,
             ))
         if not requests:
             return
@@ -154,6 +187,47 @@ class TreeRunnerMixin:
         stats.steps += 1
         stats.tree_requests += len(requests)
         stats.nodes_verified += int(step.trees.num_nodes.sum())
+
+    def _start_controller(self, tree: TreeConfig) -> SpeculationController:
+        """easyspec.tree.auto: the step's cost measured (the target's forward and logits over the rows a verify
+        can have, one draft forward over the rows a level can have), then the controller that uses it."""
+        started = time.perf_counter()
+        level_width = tree.top_k if not tree.is_static else max(
+            len(level) for level in tree.template().expansion_levels())
+        max_nodes = tree.num_nodes if tree.auto.max_nodes is None else tree.auto.max_nodes
+        batch = self.scheduler_config.max_num_seqs
+        verify_rows = _calibration_rows(min(batch * (1 + max_nodes), self.max_num_tokens))
+        level_rows = _calibration_rows(min(batch * level_width, self.max_num_tokens))
+        cost = StepCostModel(
+            verify=CostCurve.from_measurements(verify_rows, [self._forward_seconds(r, draft=False) for r in verify_rows]),
+            draft_level=CostCurve.from_measurements(level_rows, [self._forward_seconds(r, draft=True) for r in level_rows]),
+        )
+        logger.info("easyspec.tree.auto: step cost measured in %.1f s: %s", time.perf_counter() - started,
+                    cost.describe())
+        return SpeculationController(cost, max_depth=tree.max_depth, max_nodes=max_nodes, level_width=level_width)
+
+    def _forward_seconds(self, rows: int, draft: bool, repeats: int = 3) -> float:
+        """The fastest of ``repeats`` timed forwards (after one untimed) of the target, or of the drafter's
+        model, over ``rows`` rows with their logits; attention runs without metadata (no context), as in
+        vLLM's profiling runs."""
+        from vllm.forward_context import set_forward_context
+
+        model = self.drafter.model if draft else self.model
+        inputs = {"input_ids": self.input_ids.gpu[:rows], "positions": self.positions[:rows]}
+        if draft and self.drafter.pass_hidden_states_to_model:  # an EAGLE head reads a hidden state per row
+            inputs["hidden_states"] = torch.zeros(rows, self.drafter.hidden_size, dtype=self.dtype,
+                                                  device=self.device)
+        times = []
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            with torch.inference_mode(), set_forward_context(None, self.vllm_config, num_tokens=rows):
+                output = model(**inputs)
+                hidden = output[0] if isinstance(output, tuple) else output
+                model.compute_logits(hidden[:rows])
+            if hidden.is_cuda:
+                torch.cuda.synchronize(hidden.device)
+            times.append(time.perf_counter() - started)
+        return min(times[1:])
 
     def _commit(self, forward: TreeVerifyForward, verdict: TreeVerdict) -> None:
         """The accepted branch moves to ``P + 1 .. P + a`` in the target's cache and in the runner's input ids
@@ -175,6 +249,14 @@ class TreeRunnerMixin:
         input_ids[rows.to(input_ids.device)] = branch.tokens.to(input_ids.device, input_ids.dtype)
         self.positions[rows.to(self.positions.device)] = branch.destination.to(self.positions.device,
                                                                               self.positions.dtype)
+
+
+def _calibration_rows(most: int) -> list[int]:
+    """Row counts a cost curve is measured at: powers of two up to ``most``, and ``most``."""
+    rows = [1]
+    while rows[-1] * 2 < most:
+        rows.append(rows[-1] * 2)
+    return sorted(set(rows) | {max(most, 1)})
 
 
 def _cpu_runner_class():

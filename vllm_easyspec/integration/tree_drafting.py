@@ -41,11 +41,14 @@ tokens it lacks reach it through :func:`~vllm_easyspec.tree.retokenizing.approxi
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
 from vllm.forward_context import set_forward_context
 
+from vllm_easyspec.control.acceptance import NodeFeatures
+from vllm_easyspec.control.controller import RequestTree
 from vllm_easyspec.integration.compat import plugin_logger
 from vllm_easyspec.integration.options import EasySpecOptions
 from vllm_easyspec.integration.tree_attention import DraftTreeAttention, TreeLevelMetadata
@@ -154,16 +157,19 @@ class TreeDrafting:
         if node_limit == 0:  # budget_by_batch: no speculation at this batch size (the first pass kept the KV)
             return self._hand_over(None, batch_size, next_token_ids, node_limit)
         greedy, temperatures = _greedy_rows(sampling_metadata, batch_size)
-        draft = LevelwiseTreeDraft(
-            self.config.drafted_within(node_limit), self._logits(root_hidden), greedy, temperatures,
-            sampling_metadata.generators,
-        )
+        drafted = self.config.drafted_within(node_limit)
+        controller = self.verifier.controller
+        if controller is not None:  # easyspec.tree.auto: as deep as pays at this batch
+            drafted = drafted.within_depth(controller.plan_depth(self._request_ids(batch_size)))
+        draft = LevelwiseTreeDraft(drafted, self._logits(root_hidden), greedy, temperatures,
+                                   sampling_metadata.generators)
         state = DraftTreeAttention(
             prefix_lens=(root_positions + 1).long().cpu(),
             block_table=cad.block_table_tensor[:batch_size],
         )
         layer_names = list(proposer._draft_attn_layer_names)
         stash_feed = None if root_feed is None else root_feed.new_zeros(batch_size, 0, root_feed.shape[-1])
+        levels_started, levels, level_rows = time.perf_counter(), 0, 0
         while not draft.done:
             tokens = draft.frontier_tokens()
             width = tokens.shape[1]
@@ -186,6 +192,11 @@ class TreeDrafting:
             if feeds_hidden:
                 stash_feed = torch.cat([stash_feed, feed[: batch_size * width].view(batch_size, width, -1)], dim=1)
             draft.expand(self._logits(hidden[: batch_size * width]).view(batch_size, width, -1))
+            levels, level_rows = levels + 1, level_rows + batch_size * width
+        if controller is not None and levels:  # the level forwards' cost keeps the controller's model current
+            if hidden.is_cuda:
+                torch.cuda.synchronize(hidden.device)
+            controller.observe_draft(levels, level_rows // levels, time.perf_counter() - levels_started)
         return self._hand_over(draft.build(), batch_size, next_token_ids, node_limit)
 
     # ------------------------------------------------------------------------------------------ steps
@@ -269,8 +280,10 @@ class TreeDrafting:
             tokens = mapping.map_draft_to_target_ids(tokens)
             token_lists = tokens.tolist()
         lookup = None if self.config.sources is None else self.config.sources.prompt_lookup
+        controller = verifier.controller
         pending: dict[str, PendingTree] = {}
         no_drafts: set[str] = set()
+        offered: list[tuple[RequestTree, ChildDrawMode, torch.Tensor | None]] = []  # auto: the controller chooses
         for row, req_id in enumerate(req_ids):
             if verifier.fallback_reason(req_id) is not None:
                 no_drafts.add(req_id)
@@ -285,9 +298,25 @@ class TreeDrafting:
                                      lookup.min_match, lookup.max_match, self.config.max_depth + lookup.nodes)
                 row_tokens, row_parents, added = merge_path(row_tokens, row_parents, path, lookup.nodes)
                 verifier.stats.source_nodes += added
-            pending[req_id] = PendingTree.within(node_limit, row_tokens, row_parents, mode, probs, drafted)
+            from_lookup = tuple(index >= drafted for index in range(len(row_tokens)))
+            if controller is None:
+                pending[req_id] = PendingTree.within(node_limit, row_tokens, row_parents, mode, probs, from_lookup)
+                continue
+            # i.i.d. children: how many to verify must not depend on what was drawn (that would bias the draws)
+            value_blind = self.retokenizer is not None or mode is ChildDrawMode.IID_FROM_DRAFT
+            logprobs = None if value_blind else trees.logprobs[row, :drafted].tolist()
+            features = _node_features(row_parents, from_lookup, logprobs)
+            offered.append((RequestTree(req_id, row_tokens, row_parents, features,
+                                        keeps_order=mode is ChildDrawMode.IID_FROM_DRAFT), mode, probs))
+        if controller is not None:
+            for (tree, mode, probs), choice in zip(offered, controller.choose([t for t, _, _ in offered]),
+                                                   strict=True):
+                pending[tree.req_id] = PendingTree.within(
+                    choice.count, choice.tokens, choice.parents, mode, probs,
+                    tuple(f.from_lookup for f in choice.features), choice.features,
+                )
         verifier.propose(pending, no_drafts, node_limit=node_limit, chain=False)
-        if lookup is None and self.retokenizer is None:
+        if lookup is None and self.retokenizer is None and controller is None:
             return tokens
         out = torch.zeros(batch_size, self.config.num_nodes, dtype=tokens.dtype, device=tokens.device)
         if self.retokenizer is None:  # rows without a pending tree get no drafts (trim_drafts) either way
@@ -304,6 +333,19 @@ class TreeDrafting:
         batch = self.proposer.easyspec_runner.input_batch
         known = batch.token_ids_cpu[row, : int(batch.num_tokens_no_spec[row])].tolist()
         return known + self.verifier.last_branch.get(req_id, []) + [next_token]
+
+
+def _node_features(parents: list[int], from_lookup: tuple[bool, ...],
+                   logprobs: list[float] | None) -> list[NodeFeatures]:
+    """What the controller knows of each node before verification: source, depth, and for drafted nodes their
+    draft log-probability given the parent (``logprobs``, None where unknown: trees re-encoded by text)."""
+    depths: list[int] = []
+    features = []
+    for index, parent in enumerate(parents):
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+        known = not from_lookup[index] and logprobs is not None
+        features.append(NodeFeatures(from_lookup[index], depths[-1], logprobs[index] if known else None))
+    return features
 
 
 def _parent_states(root: torch.Tensor, stash: torch.Tensor, parent_columns: torch.Tensor) -> torch.Tensor:

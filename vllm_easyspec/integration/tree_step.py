@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from vllm_easyspec.control.acceptance import NodeFeatures
+from vllm_easyspec.control.controller import SpeculationController
 from vllm_easyspec.integration.compat import plugin_logger
 from vllm_easyspec.tree.building import ChildDrawMode
 from vllm_easyspec.tree.verify_step import AcceptedBranch, TreeVerifyStep
@@ -71,20 +73,23 @@ class PendingTree:
     tokens: list[int]
     parents: list[int]
     draw_mode: ChildDrawMode
-    node_limit: int  # the most nodes the step's budget allowed
+    node_limit: int  # the most nodes the step's budget (or the controller) allowed
     is_chain: bool
     draft_probs: torch.Tensor | None = None  # [n + 1, V], i.i.d.-drawn trees only
-    drafted: int | None = None  # nodes before this index were drafted, the rest merged from sources
+    from_lookup: tuple[bool, ...] = ()  # per node: merged from a source (prompt lookup); empty: all drafted
+    features: list[NodeFeatures] | None = None  # per node, with easyspec.tree.auto: what the controller knew
 
     @classmethod
     def within(cls, node_limit: int, tokens: list[int], parents: list[int], draw_mode: ChildDrawMode,
-               draft_probs: torch.Tensor | None = None, drafted: int | None = None) -> PendingTree:
+               draft_probs: torch.Tensor | None = None, from_lookup: tuple[bool, ...] = (),
+               features: list[NodeFeatures] | None = None) -> PendingTree:
         """The first ``node_limit`` nodes of a tree (still a tree: parents come first). This is where a
-        step's node budget (``budget_by_batch``) is applied."""
+        step's node budget (``budget_by_batch``, or the controller's choice) is applied."""
         tokens, parents = tokens[:node_limit], parents[:node_limit]
         is_chain = (draw_mode is ChildDrawMode.WITHOUT_REPLACEMENT and draft_probs is None
                     and parents == list(range(-1, len(parents) - 1)))
-        return cls(tokens, parents, draw_mode, node_limit, is_chain, draft_probs, drafted)
+        return cls(tokens, parents, draw_mode, node_limit, is_chain, draft_probs, tuple(from_lookup[:node_limit]),
+                   None if features is None else features[:node_limit])
 
     @classmethod
     def chain(cls, tokens: list[int]) -> PendingTree:
@@ -148,6 +153,9 @@ class TreeVerifier:
     # (source rows, destination rows) of this step's accepted nodes in the verify forward, or None
     branch_rows: tuple[torch.Tensor, torch.Tensor] | None = None
     stats: TreeStats = field(default_factory=TreeStats)
+    controller: SpeculationController | None = None  # easyspec.tree.auto
+    # auto: each request's scheduled nodes as the controller saw them (features, parents), this step
+    scheduled: dict[str, tuple[list[NodeFeatures], list[int]]] = field(default_factory=dict)
     _explained: set[str] = field(default_factory=set)
 
     # ------------------------------------------------------------------------------------------ drafting
@@ -167,6 +175,8 @@ class TreeVerifier:
         live = set(self.requests)
         self.pending = {req_id: tree for req_id, tree in self.pending.items() if req_id in live} | trees
         self._explained &= live
+        if self.controller is not None:
+            self.controller.forget(live)
         self.no_drafts = no_drafts
         self.drafted_this_step = True
         self.stats.last_node_limit = node_limit
@@ -190,6 +200,7 @@ class TreeVerifier:
         self.chain_step = {}
         self.last_branch = {}
         self.branch_rows = None
+        self.scheduled = {}
 
     def record_chain_step(self, output_token_ids: torch.Tensor) -> None:
         """After vLLM's sampler verified a chain step: each request's accepted drafts (its output row up to the
@@ -199,23 +210,36 @@ class TreeVerifier:
             tokens = [token for token in rows[batch_row] if token >= 0][:-1]
             self.last_branch[req_id] = tokens
             self.stats.accepted += len(tokens)
+            self._observe(req_id, set(range(len(tokens))))
         self.chain_step = {}
 
     def record_branch(self, step: TreeVerifyStep, branch: AcceptedBranch) -> None:
         """The accepted branch of a tree step, committed by the runner: counters, each request's accepted
         tokens, and the forward rows its nodes moved from and to."""
         self.stats.accepted += len(branch)
+        if self.scheduled:
+            accepted: dict[str, set[int]] = {request.req_id: set() for request in step.requests}
+            for index, column in zip(branch.request_index.tolist(), branch.source_column.tolist(), strict=True):
+                accepted[step.requests[index].req_id].add(column - 1)
+            for req_id, nodes in accepted.items():
+                self._observe(req_id, nodes)
         if not len(branch):
             return
         if self.unshared_target_tokens is not None:
             unshared = self.unshared_target_tokens[branch.tokens.to(self.unshared_target_tokens.device)]
             self.stats.accepted_outside_shared_vocab += int(unshared.sum())
-        from_sources = branch.source_column - 1 >= step.drafted_nodes[branch.request_index]
+        from_sources = step.from_lookup[branch.request_index, branch.source_column - 1]
         self.stats.source_nodes_accepted += int(from_sources.sum())
         self.stats.off_top_path_branches += len(step.left_the_top_path(branch))
         for index, token in zip(branch.request_index.tolist(), branch.tokens.tolist(), strict=True):
             self.last_branch.setdefault(step.requests[index].req_id, []).append(token)
         self.branch_rows = step.branch_rows(branch)
+
+    def _observe(self, req_id: str, accepted: set[int]) -> None:
+        """The controller learns what verification accepted of a request's scheduled nodes."""
+        scheduled = self.scheduled.get(req_id)
+        if self.controller is not None and scheduled is not None:
+            self.controller.observe(req_id, *scheduled, accepted)
 
     def branch_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The verify forward's per-row hidden states with each accepted node's state moved to its branch row

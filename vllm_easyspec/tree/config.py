@@ -86,6 +86,17 @@ class StepBudget:
     chain: bool  # a chain of ``nodes`` tokens, drafted as the proposer drafts without a tree
 
 
+class AutoSpeculation(BaseModel):
+    """``auto``: a controller chooses, every step, how deep to draft and which nodes of each request's candidate
+    tree (the tree this config describes, sources merged in) to verify, from a cost model measured at start-up
+    and an acceptance model calibrated while serving (:mod:`vllm_easyspec.control`). ``max_nodes`` caps the
+    nodes one request verifies in a step (default: the whole candidate tree)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_nodes: int | None = Field(default=None, ge=1)
+
+
 class TreeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -98,6 +109,15 @@ class TreeConfig(BaseModel):
     retokenize: bool | None = None  # None: bridge by text wherever it applies (bridges_by_text)
     # running requests -> from that batch size on, most nodes per request (0: no speculation) or a chain
     budget_by_batch: dict[int, int | ChainLimit] | None = None
+    auto: AutoSpeculation | None = None
+
+    @field_validator("auto", mode="before")
+    @classmethod
+    def _read_auto(cls, value: object) -> object:
+        """``true`` is ``{}`` (the controller with its defaults), ``false`` is no controller."""
+        if value is True:
+            return {}
+        return None if value is False else value
 
     @field_validator("budget_by_batch", mode="before")
     @classmethod
@@ -146,6 +166,18 @@ class TreeConfig(BaseModel):
         assert self.depth is not None
         return self.model_copy(update={"budget": node_limit, "depth": min(self.depth, node_limit)})
 
+    def within_depth(self, depth: int) -> TreeConfig:
+        """The tree drafted at most ``depth`` (>= 1) deep: a dynamic tree's EAGLE-2 expansion stopped there (its
+        budget lowered to the candidates that depth has), a static tree's nodes of that depth or less (every
+        ancestor of a kept node is kept)."""
+        if depth >= self.max_depth:
+            return self
+        if self.is_static:
+            return self.model_copy(update={"choices": tuple(c for c in self.choices if len(c) <= depth)})
+        assert self.top_k is not None
+        return self.model_copy(update={"depth": depth, "budget": min(self.budget,
+                                                                    self.top_k + (depth - 1) * self.top_k ** 2)})
+
     def _check_budget_by_batch(self) -> TreeConfig:
         for batch, value in (self.budget_by_batch or {}).items():
             if batch < 1:
@@ -164,6 +196,21 @@ class TreeConfig(BaseModel):
                 )
         return self
 
+    def _check_auto(self) -> TreeConfig:
+        if self.auto is None:
+            return self
+        if self.budget_by_batch:
+            raise ValueError(
+                "auto chooses each request's nodes every step from measured costs, so it replaces budget_by_batch; "
+                "remove one of them"
+            )
+        if self.auto.max_nodes is not None and self.auto.max_nodes > self.num_nodes:
+            raise ValueError(
+                f"auto.max_nodes = {self.auto.max_nodes} is more than the candidate tree's {self.num_nodes} nodes; "
+                f"lower it to at most {self.num_nodes} or leave it out"
+            )
+        return self
+
     def _check_sources(self) -> TreeConfig:
         if self.retokenize is True and self.draw == "sample":
             raise ValueError(
@@ -171,7 +218,7 @@ class TreeConfig(BaseModel):
                 "distribution over target tokens, so they verify as top-k children; remove draw or retokenize"
             )
         if self.sources is None or not self.sources.extra_nodes:
-            return self._check_budget_by_batch()
+            return self._check_budget_by_batch()._check_auto()
         if self.draw == "sample":
             raise ValueError(
                 "sources need draw = 'top_k': merged candidates are deterministic children, which multi-step "
@@ -183,7 +230,7 @@ class TreeConfig(BaseModel):
                 f"{self.num_nodes} nodes, more than vLLM's limit of {MAX_TREE_NODES} speculative tokens; "
                 "lower sources.prompt_lookup.nodes or the tree's size"
             )
-        return self._check_budget_by_batch()
+        return self._check_budget_by_batch()._check_auto()
 
     @model_validator(mode="after")
     def _check_shape(self) -> TreeConfig:
@@ -293,6 +340,8 @@ class TreeConfig(BaseModel):
             text += f", plus up to {self.sources.prompt_lookup.nodes} prompt-lookup nodes"
         if self.retokenize is True:
             text += ", re-encoded in the target's vocabulary"
+        if self.auto is not None:
+            text += ", nodes chosen per request every step (auto)"
         return text
 
 

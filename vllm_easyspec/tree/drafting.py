@@ -31,12 +31,14 @@ from .config import TreeConfig
 
 @dataclass
 class DraftedTrees:
-    """The result: node tokens and parents ``[B, N]`` (draft vocabulary), per-row draw modes, and for rows
-    drawn ``IID_FROM_DRAFT`` their ``q`` rows ``[N + 1, V]`` (row 0 after the root, row ``i + 1`` after node
-    ``i``; rows of leaves are zero)."""
+    """The result: node tokens and parents ``[B, N]`` (draft vocabulary), each node's draft log-probability
+    given its parent ``[B, N]`` (at temperature 1), per-row draw modes, and for rows drawn ``IID_FROM_DRAFT``
+    their ``q`` rows ``[N + 1, V]`` (row 0 after the root, row ``i + 1`` after node ``i``; rows of leaves are
+    zero)."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
+    logprobs: torch.Tensor
     draw_modes: list[ChildDrawMode]
     draft_probs: dict[int, torch.Tensor]
 
@@ -74,6 +76,7 @@ class LevelwiseTreeDraft:
                               for level in self._levels for p in level}
             self._parents = torch.tensor(self.template.parents, dtype=torch.long, device=self.device)
             self.tokens = torch.full((self.batch, self.template.num_nodes), -1, dtype=torch.long, device=self.device)
+            self.logprobs = torch.zeros(self.batch, self.template.num_nodes, device=self.device)
             self.draft_probs: dict[int, torch.Tensor] = {}
             self._level = 0
             self._expand_static([-1], root_logits[:, None])
@@ -166,6 +169,7 @@ class LevelwiseTreeDraft:
                 probs[parent + 1] = q
                 self.tokens[row, children] = torch.multinomial(
                     q, len(children), replacement=True, generator=self.generators.get(row))
+            self.logprobs[:, children] = torch.log_softmax(logits[:, column], dim=-1).gather(1, self.tokens[:, children])
         self._level += 1
 
     def build(self) -> DraftedTrees:
@@ -173,6 +177,11 @@ class LevelwiseTreeDraft:
             raise RuntimeError("levels are still missing")
         if self.config.is_static:
             parents = self._parents[None, :].expand(self.batch, -1).clone()
-            return DraftedTrees(self.tokens.clone(), parents, self.draw_modes, self.draft_probs)
+            return DraftedTrees(self.tokens.clone(), parents, self.logprobs.clone(), self.draw_modes, self.draft_probs)
         tree = self.dynamic.build()
-        return DraftedTrees(tree.tokens, tree.parents, self.draw_modes, {})
+        dynamic = self.dynamic
+        scores = dynamic.candidate_scores
+        kept = dynamic.kept_candidates
+        parent_candidates = dynamic.candidate_parents.gather(1, kept)
+        parent_scores = torch.where(parent_candidates >= 0, scores.gather(1, parent_candidates.clamp(min=0)), 0.0)
+        return DraftedTrees(tree.tokens, tree.parents, scores.gather(1, kept) - parent_scores, self.draw_modes, {})

@@ -41,7 +41,7 @@ class TreeRequest:
     stop_tokens_banned_below_depth: int = 0
     stop_token_ids: tuple[int, ...] = ()
     req_id: str = ""  # the engine's request id (bookkeeping only)
-    drafted_nodes: int | None = None  # nodes before this index came from the drafter, the rest from sources
+    from_lookup: tuple[bool, ...] = ()  # per node: merged from a source (prompt lookup); empty: all drafted
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
@@ -73,9 +73,9 @@ class TreeVerifyStep:
         self.prefix_lens = torch.tensor([r.prefix_len for r in self.requests], dtype=torch.int64)
         self.batch_rows = torch.tensor([r.batch_row for r in self.requests], dtype=torch.int64)
         self.query_starts = torch.tensor([r.query_start for r in self.requests], dtype=torch.int64)
-        self.drafted_nodes = torch.tensor(
-            [r.num_nodes if r.drafted_nodes is None else r.drafted_nodes for r in self.requests], dtype=torch.int64
-        )
+        self.from_lookup = torch.zeros(len(self.requests), self.width - 1, dtype=torch.bool)  # [R, W - 1] by node
+        for index, request in enumerate(self.requests):
+            self.from_lookup[index, : len(request.from_lookup)] = torch.tensor(request.from_lookup, dtype=torch.bool)
         self.num_queries = self.trees.num_nodes + 1
         columns = torch.arange(self.width)
         self.valid_rows = columns[None, :] < self.num_queries[:, None]  # [R, W]

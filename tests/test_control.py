@@ -1,0 +1,119 @@
+"""The speculation controller's pure parts (``vllm_easyspec.control``): cost curves, the acceptance model's
+calibration, and the choice of depth and nodes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from vllm_easyspec.control.acceptance import AcceptanceModel, NodeFeatures
+from vllm_easyspec.control.controller import RequestTree, SpeculationController
+from vllm_easyspec.control.cost import CostCurve, StepCostModel
+from vllm_easyspec.control.planning import (
+    Candidates,
+    best_first_order,
+    choose_depth,
+    choose_nodes,
+    running_minimum,
+)
+
+
+def test_a_cost_curve_is_monotone_and_extrapolates_its_last_segment():
+    curve = CostCurve.from_measurements([4, 1, 2, 8], [0.012, 0.010, 0.009, 0.020])
+    assert curve.rows == (1, 2, 4, 8) and curve.seconds == (0.010, 0.010, 0.012, 0.020)
+    assert curve(3) == pytest.approx(0.011) and curve(16) == pytest.approx(0.036) and curve(0) == 0.010
+    assert curve.per_extra_row(8) == pytest.approx(0.002)
+
+
+def test_the_cost_model_follows_a_machine_that_slows_down():
+    model = StepCostModel(CostCurve.from_measurements([1, 8], [0.01, 0.02]), CostCurve.from_measurements([1], [0.005]))
+    for _ in range(60):
+        model.observe_verify(4, 2 * model.verify(4))
+    assert model.verify_seconds(4) == pytest.approx(2 * model.verify(4), rel=0.01)
+    assert model.step_seconds(4, 2, 1) == pytest.approx(model.verify_seconds(4) + 0.01)
+
+
+def _features(depth: int, logprob: float | None = -0.1, lookup: bool = False) -> NodeFeatures:
+    return NodeFeatures(from_lookup=lookup, depth=depth, draft_logprob=logprob)
+
+
+def test_the_acceptance_model_learns_the_observed_rate_and_never_exceeds_a_parent():
+    model = AcceptanceModel()
+    chain = [_features(1), _features(2), _features(3)]
+    parents = [-1, 0, 1]
+    rng = random.Random(0)
+    for _ in range(400):  # a draft that is sure of itself (q = 0.9) but right 40% of the time at each depth
+        accepted = set()
+        for node in range(3):
+            if rng.random() >= 0.4:
+                break
+            accepted.add(node)
+        model.observe("r", chain, parents, accepted)
+    chances = model.path_chances("r", chain, parents)
+    assert chances == sorted(chances, reverse=True)
+    assert chances[0] == pytest.approx(0.4, abs=0.08) and chances[1] == pytest.approx(0.16, abs=0.06)
+    table = model.conditional.table()  # calibrated: over every tested node, predicted agrees with observed
+    tested = sum(row["nodes"] for row in table)
+    predicted = sum(row["predicted"] * row["nodes"] for row in table) / tested
+    observed = sum(row["observed"] * row["nodes"] for row in table) / tested
+    assert predicted == pytest.approx(observed, abs=0.05)
+
+
+def test_nodes_are_best_first_and_parents_come_first():
+    chances = [0.5, 0.9, 0.45, 0.8, 0.8]
+    parents = [-1, -1, 0, 1, 3]
+    order = best_first_order(chances, parents)
+    assert order == [1, 3, 4, 0, 2]
+    assert all(parents[n] < 0 or order.index(parents[n]) < order.index(n) for n in order)
+    assert running_minimum([0.5, 0.7, 0.2, 0.4]) == [0.5, 0.5, 0.2, 0.2]
+
+
+def _linear(per_row: float, fixed: float = 0.05):
+    return lambda rows: fixed + per_row * rows
+
+
+def test_cheap_rows_buy_every_likely_node_and_expensive_rows_only_the_surest():
+    requests = [Candidates([0.9, 0.6, 0.3, 0.1], cap=4) for _ in range(4)]
+    # a row costs 1 ms on a 50 ms step: a node pays above a chance of about 0.17 (rate x cost per row)
+    assert choose_nodes(requests, _linear(0.001), 0.0) == [3, 3, 3, 3]
+    # a row costs as much as the step: only a node that nearly doubles its request's tokens pays
+    assert choose_nodes(requests, _linear(0.05), 0.0) == [1, 1, 1, 1]
+    assert choose_nodes([Candidates([0.3, 0.1], cap=2)] * 4, _linear(0.05), 0.0) == [0, 0, 0, 0]
+
+
+def test_a_request_whose_drafts_keep_failing_stops_paying_while_its_neighbours_keep_theirs():
+    good, failing = Candidates([0.9, 0.8, 0.7], cap=3), Candidates([0.05, 0.01, 0.0], cap=3)
+    assert choose_nodes([good, failing, good], _linear(0.004), 0.0) == [3, 0, 3]
+    assert choose_nodes([good], _linear(0.004), 0.0) == [3]
+    assert choose_nodes([good, good], _linear(0.0), 0.0) == [3, 3]
+    assert choose_nodes([Candidates([0.9, 0.8], cap=1)], _linear(0.0), 0.0) == [1]  # the cap holds
+
+
+def test_deeper_drafting_pays_only_when_acceptance_is_high_and_levels_cheap():
+    def step(level_seconds: float):
+        return lambda depth, rows: 0.05 + 0.001 * rows + (depth - 1) * level_seconds
+
+    sure, unsure = [[0.9, 0.85, 0.8, 0.75]], [[0.3, 0.1, 0.03, 0.01]]
+    assert choose_depth(sure, 4, step(0.01)) == 4
+    assert choose_depth(unsure, 4, step(0.01)) == 1
+    assert choose_depth(sure, 4, step(0.2)) == 1
+
+
+def test_the_controller_reorders_a_tree_and_learns_from_what_was_accepted():
+    cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.05 + 63 * 0.0005]),
+                         CostCurve.from_measurements([1, 64], [0.01, 0.02]))
+    controller = SpeculationController(cost, max_depth=2, max_nodes=3, level_width=2)
+    tree = RequestTree("a", tokens=[7, 8, 9], parents=[-1, -1, 1],
+                       features=[_features(1, -3.0), _features(1, -0.05), _features(2, -0.1)], keeps_order=False)
+    (choice,) = controller.choose([tree])
+    assert choice.tokens == [8, 9, 7] and choice.parents == [-1, 0, -1]  # the likely branch first
+    assert choice.count >= 2 and choice.chances == sorted(choice.chances, reverse=True)
+    sampled = RequestTree("b", tokens=[7, 8, 9], parents=[-1, -1, 1],
+                          features=[_features(1, None), _features(1, None), _features(2, None)], keeps_order=True)
+    (kept,) = controller.choose([sampled])
+    assert kept.tokens == [7, 8, 9]  # i.i.d. children keep their order
+    controller.observe("a", choice.features, choice.parents, accepted={0, 1})
+    assert controller.stats.realised_accepted == 2 and controller.depth_rates["a"][1] > 0.5
+    controller.forget({"b"})
+    assert "a" not in controller.depth_rates

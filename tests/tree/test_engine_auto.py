@@ -1,0 +1,61 @@
+"""``easyspec.tree.auto`` through a real vLLM engine on tiny float32 models: the controller measures the step's
+cost at start-up, chooses every request's nodes every step, learns from verification, and speculation stays
+lossless: greedy output equals output without speculation (single request and a mixed batch of 8), the
+engine-level chi-square test passes at T > 0, and still rejects a biased verifier with the controller on.
+(The EAGLE proposer's cases are in tests/eagle/test_eagle_tree.py.)"""
+
+from __future__ import annotations
+
+import pytest
+from distribution import ALPHA, install_biased_tree_sampler, restore_tree_sampler, run_distribution_test
+from request_batches import MIXED, SINGLE, generate
+
+from vllm_easyspec.instruments.worker_extension import read_controller_stats, read_tree_stats
+
+TREES = {
+    "static-lookup": {"choices": [[0], [1], [0, 0], [0, 1], [0, 0, 0]], "sources": {"prompt_lookup": {"nodes": 3}}},
+    "dynamic": {"top_k": 2, "depth": 3, "budget": 6},
+    "iid": {"choices": [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]], "draw": "sample"},
+}
+
+
+def _auto_engine(llm_pool, target, draft, shape: str, **options):
+    return llm_pool.get(target, speculative_config={"method": "draft_model", "model": str(draft)},
+                        additional_config={"easyspec": {"tree": TREES[shape] | {"auto": True}} | options})
+
+
+@pytest.mark.parametrize(("shape", "n"), [("static-lookup", 1), ("dynamic", 2)])
+def test_auto_trees_equal_vanilla(llm_pool, tree_llama_dir, tiny_llama_draft_dir, shape, n):
+    vanilla = llm_pool.get(tree_llama_dir)
+    single, mixed = generate(vanilla, SINGLE), generate(vanilla, MIXED)
+    llm = _auto_engine(llm_pool, tree_llama_dir, tiny_llama_draft_dir, shape, layer_parallel_size=n)
+    assert generate(llm, SINGLE) == single
+    assert generate(llm, MIXED) == mixed
+    stats = llm.collective_rpc(read_controller_stats)[0]
+    tree = llm.collective_rpc(read_tree_stats)[0]
+    # the controller chose nodes every drafting step, verification taught it, and its cost model was measured
+    # at start-up (rows 1, 2, 4, ...) and kept current by the engine's steps
+    assert stats["steps"] > 0 and stats["nodes_chosen"] > 0 and stats["realised_accepted"] > 0
+    assert stats["predicted_accepted"] > 0 and sum(stats["nodes_per_request"].values()) == stats["requests"]
+    assert stats["verify_curve"]["rows"][:2] == [1, 2] and stats["cost_observations"]["verify"] > 0
+    assert all(t > 0 for t in stats["verify_curve"]["seconds"])
+    assert stats["calibration_conditional"] and stats["calibration_path"]
+    assert tree["accepted"] > 0 and tree["chain_fallbacks"] == 0
+
+
+@pytest.mark.parametrize("shape", ["dynamic", "iid"])
+def test_distribution_with_auto_trees_matches_target(llm_pool, tree_llama_dir, tiny_llama_draft_dir, shape):
+    llm = _auto_engine(llm_pool, tree_llama_dir, tiny_llama_draft_dir, shape)
+    result = run_distribution_test(llm, tree_llama_dir, temperature=1.0)
+    assert llm.collective_rpc(read_controller_stats)[0]["nodes_chosen"] > 0
+    assert result.passes, f"chi2={result.statistic:.1f} dof={result.degrees_of_freedom} p={result.p_value:.2e}"
+
+
+def test_distribution_test_rejects_a_biased_verifier_under_auto(llm_pool, tree_llama_dir, tiny_llama_draft_dir):
+    llm = _auto_engine(llm_pool, tree_llama_dir, tiny_llama_draft_dir, "iid")
+    llm.collective_rpc(install_biased_tree_sampler)
+    try:
+        result = run_distribution_test(llm, tree_llama_dir, temperature=1.0)
+    finally:
+        llm.collective_rpc(restore_tree_sampler)
+    assert result.p_value < ALPHA, f"biased verifier not detected: chi2={result.statistic:.1f} p={result.p_value:.2e}"

@@ -1,0 +1,171 @@
+"""The speculation controller of ``easyspec.tree.auto``: every step, how deep to draft and which nodes of each
+request's candidate tree to verify, from a measured cost model and a calibrated acceptance model.
+
+One step, as the drafter and the runner call it:
+
+1. :meth:`SpeculationController.plan_depth` before drafting: the depth with the best predicted rate, from each
+   request's recent acceptance by depth (:func:`~vllm_easyspec.control.planning.choose_depth`);
+2. :meth:`SpeculationController.choose` after drafting (sources merged in): each request's nodes with their
+   chances (:class:`~vllm_easyspec.control.acceptance.AcceptanceModel`), best first, and how many of them it
+   verifies (:func:`~vllm_easyspec.control.planning.choose_nodes`);
+3. :meth:`SpeculationController.observe` after verification: what was accepted, which calibrates the
+   acceptance model; :meth:`observe_verify` / :meth:`observe_draft` with the engine's step timings, which keep
+   the cost model current.
+
+Trees whose children are i.i.d. draws from the draft (``draw: sample``) keep their template order and are
+handed over without their draft probabilities: choosing among i.i.d. draws, or how many to verify, by what was
+drawn would bias them, so such a request verifies a prefix of its template whose length depends on depth and
+the request's history only.
+
+Invariant: every choice is a function of the draft's output and of earlier verification outcomes only, so
+speculation stays lossless whatever the controller chooses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from vllm_easyspec.control.acceptance import AcceptanceModel, NodeFeatures
+from vllm_easyspec.control.cost import StepCostModel
+from vllm_easyspec.control.planning import (
+    Candidates,
+    best_first_order,
+    choose_depth,
+    choose_nodes,
+    running_minimum,
+)
+
+DEPTH_SMOOTHING = 0.2  # weight of a step's outcome in a request's acceptance-by-depth
+DEFAULT_DEPTH_RATE = 0.5  # a depth's acceptance before anything was observed there
+
+
+@dataclass
+class RequestTree:
+    """One request's candidate tree as the drafter hands it to :meth:`SpeculationController.choose`."""
+
+    req_id: str
+    tokens: list[int]
+    parents: list[int]
+    features: list[NodeFeatures]
+    keeps_order: bool  # i.i.d. children: verify a prefix of the given order
+
+
+@dataclass
+class Choice:
+    """A request's nodes best first, the chances of each, and how many it verifies."""
+
+    tokens: list[int]
+    parents: list[int]
+    features: list[NodeFeatures]
+    chances: list[float]
+    count: int
+
+
+@dataclass
+class ControllerStats:
+    """Per-worker counters of the controller (read through the worker extension)."""
+
+    steps: int = 0
+    requests: int = 0
+    nodes_offered: int = 0
+    nodes_chosen: int = 0
+    requests_without_nodes: int = 0
+    predicted_accepted: float = 0.0  # sum of P(accepted) over the chosen nodes
+    realised_accepted: int = 0
+    controller_seconds: float = 0.0
+    nodes_per_request: Counter = field(default_factory=Counter)  # chosen nodes -> requests
+    depth_per_step: Counter = field(default_factory=Counter)  # drafted depth -> steps
+
+
+class SpeculationController:
+    def __init__(self, cost: StepCostModel, max_depth: int, max_nodes: int, level_width: int) -> None:
+        """``max_depth``: the candidate tree's depth; ``max_nodes``: the most nodes a request verifies;
+        ``level_width``: draft rows per request in one level forward."""
+        self.cost = cost
+        self.max_depth = max_depth
+        self.max_nodes = max_nodes
+        self.level_width = level_width
+        self.acceptance = AcceptanceModel()
+        self.depth_rates: dict[str, list[float]] = {}  # per request: P(accept >= j + 1 | offered depth > j)
+        self.global_depth_rates = [DEFAULT_DEPTH_RATE] * max_depth
+        self.stats = ControllerStats()
+
+    # ------------------------------------------------------------------------------------------ before drafting
+    def plan_depth(self, req_ids: list[str]) -> int:
+        started = time.perf_counter()
+        expected = [self.depth_rates.get(req_id, self.global_depth_rates) for req_id in req_ids]
+        batch = len(req_ids)
+
+        def step_seconds(depth: int, rows: int) -> float:
+            return self.cost.step_seconds(rows, depth - 1, batch * self.level_width)
+
+        depth = choose_depth(expected, self.max_depth, step_seconds) if req_ids else 1
+        self.stats.depth_per_step[depth] += 1
+        self.stats.controller_seconds += time.perf_counter() - started
+        return depth
+
+    # ------------------------------------------------------------------------------------------ after drafting
+    def choose(self, trees: list[RequestTree]) -> list[Choice]:
+        started = time.perf_counter()
+        ordered: list[tuple[list[int], list[int], list[NodeFeatures], list[float]]] = []
+        for tree in trees:
+            chances = self.acceptance.path_chances(tree.req_id, tree.features, tree.parents)
+            if tree.keeps_order:
+                ordered.append((tree.tokens, tree.parents, tree.features, running_minimum(chances)))
+                continue
+            order = best_first_order(chances, tree.parents)
+            position = {node: rank for rank, node in enumerate(order)}
+            ordered.append((
+                [tree.tokens[i] for i in order],
+                [position[tree.parents[i]] if tree.parents[i] >= 0 else -1 for i in order],
+                [tree.features[i] for i in order],
+                [chances[i] for i in order],
+            ))
+        counts = choose_nodes([Candidates(chances, self.max_nodes) for *_, chances in ordered],
+                              self.cost.verify_seconds, other_seconds=0.0)
+        choices = [Choice(tokens, parents, features, chances, count)
+                   for (tokens, parents, features, chances), count in zip(ordered, counts, strict=True)]
+        stats = self.stats
+        stats.steps += 1
+        stats.requests += len(choices)
+        for choice in choices:
+            stats.nodes_offered += len(choice.tokens)
+            stats.nodes_chosen += choice.count
+            stats.requests_without_nodes += choice.count == 0
+            stats.predicted_accepted += sum(choice.chances[: choice.count])
+            stats.nodes_per_request[choice.count] += 1
+        stats.controller_seconds += time.perf_counter() - started
+        return choices
+
+    # ------------------------------------------------------------------------------------------ after verifying
+    def observe(self, req_id: str, features: list[NodeFeatures], parents: list[int], accepted: set[int]) -> None:
+        """A verified tree of ``req_id`` (as scheduled): ``accepted`` are the indices of its accepted nodes."""
+        started = time.perf_counter()
+        self.acceptance.observe(req_id, features, parents, accepted)
+        depth_offered = 0
+        depths: list[int] = []
+        for parent in parents:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+            depth_offered = max(depth_offered, depths[-1])
+        accepted_length = max((depths[i] for i in accepted), default=0)
+        rates = self.depth_rates.setdefault(req_id, list(self.global_depth_rates))
+        for j in range(min(depth_offered, self.max_depth)):
+            reached = float(accepted_length > j)
+            rates[j] += DEPTH_SMOOTHING * (reached - rates[j])
+            self.global_depth_rates[j] += DEPTH_SMOOTHING / 4 * (reached - self.global_depth_rates[j])
+        self.stats.realised_accepted += len(accepted)
+        self.stats.controller_seconds += time.perf_counter() - started
+
+    def forget(self, live: set[str]) -> None:
+        """Drop the state of requests that are no longer running."""
+        self.acceptance.forget(live)
+        for req_id in [r for r in self.depth_rates if r not in live]:
+            del self.depth_rates[req_id]
+
+    def observe_verify(self, rows: int, seconds: float) -> None:
+        self.cost.observe_verify(rows, seconds)
+
+    def observe_draft(self, levels: int, rows_per_level: int, seconds: float) -> None:
+        self.cost.observe_draft(levels, rows_per_level, seconds)

@@ -1,0 +1,93 @@
+"""What a step costs: measured curves of the target's verify forward and of one draft level against the rows
+they run, kept current by the engine's own step timings.
+
+Invariants: a :class:`CostCurve` is non-decreasing in its rows (measured points are made monotone) and
+extrapolates linearly past its last point; :class:`StepCostModel` predictions are the curves times a scale per
+curve, each scale an exponential moving average of observed over predicted seconds, so a machine that slows
+down (or speeds up) moves every prediction with it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Seconds as a piecewise-linear function of rows through measured points (rows ascending)."""
+
+    rows: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    @classmethod
+    def from_measurements(cls, rows: Sequence[int], seconds: Sequence[float]) -> CostCurve:
+        """Points sorted by rows, each at least the one before (timing noise never makes more rows cheaper)."""
+        if not rows or len(rows) != len(seconds):
+            raise ValueError(f"need one time per row count; got {len(rows)} row counts and {len(seconds)} times")
+        ordered = sorted(zip(rows, seconds, strict=True))
+        monotone: list[float] = []
+        for _, value in ordered:
+            monotone.append(max(value, monotone[-1]) if monotone else value)
+        return cls(tuple(r for r, _ in ordered), tuple(monotone))
+
+    def __call__(self, rows: float) -> float:
+        xs, ys = self.rows, self.seconds
+        if len(xs) == 1:
+            return ys[0]
+        index = min(max(bisect.bisect_right(xs, rows), 1), len(xs) - 1)
+        x0, x1, y0, y1 = xs[index - 1], xs[index], ys[index - 1], ys[index]
+        slope = (y1 - y0) / (x1 - x0) if x1 != x0 else 0.0
+        return max(y0 + slope * (rows - x0), 0.0) if rows >= xs[0] else ys[0]
+
+    def per_extra_row(self, rows: int) -> float:
+        """Seconds that one more row adds at ``rows`` rows."""
+        return self(rows + 1) - self(rows)
+
+    def describe(self, unit: float = 1e3) -> str:
+        return ", ".join(f"{r}: {s * unit:.1f}" for r, s in zip(self.rows, self.seconds, strict=True))
+
+
+@dataclass
+class StepCostModel:
+    """A decode step's cost: the target's verify forward over all rows of the batch, plus the drafter's level
+    forwards (each over ``rows`` rows); the drafter's first pass runs whatever the choice and is not modelled."""
+
+    verify: CostCurve
+    draft_level: CostCurve
+    smoothing: float = 0.1  # weight of the newest observation in a scale
+    verify_scale: float = 1.0
+    draft_scale: float = 1.0
+    observations: dict[str, int] = field(default_factory=lambda: {"verify": 0, "draft": 0})
+
+    def verify_seconds(self, rows: int) -> float:
+        return self.verify_scale * self.verify(rows)
+
+    def draft_seconds(self, levels: int, rows_per_level: int) -> float:
+        return self.draft_scale * levels * self.draft_level(rows_per_level) if levels > 0 else 0.0
+
+    def step_seconds(self, verify_rows: int, levels: int, rows_per_level: int) -> float:
+        return self.verify_seconds(verify_rows) + self.draft_seconds(levels, rows_per_level)
+
+    def observe_verify(self, rows: int, seconds: float) -> None:
+        """An engine step's verify (target forward and sampling) over ``rows`` rows took ``seconds``."""
+        predicted = self.verify(rows)
+        if predicted > 0 and seconds > 0:
+            self.verify_scale = self._blend(self.verify_scale, seconds / predicted)
+            self.observations["verify"] += 1
+
+    def observe_draft(self, levels: int, rows_per_level: int, seconds: float) -> None:
+        """A drafting step's ``levels`` level forwards over ``rows_per_level`` rows took ``seconds``."""
+        predicted = levels * self.draft_level(rows_per_level)
+        if levels > 0 and predicted > 0 and seconds > 0:
+            self.draft_scale = self._blend(self.draft_scale, seconds / predicted)
+            self.observations["draft"] += 1
+
+    def _blend(self, scale: float, ratio: float) -> float:
+        return (1 - self.smoothing) * scale + self.smoothing * ratio
+
+    def describe(self) -> str:
+        """One log line: the current verify and draft-level curves in ms by rows."""
+        return (f"verify ms by rows {{{self.verify.describe()}}} x{self.verify_scale:.2f}; "
+                f"draft level ms by rows {{{self.draft_level.describe()}}} x{self.draft_scale:.2f}")

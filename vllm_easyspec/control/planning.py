@@ -1,0 +1,87 @@
+"""Choosing how much each request speculates in one step, to maximise the batch's expected tokens per second.
+
+A step emits, per request, its accepted nodes plus one token; it costs the target's verify over every row of
+the batch (one per request plus one per chosen node) and the drafter's level forwards. So for chosen nodes
+``S`` the step's rate is ``(B + sum of P(v accepted) over S) / (verify(B + |S|) + draft)``.
+
+* :func:`choose_depth` runs before drafting: how deep to draft (``depth`` ``d`` costs ``d - 1`` level
+  forwards; depth 1 comes free with the first pass), from each request's recent acceptance by depth.
+* :func:`choose_nodes` runs after drafting: given every request's candidate nodes with their chances, it takes
+  the most likely nodes of the whole batch, one at a time, and keeps the count with the best rate; a request
+  whose drafts keep failing gets none while its neighbours keep theirs.
+* :func:`best_first_order` puts a request's most likely nodes first (parents still before children), so a
+  choice of ``n`` nodes is the first ``n``.
+
+Invariant: the chosen nodes of a request are closed under taking parents (chances never increase along a path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """One request's candidate nodes, best first (parents before children), with their ``P(accepted)``,
+    which never increases along the order."""
+
+    chances: list[float]
+    cap: int  # the most nodes this request may verify
+
+
+def best_first_order(chances: Sequence[float], parents: Sequence[int]) -> list[int]:
+    """Node indices by decreasing chance, ties by depth, then by index: a topological order (a child's chance
+    never exceeds its parent's, and at a tie the parent is shallower)."""
+    depth: list[int] = []
+    for parent in parents:
+        depth.append(1 if parent < 0 else depth[parent] + 1)
+    return sorted(range(len(chances)), key=lambda i: (-chances[i], depth[i], i))
+
+
+def running_minimum(values: Sequence[float]) -> list[float]:
+    """Each value lowered to the smallest before it: a fixed order's chances made non-increasing."""
+    out: list[float] = []
+    for value in values:
+        out.append(min(value, out[-1]) if out else value)
+    return out
+
+
+def choose_nodes(candidates: Sequence[Candidates], verify_seconds: Callable[[int], float],
+                 other_seconds: float) -> list[int]:
+    """How many of its candidates each request verifies (module docstring). ``verify_seconds(rows)``: the
+    target's verify over ``rows`` rows; ``other_seconds``: the rest of the step (drafting already spent)."""
+    batch = len(candidates)
+    offered = sorted(
+        ((chance, request, rank) for request, c in enumerate(candidates)
+         for rank, chance in enumerate(c.chances[: c.cap])),
+        key=lambda item: (-item[0], item[1], item[2]),
+    )
+    best_count, best_rate = 0, batch / (verify_seconds(batch) + other_seconds)
+    gain = 0.0
+    for count, (chance, _, _) in enumerate(offered, start=1):
+        gain += chance
+        rate = (batch + gain) / (verify_seconds(batch + count) + other_seconds)
+        if rate > best_rate:
+            best_count, best_rate = count, rate
+    chosen = [0] * batch
+    for _, request, _ in offered[:best_count]:
+        chosen[request] += 1
+    return chosen
+
+
+def choose_depth(expected_by_depth: Sequence[Sequence[float]], max_depth: int,
+                 step_seconds: Callable[[int, int], float]) -> int:
+    """The drafting depth in ``1..max_depth`` with the best predicted rate. ``expected_by_depth[i][j]``: request
+    ``i``'s chance to accept at least ``j + 1`` tokens when offered that depth; ``step_seconds(depth,
+    verify_rows)``: the step's cost when drafting that deep and verifying that many rows. A request is assumed
+    to verify one node per depth it would reach (the choice after drafting adds more only where they pay)."""
+    batch = len(expected_by_depth)
+    best_depth, best_rate = 1, -1.0
+    for depth in range(1, max_depth + 1):
+        gain = sum(sum(rates[:depth]) for rates in expected_by_depth)
+        rows = batch + sum(min(depth, len(rates)) for rates in expected_by_depth)
+        rate = (batch + gain) / step_seconds(depth, rows)
+        if rate > best_rate * (1 + 1e-9):
+            best_depth, best_rate = depth, rate
+    return best_depth
