@@ -2,14 +2,16 @@
 
     python -m benchmarks.eagle_bench speed [--batch 1 4] [--ks 2 3 4 5 6] [--max-tokens 96] [--dtype float32]
         [--tree-budgets 4 8 16 32] [--lookup-nodes 4] [--lookup-budgets 4] [--policy '{"4": {"chain": 2}, "8": 0}' ...]
-        [--prompts heldout|edit] [--no-draft-model] [--no-eagle1]
+        [--prompts heldout|edit|chat|mixed] [--no-draft-model] [--no-eagle1] [--auto 16 ...]
     python -m benchmarks.eagle_bench replay            # offline acceptance: held-out vs training prompts
     python -m benchmarks.eagle_bench distribution      # T=0.7 engine-level chi-square with EAGLE drafts (tiny target)
 
 Setups (one fresh engine each, same held-out prompts, greedy): vanilla; vLLM ngram (k=4, lookup
 2..4); vLLM draft_model with SmolLM2-135M across vocabularies (k=3); vLLM eagle3 with our head
 ``heads/qwen2.5-coder-0.5b-instruct-eagle3`` at k = 2..6; with ``--tree-budgets``, the plugin's EAGLE-2
-trees with the same head (``EAGLE_TREES``), merged with prompt lookup with ``--lookup-nodes``; and, for
+trees with the same head (``EAGLE_TREES``), merged with prompt lookup with ``--lookup-nodes``; with ``--auto``, the
+merged tree of each budget given as the candidate of ``easyspec.tree.auto`` (the controller chooses every
+request's nodes every step); and, for
 drafting cost only, an untrained EAGLE-1 head (full-vocabulary lm_head) at k=3.  The prompts are
 ``vllm_easyspec.eagle.prompts.HELDOUT_PROMPTS``: tasks that appear in no training prompt.
 Results: ``benchmarks/results/eagle_speed_b{B}.{json,md,png}``.
@@ -71,7 +73,7 @@ def speed(batches: list[int], ks: list[int], max_tokens: int, num_prompts: int, 
           ks_batched: list[int] | None = None, dtype: str = "bfloat16",
           repeats: int = DEFAULT_REPEATS, tree_budgets: list[int] = (), draft_model: bool = True,
           lookup_nodes: int = 0, lookup_budgets: list[int] | None = None, policies: list[dict] = (),
-          prompt_set: str = "heldout", only: str | None = None) -> None:
+          prompt_set: str = "heldout", only: str | None = None, auto_budgets: list[int] = ()) -> None:
     target = str(fetch_model(QWEN))
     smol = str(fetch_model(SMOL))
     command = "python -m benchmarks.eagle_bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -104,24 +106,41 @@ def speed(batches: list[int], ks: list[int], max_tokens: int, num_prompts: int, 
                                         "the merged tree, node limit following the batch (budget_by_batch)",
                                         {"method": "eagle3", "model": str(HEAD3)},
                                         {"easyspec": {"tree": merged | {"budget_by_batch": policy}}}))
+        for budget in auto_budgets:
+            candidate = EAGLE_TREES[budget] | {"sources": {"prompt_lookup": {"nodes": max(lookup_nodes, 4)}}}
+            setups.append(Setup(f"eagle3-tree-{budget}+lookup@auto", "the controller on the merged tree (auto)",
+                                {"method": "eagle3", "model": str(HEAD3)},
+                                {"easyspec": {"tree": candidate | {"auto": True}}}))
         if eagle1 and b == 1:
             setups.append(Setup("eagle1-untrained-k3", "vLLM eagle, random head: drafting cost only",
                                 {"method": "eagle", "model": str(_untrained_eagle1(target)),
                                  "num_speculative_tokens": 3}))
-        if prompt_set == "edit":  # code edits: the answer repeats the prompt's code, where lookup should win
-            prompts = load_prompts(limit=max(num_prompts, b), kinds=("edit",))
-        else:
-            prompts = HELDOUT_PROMPTS[: max(num_prompts, b)]
+        prompts = _prompts(prompt_set, max(num_prompts, b))
         setups = select_setups(setups, only)
         wl = Workload(target=target, prompts=prompts, max_tokens=max_tokens, batch_size=b, dtype=dtype)
         rows = run_setups(setups, wl, repeats=repeats)
-        stem = (f"eagle_{'tree_' if tree_budgets else ''}speed{'_edit' if prompt_set == 'edit' else ''}_b{b}"
+        stem = (f"eagle_{'auto_' if auto_budgets else ''}{'tree_' if tree_budgets else ''}speed"
+                f"{'' if prompt_set == 'heldout' else '_' + prompt_set}_b{b}"
                 + ("" if dtype == "bfloat16" else f"_{dtype}"))
-        described = "code-edit" if prompt_set == "edit" else "held-out"
+        described = {"edit": "code-edit", "heldout": "held-out"}.get(prompt_set, prompt_set)
         paths = write_results(rows, stem,
                               f"EAGLE on Qwen2.5-Coder-0.5B, batch {b}, {dtype}, greedy, {len(prompts)} {described} "
                               "prompts", command)
         print(paths["md"].read_text())
+
+
+def _prompts(prompt_set: str, count: int) -> list[str]:
+    """``heldout``: the EAGLE benchmark's held-out tasks; ``edit``: code edits (the answer repeats the prompt's
+    code, where lookup should win); ``chat``: the main job's chat prompts; ``mixed``: the three interleaved."""
+    classes = {
+        "heldout": lambda n: HELDOUT_PROMPTS[:n],
+        "edit": lambda n: load_prompts(limit=n, kinds=("edit",)),
+        "chat": lambda n: load_prompts(limit=n),
+    }
+    if prompt_set != "mixed":
+        return classes[prompt_set](count)
+    per_class = [classes[name](count) for name in ("heldout", "edit", "chat")]
+    return [p for group in zip(*per_class) for p in group][:count]
 
 
 def distribution(num_samples: int) -> None:
@@ -235,7 +254,9 @@ if __name__ == "__main__":
     s.add_argument("--policy", type=json.loads, nargs="*", default=[],
                    help='at batch > 1 also run each merged tree with each of these budget_by_batch tables, e.g. '
                         '\'{"4": {"chain": 2}, "8": 0}\'')
-    s.add_argument("--prompts", choices=("heldout", "edit"), default="heldout",
+    s.add_argument("--auto", type=int, nargs="*", default=[], choices=sorted(EAGLE_TREES),
+                   help="tree budgets whose merged tree is the candidate of an easyspec.tree.auto setup")
+    s.add_argument("--prompts", choices=("heldout", "edit", "chat", "mixed"), default="heldout",
                    help="held-out EAGLE prompts (default) or the code-edit set, where prompt lookup should matter")
     s.add_argument("--no-draft-model", action="store_true", help="skip the SmolLM2 draft_model setup")
     s.add_argument("--only", default=None, help="run only the setups whose name matches this regex (and vanilla)")
@@ -248,7 +269,8 @@ if __name__ == "__main__":
     a = ap.parse_args()
     if a.cmd == "speed":
         speed(a.batch, a.ks, a.max_tokens, a.num_prompts, not a.no_eagle1, a.ks_batched, a.dtype, a.repeats,
-              a.tree_budgets, not a.no_draft_model, a.lookup_nodes, a.lookup_budgets, a.policy, a.prompts, a.only)
+              a.tree_budgets, not a.no_draft_model, a.lookup_nodes, a.lookup_budgets, a.policy, a.prompts, a.only,
+              a.auto)
     elif a.cmd == "replay":
         replay(a.num_prompts, a.k, a.max_tokens)
     else:

@@ -61,7 +61,7 @@ ROW_FIELDS = (
     "drafting_seconds_per_step", "drafting_share_of_decode", "engine_steps", "step_seconds_per_step",
     "verify_seconds_per_step", "decode_steps", "verify_seconds_per_decode_step",
     "drafting_seconds_per_decode_step", "forward_seconds_per_decode_step", "nodes_per_step",
-    "engine_start_seconds",
+    "engine_start_seconds", "controller",
 )  # fmt: skip
 # Timing fields reported as the median over a setup's runs; every other field comes from its first run.
 MEDIAN_FIELDS = (
@@ -511,6 +511,8 @@ def _child_main(request_path: Path, result_path: Path) -> None:
         **_step_split(steps_before, steps_after),
         "engine_start_seconds": engine_start,
         "token_ids": token_ids,
+        # easyspec.tree.auto: the controller's counters, cost curves and calibration (None without it)
+        "controller": llm.collective_rpc("easyspec_controller_stats")[0],
     }
     if record_top_logits:
         # Untimed replay of the timed request under the same conditions (empty prefix cache, same warm-up),
