@@ -33,6 +33,9 @@ from vllm_easyspec.integration.front_end import prepare_tree_engine_args
         ({"choices": [[0], [1]], "budget_by_batch": {"4": {"chain": 0}}}, '{"chain": k} with k >= 1'),
         ({"choices": [[0], [1]], "budget_by_batch": {"4": {"chian": 1}}}, "{'chian': 1} at batch size 4"),
         ({"choices": [[0], [1]], "draw": "sample", "retokenize": True}, "retokenize needs draw = 'top_k'"),
+        ({"choices": [[0], [1]], "auto": True, "budget_by_batch": {"4": 1}}, "easyspec.tree.auto chooses each"),
+        ({"choices": [[0], [1]], "auto": {"max_nodes": 3}}, "auto.max_nodes = 3 is more than the candidate tree's 2"),
+        ({"choices": [[0], [1]], "auto": {"max_node": 1}}, "unknown option easyspec.tree.auto.max_node"),
     ],
 )
 def test_invalid_trees_name_the_field_and_the_fix(tree, message):
@@ -54,6 +57,15 @@ def test_valid_trees_know_their_node_count():
     following = parse_easyspec_config({"easyspec": {"tree": {"top_k": 2, "depth": 2, "budget": 6,
                                                              "budget_by_batch": {"4": 2, "16": 0}}}}).tree
     assert [following.budget_at(batch).nodes for batch in (1, 3, 4, 15, 16, 64)] == [6, 6, 2, 2, 0, 0]
+
+
+def test_auto_is_on_with_true_or_an_object_and_off_with_false():
+    def auto(value):
+        return parse_easyspec_config({"easyspec": {"tree": {"top_k": 2, "depth": 3, "budget": 6, "auto": value}}}).tree
+
+    assert auto(True).auto.max_nodes is None and auto({"max_nodes": 4}).auto.max_nodes == 4
+    assert auto(False).auto is None and "auto" in auto(True).describe()
+    assert auto(True).within_depth(2).max_depth == 2 and auto(True).within_depth(2).budget == 6
 
 
 def test_budget_by_batch_steps_down_to_chains_and_to_no_speculation():

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from vllm_easyspec.tree.config import TreeConfig
+from vllm_easyspec.tree.config import AutoSpeculation, PromptLookupSource, TreeConfig, TreeSources
 
 ADDITIONAL_CONFIG_KEY = "easyspec"
 
@@ -61,15 +61,25 @@ def parse_easyspec_config(additional_config: dict[str, Any] | None) -> EasySpecC
         raise EasySpecConfigError(_describe_validation_error(exc)) from None
 
 
+# option groups by the path that leads to them, longest first: an unknown key is reported with its group's options
+_OPTION_GROUPS: tuple[tuple[str, type[BaseModel]], ...] = (
+    ("tree.sources.prompt_lookup.", PromptLookupSource),
+    ("tree.sources.", TreeSources),
+    ("tree.auto.", AutoSpeculation),
+    ("tree.", TreeConfig),
+    ("", EasySpecConfig),
+)
+
+
 def _describe_validation_error(exc: ValidationError) -> str:
     messages = []
     for error in exc.errors():
         field = ".".join(str(part) for part in error["loc"]) or "<root>"
         if error["type"] == "extra_forbidden":
-            owner = TreeConfig if field.startswith("tree.") else EasySpecConfig
+            prefix, owner = next((p, m) for p, m in _OPTION_GROUPS if field.startswith(p))
             options = ", ".join(owner.model_fields)
-            prefix = "easyspec.tree" if owner is TreeConfig else "easyspec"
-            messages.append(f"unknown option easyspec.{field}; the options of {prefix} are: {options}")
+            messages.append(f"unknown option easyspec.{field}; the options of {('easyspec.' + prefix).rstrip('.')} "
+                            f"are: {options}")
         elif error["type"] == "value_error":
             text = error["msg"].removeprefix("Value error, ")
             # Tree messages that start with a sub-option name read as easyspec.tree.<option> ...
