@@ -1,6 +1,10 @@
 """The speculation controller of ``easyspec.tree.auto``: every step, how deep to draft and which nodes of each
 request's candidate tree to verify, from a measured cost model and a calibrated acceptance model.
 
+One step in :data:`EXPLORE_EVERY` verifies a random number of the batch's best nodes instead (between none and
+twice the choice): the verify cost is learnt from steps with different row counts, which a batch of constant
+size and acceptance would otherwise never show. The random draw is independent of every verification.
+
 One step, as the drafter and the runner call it:
 
 1. :meth:`SpeculationController.plan_depth` before drafting: the depth with the best predicted rate, from each
@@ -23,6 +27,7 @@ speculation stays lossless whatever the controller chooses.
 
 from __future__ import annotations
 
+import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -32,13 +37,16 @@ from vllm_easyspec.control.cost import StepCostModel
 from vllm_easyspec.control.planning import (
     Candidates,
     best_first_order,
+    best_nodes,
     choose_depth,
     choose_nodes,
     running_minimum,
 )
 
 DEPTH_SMOOTHING = 0.2  # weight of a step's outcome in a request's acceptance-by-depth
-DEFAULT_DEPTH_RATE = 0.5  # a depth's acceptance before anything was observed there
+GLOBAL_DEPTH_SMOOTHING = 0.1  # ... in the batch-wide acceptance-by-depth that new requests start from
+FIRST_DEPTH_RATE = 0.6  # before anything is observed: reaching depth j has chance FIRST_DEPTH_RATE ** j
+EXPLORE_EVERY = 16  # one step in this many verifies a random number of the best nodes (cost at other rows)
 
 
 @dataclass
@@ -75,6 +83,7 @@ class ControllerStats:
     predicted_accepted: float = 0.0  # sum of P(accepted) over the chosen nodes
     realised_accepted: int = 0
     controller_seconds: float = 0.0
+    exploring_steps: int = 0
     nodes_per_request: Counter = field(default_factory=Counter)  # chosen nodes -> requests
     depth_per_step: Counter = field(default_factory=Counter)  # drafted depth -> steps
 
@@ -89,8 +98,9 @@ class SpeculationController:
         self.level_width = level_width
         self.acceptance = AcceptanceModel()
         self.depth_rates: dict[str, list[float]] = {}  # per request: P(accept >= j + 1 | offered depth > j)
-        self.global_depth_rates = [DEFAULT_DEPTH_RATE] * max_depth
+        self.global_depth_rates = [FIRST_DEPTH_RATE ** (j + 1) for j in range(max_depth)]
         self.stats = ControllerStats()
+        self._explore = random.Random(0)  # independent of every verification: choices stay lossless
 
     # ------------------------------------------------------------------------------------------ before drafting
     def plan_depth(self, req_ids: list[str]) -> int:
@@ -123,8 +133,11 @@ class SpeculationController:
                 [tree.features[i] for i in order],
                 [chances[i] for i in order],
             ))
-        counts = choose_nodes([Candidates(chances, self.max_nodes) for *_, chances in ordered],
-                              self.cost.verify_seconds, other_seconds=0.0)
+        candidates = [Candidates(chances, self.max_nodes) for *_, chances in ordered]
+        counts = choose_nodes(candidates, self.cost.verify_seconds, other_seconds=0.0)
+        if self._explore.random() * EXPLORE_EVERY < 1:
+            counts = best_nodes(candidates, self._explore.randint(0, 2 * sum(counts) + 1))
+            self.stats.exploring_steps += 1
         choices = [Choice(tokens, parents, features, chances, count)
                    for (tokens, parents, features, chances), count in zip(ordered, counts, strict=True)]
         stats = self.stats
@@ -154,7 +167,7 @@ class SpeculationController:
         for j in range(min(depth_offered, self.max_depth)):
             reached = float(accepted_length > j)
             rates[j] += DEPTH_SMOOTHING * (reached - rates[j])
-            self.global_depth_rates[j] += DEPTH_SMOOTHING / 4 * (reached - self.global_depth_rates[j])
+            self.global_depth_rates[j] += GLOBAL_DEPTH_SMOOTHING * (reached - self.global_depth_rates[j])
         self.stats.realised_accepted += len(accepted)
         self.stats.controller_seconds += time.perf_counter() - started
 

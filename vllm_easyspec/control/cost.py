@@ -1,17 +1,27 @@
 """What a step costs: measured curves of the target's verify forward and of one draft level against the rows
 they run, kept current by the engine's own step timings.
 
+The start-up measurement times bare forwards (attention without context, no sampling); a real verify step
+also pays, per row, tree attention over the context and the sampler. So the verify prediction is
+``scale * curve(rows) + extra_per_row * rows``, both fitted (least squares over the last decode steps, pulled
+towards scale 1 and no extra) to what the engine's steps took; steps with different row counts (batches that
+change, and the controller's occasional exploration) separate the two.
+
 Invariants: a :class:`CostCurve` is non-decreasing in its rows (measured points are made monotone) and
-extrapolates linearly past its last point; :class:`StepCostModel` predictions are the curves times a scale per
-curve, each scale an exponential moving average of observed over predicted seconds, so a machine that slows
-down (or speeds up) moves every prediction with it.
+extrapolates linearly past its last point; the fitted scale is positive and the extra cost per row is never
+negative; the draft-level prediction is its curve times a scale, an exponential moving average of observed
+over predicted seconds.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+VERIFY_HISTORY = 64  # decode steps the verify fit reads
+PRIOR_WEIGHT = 0.05  # how strongly the fit is pulled towards scale 1 and no extra cost per row
 
 
 @dataclass(frozen=True)
@@ -56,13 +66,15 @@ class StepCostModel:
 
     verify: CostCurve
     draft_level: CostCurve
-    smoothing: float = 0.1  # weight of the newest observation in a scale
+    smoothing: float = 0.1  # weight of the newest observation in the draft scale
     verify_scale: float = 1.0
+    extra_per_row: float = 0.0  # verify seconds per row that the bare forwards do not show
     draft_scale: float = 1.0
     observations: dict[str, int] = field(default_factory=lambda: {"verify": 0, "draft": 0})
+    _verify_steps: deque = field(default_factory=lambda: deque(maxlen=VERIFY_HISTORY))  # (rows, seconds)
 
     def verify_seconds(self, rows: int) -> float:
-        return self.verify_scale * self.verify(rows)
+        return self.verify_scale * self.verify(rows) + self.extra_per_row * rows
 
     def draft_seconds(self, levels: int, rows_per_level: int) -> float:
         return self.draft_scale * levels * self.draft_level(rows_per_level) if levels > 0 else 0.0
@@ -72,10 +84,27 @@ class StepCostModel:
 
     def observe_verify(self, rows: int, seconds: float) -> None:
         """An engine step's verify (target forward and sampling) over ``rows`` rows took ``seconds``."""
-        predicted = self.verify(rows)
-        if predicted > 0 and seconds > 0:
-            self.verify_scale = self._blend(self.verify_scale, seconds / predicted)
+        if rows > 0 and seconds > 0:
+            self._verify_steps.append((rows, seconds))
             self.observations["verify"] += 1
+            self._fit_verify()
+
+    def _fit_verify(self) -> None:
+        """``scale`` and ``extra_per_row`` by least squares over the recent steps, with a weak pull towards
+        (1, 0) that keeps them determined when every step had the same rows."""
+        xs = [(self.verify(rows), float(rows), seconds) for rows, seconds in self._verify_steps]
+        aa = sum(c * c for c, _, _ in xs)
+        bb = sum(r * r for _, r, _ in xs)
+        ab = sum(c * r for c, r, _ in xs)
+        ay = sum(c * t for c, _, t in xs)
+        by = sum(r * t for _, r, t in xs)
+        prior_a, prior_b = PRIOR_WEIGHT * aa, PRIOR_WEIGHT * bb
+        aa, bb, ay = aa + prior_a, bb + prior_b, ay + prior_a  # towards scale 1 and extra 0
+        det = aa * bb - ab * ab
+        scale, extra = ((ay * bb - ab * by) / det, (aa * by - ab * ay) / det) if det > 0 else (ay / aa, 0.0)
+        if extra < 0:
+            scale, extra = ay / aa, 0.0
+        self.verify_scale, self.extra_per_row = max(scale, 0.05), extra
 
     def observe_draft(self, levels: int, rows_per_level: int, seconds: float) -> None:
         """A drafting step's ``levels`` level forwards over ``rows_per_level`` rows took ``seconds``."""
@@ -89,5 +118,6 @@ class StepCostModel:
 
     def describe(self) -> str:
         """One log line: the current verify and draft-level curves in ms by rows."""
-        return (f"verify ms by rows {{{self.verify.describe()}}} x{self.verify_scale:.2f}; "
+        return (f"verify ms by rows {{{self.verify.describe()}}} x{self.verify_scale:.2f} "
+                f"+ {self.extra_per_row * 1e3:.2f} ms per row; "
                 f"draft level ms by rows {{{self.draft_level.describe()}}} x{self.draft_scale:.2f}")

@@ -47,27 +47,37 @@ def running_minimum(values: Sequence[float]) -> list[float]:
     return out
 
 
+def _offered(candidates: Sequence[Candidates]) -> list[tuple[float, int, int]]:
+    """(chance, request, rank) of every node the requests may verify, most likely first (a request's own nodes
+    in its order)."""
+    return sorted(
+        ((chance, request, rank) for request, c in enumerate(candidates)
+         for rank, chance in enumerate(c.chances[: c.cap])),
+        key=lambda item: (-item[0], item[1], item[2]),
+    )
+
+
+def best_nodes(candidates: Sequence[Candidates], total: int) -> list[int]:
+    """How many of its candidates each request verifies when the batch verifies its ``total`` most likely."""
+    chosen = [0] * len(candidates)
+    for _, request, _ in _offered(candidates)[:total]:
+        chosen[request] += 1
+    return chosen
+
+
 def choose_nodes(candidates: Sequence[Candidates], verify_seconds: Callable[[int], float],
                  other_seconds: float) -> list[int]:
     """How many of its candidates each request verifies (module docstring). ``verify_seconds(rows)``: the
     target's verify over ``rows`` rows; ``other_seconds``: the rest of the step (drafting already spent)."""
     batch = len(candidates)
-    offered = sorted(
-        ((chance, request, rank) for request, c in enumerate(candidates)
-         for rank, chance in enumerate(c.chances[: c.cap])),
-        key=lambda item: (-item[0], item[1], item[2]),
-    )
     best_count, best_rate = 0, batch / (verify_seconds(batch) + other_seconds)
     gain = 0.0
-    for count, (chance, _, _) in enumerate(offered, start=1):
+    for count, (chance, _, _) in enumerate(_offered(candidates), start=1):
         gain += chance
         rate = (batch + gain) / (verify_seconds(batch + count) + other_seconds)
         if rate > best_rate:
             best_count, best_rate = count, rate
-    chosen = [0] * batch
-    for _, request, _ in offered[:best_count]:
-        chosen[request] += 1
-    return chosen
+    return best_nodes(candidates, best_count)
 
 
 def choose_depth(expected_by_depth: Sequence[Sequence[float]], max_depth: int,
