@@ -10,8 +10,9 @@ One step, as the drafter and the runner call it:
 1. :meth:`SpeculationController.plan_depth` before drafting: the depth with the best predicted rate, from each
    request's recent acceptance by depth (:func:`~vllm_easyspec.control.planning.choose_depth`);
 2. :meth:`SpeculationController.choose` after drafting (sources merged in): each request's nodes with their
-   chances (:class:`~vllm_easyspec.control.acceptance.AcceptanceModel`), best first, and how many of them it
-   verifies (:func:`~vllm_easyspec.control.planning.choose_nodes`);
+   chances (:class:`~vllm_easyspec.control.acceptance.AcceptanceModel`, times the recent ratio of realised to
+   predicted accepted nodes, at most 1), best first, and how many of them it verifies
+   (:func:`~vllm_easyspec.control.planning.choose_nodes`);
 3. :meth:`SpeculationController.observe` after verification: what was accepted, which calibrates the
    acceptance model; :meth:`observe_verify` / :meth:`observe_draft` with the engine's step timings, which keep
    the cost model current.
@@ -47,6 +48,7 @@ DEPTH_SMOOTHING = 0.2  # weight of a step's outcome in a request's acceptance-by
 GLOBAL_DEPTH_SMOOTHING = 0.1  # ... in the batch-wide acceptance-by-depth that new requests start from
 FIRST_DEPTH_RATE = 0.6  # before anything is observed: reaching depth j has chance FIRST_DEPTH_RATE ** j
 EXPLORE_EVERY = 16  # one step in this many verifies a random number of the best nodes (cost at other rows)
+RATIO_MEMORY = 0.98  # decay per verified request of the sums behind realised / predicted accepted nodes
 
 
 @dataclass
@@ -101,6 +103,12 @@ class SpeculationController:
         self.global_depth_rates = [FIRST_DEPTH_RATE ** (j + 1) for j in range(max_depth)]
         self.stats = ControllerStats()
         self._explore = random.Random(0)  # independent of every verification: choices stay lossless
+        self._predicted: dict[str, float] = {}  # request -> model chances of the nodes it verifies this step
+        self._predicted_sum = self._realised_sum = 1.0  # decayed sums behind realised_over_predicted
+
+    @property
+    def realised_over_predicted(self) -> float:
+        return self._realised_sum / self._predicted_sum
 
     # ------------------------------------------------------------------------------------------ before drafting
     def plan_depth(self, req_ids: list[str]) -> int:
@@ -120,8 +128,10 @@ class SpeculationController:
     def choose(self, trees: list[RequestTree]) -> list[Choice]:
         started = time.perf_counter()
         ordered: list[tuple[list[int], list[int], list[NodeFeatures], list[float]]] = []
+        ratio = self.realised_over_predicted
         for tree in trees:
-            chances = self.acceptance.path_chances(tree.req_id, tree.features, tree.parents)
+            model_chances = self.acceptance.path_chances(tree.req_id, tree.features, tree.parents)
+            chances = [min(ratio * chance, 1.0) for chance in model_chances]
             if tree.keeps_order:
                 ordered.append((tree.tokens, tree.parents, tree.features, running_minimum(chances)))
                 continue
@@ -140,6 +150,8 @@ class SpeculationController:
             self.stats.exploring_steps += 1
         choices = [Choice(tokens, parents, features, chances, count)
                    for (tokens, parents, features, chances), count in zip(ordered, counts, strict=True)]
+        for tree, choice in zip(trees, choices, strict=True):
+            self._predicted[tree.req_id] = sum(choice.chances[: choice.count]) / ratio
         stats = self.stats
         stats.steps += 1
         stats.requests += len(choices)
@@ -157,6 +169,10 @@ class SpeculationController:
         """A verified tree of ``req_id`` (as scheduled): ``accepted`` are the indices of its accepted nodes."""
         started = time.perf_counter()
         self.acceptance.observe(req_id, features, parents, accepted)
+        predicted = self._predicted.pop(req_id, None)
+        if predicted is not None:
+            self._predicted_sum = RATIO_MEMORY * self._predicted_sum + predicted
+            self._realised_sum = RATIO_MEMORY * self._realised_sum + len(accepted)
         depth_offered = 0
         depths: list[int] = []
         for parent in parents:
@@ -174,8 +190,9 @@ class SpeculationController:
     def forget(self, live: set[str]) -> None:
         """Drop the state of requests that are no longer running."""
         self.acceptance.forget(live)
-        for req_id in [r for r in self.depth_rates if r not in live]:
-            del self.depth_rates[req_id]
+        for state in (self.depth_rates, self._predicted):
+            for req_id in [r for r in state if r not in live]:
+                del state[req_id]
 
     def observe_verify(self, rows: int, seconds: float) -> None:
         self.cost.observe_verify(rows, seconds)

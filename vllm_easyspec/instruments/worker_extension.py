@@ -61,9 +61,10 @@ def read_controller_stats(worker) -> dict[str, Any] | None:
     stats["nodes_per_request"] = dict(sorted(controller.stats.nodes_per_request.items()))
     stats["depth_per_step"] = dict(sorted(controller.stats.depth_per_step.items()))
     cost = controller.cost
+    stats["realised_over_predicted"] = controller.realised_over_predicted
     return stats | {
         "verify_curve": {"rows": list(cost.verify.rows), "seconds": list(cost.verify.seconds),
-                         "scale": cost.verify_scale},
+                         "scale": cost.verify_scale, "extra_per_row": cost.extra_per_row},
         "draft_level_curve": {"rows": list(cost.draft_level.rows), "seconds": list(cost.draft_level.seconds),
                               "scale": cost.draft_scale},
         "cost_observations": dict(cost.observations),
