@@ -7,8 +7,9 @@ Run from the repository root: ``python -m benchmarks.main_job`` (the README's fi
   ``eagle3`` with this project's committed head, and the plugin's EAGLE-2 tree with that head merged with
   prompt lookup. The draft-model setups are left out: each engine process costs about a minute on that
   machine, so three more setups would add about 10 minutes.
-- ``--full`` (about 20 minutes): all six setups, adding vLLM's built-in ``draft_model``, the plugin's
-  EasySpec chain drafter and its token tree with the same draft.
+- ``--full`` (about 25 minutes): all seven setups, adding vLLM's built-in ``draft_model``, the plugin's
+  EasySpec chain drafter and its token tree with the same draft, and the plugin's speculation controller
+  (``easyspec.tree.auto``) on a larger merged EAGLE tree.
 - A ``--target`` without the committed EAGLE head (any target but the default) compares the draft-model
   setups instead: by default vanilla, vLLM's ``draft_model`` and the plugin's token tree; ``--full`` adds the
   EasySpec chain drafter.
@@ -67,6 +68,9 @@ EAGLE3_K = 3
 # benchmarks/results/eagle_tree_speed_b1.md (python -m benchmarks.eagle_bench speed --tree-budgets 4 8
 # --lookup-nodes 4): an EAGLE-2 tree of 4 head nodes merged with up to 4 prompt-lookup nodes.
 EAGLE3_TREE: dict = {"top_k": 2, "depth": 3, "budget": 4, "sources": {"prompt_lookup": {"nodes": 4}}}
+# The speculation controller's candidate: a larger merged tree it cuts per request and step (easyspec.tree.auto).
+EAGLE3_AUTO_TREE: dict = {"top_k": 4, "depth": 5, "budget": 16, "sources": {"prompt_lookup": {"nodes": 4}},
+                          "auto": True}
 
 # Setups of the quick default run, by name; --full runs every setup of main_setups.
 DEFAULT_EAGLE_SETUPS = (VANILLA, "eagle3-head", "eagle3-tree")
@@ -136,6 +140,11 @@ def main_setups(draft: str, k: int, with_eagle: bool) -> list[Setup]:
             speculative_config={"method": "eagle3", "model": str(EAGLE3_HEAD)},
             additional_config={"easyspec": {"tree": EAGLE3_TREE}},
         ))
+        setups.append(Setup(
+            "eagle3-auto", "vllm-easyspec speculation controller (auto) on a merged EAGLE-2 tree of 16 + 4 nodes",
+            speculative_config={"method": "eagle3", "model": str(EAGLE3_HEAD)},
+            additional_config={"easyspec": {"tree": EAGLE3_AUTO_TREE}},
+        ))
     return setups
 
 
@@ -186,7 +195,7 @@ def plan_text(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--full", action="store_true", help="all six setups (about 20 minutes on a 2-core CPU)")
+    parser.add_argument("--full", action="store_true", help="all seven setups (about 25 minutes on a 2-core CPU)")
     parser.add_argument("--target", default=DEFAULT_TARGET, help="catalogue name or HF folder")
     parser.add_argument(
         "--draft", default=DEFAULT_DRAFT,
