@@ -63,6 +63,7 @@ def test_greedy_speculation_equals_vanilla_llama(
         assert timed["drafted_requests"] >= counters.num_drafts
 
 
+@pytest.mark.slow  # chains on the other targets; trees cover Qwen2 and MoE targets in the default suite
 @pytest.mark.parametrize("target_fixture", ["tiny_qwen2_dir", "tiny_moe_dir"])
 def test_greedy_speculation_equals_vanilla_other_targets(llm_pool, request, tiny_llama_draft_dir, target_fixture):
     target = request.getfixturevalue(target_fixture)

@@ -52,8 +52,12 @@ def _vanilla(llm_pool, target, name: str, requests) -> list:
     return _VANILLA[key]
 
 
-@pytest.mark.parametrize(("shape", "fmt"), [("static", "eagle3"), ("dynamic", "eagle"),
-                                           ("dynamic-following-the-batch", "eagle3"), ("auto", "eagle3")])
+@pytest.mark.parametrize(("shape", "fmt"), [
+    ("static", "eagle3"),
+    pytest.param("dynamic", "eagle", marks=pytest.mark.slow),
+    pytest.param("dynamic-following-the-batch", "eagle3", marks=pytest.mark.slow),
+    ("auto", "eagle3"),
+])
 def test_greedy_eagle_trees_equal_vanilla(llm_pool, tiny_llama_dir, trained_tiny_heads, fmt, shape):
     single = _vanilla(llm_pool, tiny_llama_dir, "single", SINGLE)
     mixed = _vanilla(llm_pool, tiny_llama_dir, "mixed", MIXED)
@@ -91,6 +95,7 @@ def test_eagle_trees_accept_nodes_off_the_top_path(llm_pool, tiny_llama_dir, tra
     assert stats["off_top_path_branches"] > before["off_top_path_branches"]
 
 
+@pytest.mark.slow  # MoE targets: tests/tree/test_engine_tree.py (moe-dynamic-N2) in the default suite
 def test_eagle_trees_on_a_moe_target_equal_vanilla(llm_pool, tmp_path, tiny_moe_dir):
     """A Mixtral (mixture-of-experts) target with an EAGLE-1 head (random weights, reference layout; vLLM's
     Mixtral exposes no auxiliary hidden states, so EAGLE-3 heads do not apply): greedy EAGLE-2 trees equal
@@ -199,7 +204,7 @@ DRAW_MODES = {
 }
 
 
-@pytest.mark.parametrize("mode", list(DRAW_MODES))
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) if m == "chain" else m for m in DRAW_MODES])
 def test_distribution_with_eagle_trees_matches_target(llm_pool, tiny_llama_dir, trained_tiny_heads, mode):
     tree, prompt = DRAW_MODES[mode]
     llm = _eagle_tree_engine(llm_pool, tiny_llama_dir, "eagle3", trained_tiny_heads("eagle3"), tree)

@@ -43,7 +43,8 @@ def _generate(llm, prompts):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-@pytest.mark.parametrize("target_name,fmt", [("tiny_qwen2_dir", "eagle"), ("tiny_qwen2_dir", "eagle3")])
+@pytest.mark.parametrize("target_name,fmt", [pytest.param("tiny_qwen2_dir", "eagle", marks=pytest.mark.slow),
+                                             ("tiny_qwen2_dir", "eagle3")])
 def test_reference_layout_loads_in_vllm(request, tmp_path, llm_pool, target_name, fmt):
     target = request.getfixturevalue(target_name)
     n_layers = 4 if "llama" in target_name else 6

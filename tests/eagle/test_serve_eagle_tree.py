@@ -68,6 +68,7 @@ async def _load(client, model: str) -> list[dict]:
     return await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
 
 
+@pytest.mark.slow  # the server with trees: tests/test_serve.py in the default suite
 def test_serve_with_eagle_trees_holds_a_concurrent_load(tmp_path, llm_pool, tiny_llama_dir, trained_tiny_heads):
     _serve_under_load(tmp_path, llm_pool, tiny_llama_dir, trained_tiny_heads("eagle3"))
 

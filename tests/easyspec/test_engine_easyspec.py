@@ -137,6 +137,7 @@ def test_distribution_with_easyspec_drafts_matches_target(llm_pool, tiny_llama_d
     )
 
 
+@pytest.mark.slow  # calibration "never" is an ablation
 def test_greedy_fused_never_equals_vanilla(llm_pool, tiny_llama_dir, tiny_llama_draft_dir, vanilla_llama_tokens):
     llm = _fused_llama_engine(llm_pool, tiny_llama_dir, tiny_llama_draft_dir, "never")
     stats = _check_fuzzy_run(llm, vanilla_llama_tokens, "fused", expect_fuzzy_first=True)
@@ -150,6 +151,7 @@ def test_never_calibration_keeps_fuzzy_draft_kv(llm_pool, tiny_llama_dir, tiny_l
     assert difference > 1e-3, f"never-calibrated KV unexpectedly exact (max difference {difference})"
 
 
+@pytest.mark.slow
 def test_greedy_fused_qwen2_draft_on_mismatch_equals_vanilla(
     llm_pool, tiny_llama_dir, tiny_qwen2_dir, vanilla_llama_tokens
 ):

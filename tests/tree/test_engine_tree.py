@@ -54,9 +54,13 @@ CASES = [
     ("tree_moe_dir", "dynamic", 2),
     ("tree_moe_dir", "static", 1),
 ]
+SLOW_CASES = {("tree_qwen2_dir", "dynamic", 1), ("tree_moe_dir", "static", 1), ("tree_qwen2_dir", "static", 2)}
 
 
-@pytest.mark.parametrize(("target_fixture", "shape", "n"), CASES, ids=[f"{t[5:-4]}-{s}-N{n}" for t, s, n in CASES])
+@pytest.mark.parametrize(("target_fixture", "shape", "n"), [
+    pytest.param(*case, id=f"{case[0][5:-4]}-{case[1]}-N{case[2]}",
+                 marks=[pytest.mark.slow] if case in SLOW_CASES else []) for case in CASES
+])
 def test_greedy_trees_equal_vanilla(llm_pool, request, tiny_llama_draft_dir, target_fixture, shape, n):
     target = request.getfixturevalue(target_fixture)
     single, mixed = _vanilla(llm_pool, target, "single", SINGLE), _vanilla(llm_pool, target, "mixed", MIXED)
@@ -235,6 +239,7 @@ def test_preemption_and_truncated_trees_keep_outputs_exact(
         assert stats["truncated_trees"] > 0
 
 
+@pytest.mark.slow  # EasySpec's tensor_parallel mode on two ranks: tests/easyspec covers it for chains
 def test_tensor_parallel_mode_drafts_trees_on_two_ranks(llm_pool, monkeypatch, tree_llama_dir, tiny_llama_draft_dir):
     expected = _vanilla(llm_pool, tree_llama_dir, "single", SINGLE)
     for key, value in TP2_ENV.items():

@@ -35,7 +35,8 @@ def vanilla(llm_pool, byte_level_pair):
     return generate(llm, SINGLE), generate(llm, MIXED)
 
 
-@pytest.mark.parametrize(("shape", "n"), [("static", 1), ("dynamic", 2)], ids=["static-N1", "dynamic-N2"])
+@pytest.mark.parametrize(("shape", "n"), [pytest.param("static", 1, id="static-N1"),
+                                          pytest.param("dynamic", 2, id="dynamic-N2", marks=pytest.mark.slow)])
 def test_retokenized_trees_equal_vanilla(llm_pool, byte_level_pair, vanilla, shape, n):
     target, draft = byte_level_pair
     single, mixed = vanilla
