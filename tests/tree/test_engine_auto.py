@@ -51,14 +51,26 @@ def test_distribution_with_auto_trees_matches_target(llm_pool, tree_llama_dir, t
     assert result.passes, f"chi2={result.statistic:.1f} dof={result.degrees_of_freedom} p={result.p_value:.2e}"
 
 
+def rows_cost_nothing(worker) -> bool:
+    """Worker-side: the controller's verify cost becomes flat and stays so (a tiny model's timings are noise, and
+    this test needs trees verified to see the bias); everything else about the controller runs as usual."""
+    from vllm_easyspec.control.cost import CostCurve
+
+    controller = worker.model_runner.tree_verifier.controller
+    controller.cost.verify = CostCurve.from_measurements([1], [0.01])
+    controller.cost.verify_scale, controller.cost.extra_per_row = 1.0, 0.0
+    controller.observe_verify = lambda rows, seconds: None
+    return True
+
+
 def test_distribution_test_rejects_a_biased_verifier_under_auto(llm_pool, tree_llama_dir, tiny_llama_draft_dir):
-    """A fresh controller (its own engine: what it learnt elsewhere would change how much it verifies)."""
     llm = _auto_engine(llm_pool, tree_llama_dir, tiny_llama_draft_dir, "iid", auto={"max_nodes": 6})
+    llm.collective_rpc(rows_cost_nothing)
     llm.collective_rpc(install_biased_tree_sampler)
     try:
         result = run_distribution_test(llm, tree_llama_dir, temperature=1.0)
     finally:
         llm.collective_rpc(restore_tree_sampler)
     stats = llm.collective_rpc(read_tree_stats)[0]
-    assert stats["tree_requests"] >= result.num_samples // 4  # the biased sampler had trees to verify
+    assert stats["tree_requests"] >= 0.9 * result.num_samples  # the biased sampler had trees to verify
     assert result.p_value < ALPHA, f"biased verifier not detected: chi2={result.statistic:.1f} p={result.p_value:.2e}"
