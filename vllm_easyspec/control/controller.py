@@ -41,6 +41,7 @@ from vllm_easyspec.control.planning import (
     best_nodes,
     choose_depth,
     choose_nodes,
+    node_depths,
     running_minimum,
 )
 
@@ -173,11 +174,8 @@ class SpeculationController:
         if predicted is not None:
             self._predicted_sum = RATIO_MEMORY * self._predicted_sum + predicted
             self._realised_sum = RATIO_MEMORY * self._realised_sum + len(accepted)
-        depth_offered = 0
-        depths: list[int] = []
-        for parent in parents:
-            depths.append(1 if parent < 0 else depths[parent] + 1)
-            depth_offered = max(depth_offered, depths[-1])
+        depths = node_depths(parents)
+        depth_offered = max(depths, default=0)
         accepted_length = max((depths[i] for i in accepted), default=0)
         rates = self.depth_rates.setdefault(req_id, list(self.global_depth_rates))
         for j in range(min(depth_offered, self.max_depth)):

@@ -30,12 +30,18 @@ class Candidates:
     cap: int  # the most nodes this request may verify
 
 
+def node_depths(parents: Sequence[int]) -> list[int]:
+    """Each node's depth (1 for children of the root) in a tree whose parents come first."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
 def best_first_order(chances: Sequence[float], parents: Sequence[int]) -> list[int]:
     """Node indices by decreasing chance, ties by depth, then by index: a topological order (a child's chance
     never exceeds its parent's, and at a tie the parent is shallower)."""
-    depth: list[int] = []
-    for parent in parents:
-        depth.append(1 if parent < 0 else depth[parent] + 1)
+    depth = node_depths(parents)
     return sorted(range(len(chances)), key=lambda i: (-chances[i], depth[i], i))
 
 

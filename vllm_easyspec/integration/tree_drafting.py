@@ -49,6 +49,7 @@ from vllm.forward_context import set_forward_context
 
 from vllm_easyspec.control.acceptance import NodeFeatures
 from vllm_easyspec.control.controller import RequestTree
+from vllm_easyspec.control.planning import node_depths
 from vllm_easyspec.integration.compat import plugin_logger
 from vllm_easyspec.integration.options import EasySpecOptions
 from vllm_easyspec.integration.tree_attention import DraftTreeAttention, TreeLevelMetadata
@@ -339,13 +340,8 @@ def _node_features(parents: list[int], from_lookup: tuple[bool, ...],
                    logprobs: list[float] | None) -> list[NodeFeatures]:
     """What the controller knows of each node before verification: source, depth, and for drafted nodes their
     draft log-probability given the parent (``logprobs``, None where unknown: trees re-encoded by text)."""
-    depths: list[int] = []
-    features = []
-    for index, parent in enumerate(parents):
-        depths.append(1 if parent < 0 else depths[parent] + 1)
-        known = not from_lookup[index] and logprobs is not None
-        features.append(NodeFeatures(from_lookup[index], depths[-1], logprobs[index] if known else None))
-    return features
+    return [NodeFeatures(lookup, depth, logprobs[index] if not lookup and logprobs is not None else None)
+            for index, (lookup, depth) in enumerate(zip(from_lookup, node_depths(parents), strict=True))]
 
 
 def _parent_states(root: torch.Tensor, stash: torch.Tensor, parent_columns: torch.Tensor) -> torch.Tensor:
