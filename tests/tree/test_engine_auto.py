@@ -53,6 +53,11 @@ def test_auto_trees_equal_vanilla(llm_pool, tree_llama_dir, tiny_llama_draft_dir
     assert all(t > 0 for t in stats["verify_curve"]["seconds"])
     assert stats["calibration_conditional"] and stats["calibration_path"]
     assert tree["accepted"] > 0 and tree["chain_fallbacks"] == 0
+    # vLLM's metrics show the same controller (the worker's snapshot, read by the front end's collector)
+    seen = {m.name: m for m in llm.get_metrics() if m.name.startswith("vllm:easyspec_auto_")}
+    assert seen["vllm:easyspec_auto_steps"].value == stats["steps"]
+    assert seen["vllm:easyspec_auto_nodes_per_request"].count == stats["requests"]
+    assert seen["vllm:easyspec_auto_realised_accepted"].value == stats["realised_accepted"]
 
 
 @pytest.mark.parametrize("shape", [pytest.param("dynamic", marks=pytest.mark.slow), "iid"])

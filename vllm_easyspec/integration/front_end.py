@@ -9,6 +9,7 @@ import functools
 
 from vllm_easyspec.easyspec.config import EasySpecConfig, EasySpecConfigError, parse_easyspec_config
 from vllm_easyspec.integration.compat import plugin_logger
+from vllm_easyspec.integration.metrics import export_controller_metrics
 from vllm_easyspec.integration.options import TREE_METHODS, EasySpecOptions, attach_options
 
 logger = plugin_logger(__name__)
@@ -36,6 +37,8 @@ def _checked_create_engine_config(original):
         options = None if config is None else EasySpecOptions.resolve(config, vllm_config)
         validate_engine_config(vllm_config, options)
         attach_options(vllm_config, options)
+        if options is not None and options.tree is not None and options.tree.auto is not None:
+            export_controller_metrics(vllm_config)
         return vllm_config
 
     create_engine_config._easyspec_patched = True

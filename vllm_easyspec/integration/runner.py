@@ -32,6 +32,7 @@ import torch
 from vllm_easyspec.control.controller import SpeculationController
 from vllm_easyspec.control.cost import CostCurve, StepCostModel
 from vllm_easyspec.integration.compat import plugin_logger
+from vllm_easyspec.integration.metrics import ControllerPublisher
 from vllm_easyspec.integration.options import easyspec_options
 from vllm_easyspec.integration.proposers import plugin_proposers
 from vllm_easyspec.integration.tree_attention import verifying
@@ -50,6 +51,7 @@ class TreeRunnerMixin:
     tree_verifier: TreeVerifier | None = None
     tree_sampler: TreeRejectionSampler | None = None
     _step_clock: tuple[float, int] | None = None  # auto: (start, rows) of a decode step's verify in progress
+    _controller_publisher: ControllerPublisher | None = None  # auto, tensor-parallel rank 0: to vLLM's metrics
 
     def __init__(self, vllm_config, device) -> None:
         options = easyspec_options(vllm_config)
@@ -67,8 +69,14 @@ class TreeRunnerMixin:
         result = super().initialize_kv_cache(*args, **kwargs)
         tree = None if self.tree_verifier is None else easyspec_options(self.vllm_config).tree
         if tree is not None and tree.auto is not None:
-            self.tree_verifier.controller = self._start_controller(tree)
+            controller = self._start_controller(tree)
+            self.tree_verifier.controller = controller
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            if get_tensor_model_parallel_rank() == 0:
+                self._controller_publisher = ControllerPublisher(controller, self.vllm_config.instance_id)
         return result
+
     # Extends GPUModelRunner._prepare_inputs: tree rows get the positions P + depth.
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         started = time.perf_counter()
@@ -110,6 +118,14 @@ class TreeRunnerMixin:
                 torch.cuda.synchronize(output.sampled_token_ids.device)
             verifier.controller.observe_verify(rows, time.perf_counter() - started)
             self._step_clock = None
+        return output
+
+    # Extends GPUModelRunner.sample_tokens (verify, then draft): with easyspec.tree.auto the controller's figures
+    # go to vLLM's metrics before the step's outputs leave the engine.
+    def sample_tokens(self, grammar_output):
+        output = super().sample_tokens(grammar_output)
+        if self._controller_publisher is not None:
+            self._controller_publisher.publish()
         return output
 
     # Extends GPUModelRunner.take_draft_token_ids: requests served without speculation get no drafts.
