@@ -3,13 +3,13 @@ vLLM with vLLM's best built-in speculative method and the plugin's fastest setup
 
 Run from the repository root: ``python -m benchmarks.main_job`` (the README's first command does this).
 
-- Default (about 10 minutes on the 2-core CPU machine, after the one-time model fetch): vanilla, vLLM's
-  ``eagle3`` with this project's committed head, and the plugin's EAGLE-2 tree with that head merged with
-  prompt lookup. The draft-model setups are left out: each engine process costs about a minute on that
-  machine, so three more setups would add about 10 minutes.
+- Default (about 14 minutes on the 2-core CPU machine, after the one-time model fetch): vanilla, vLLM's
+  ``eagle3`` with this project's committed head, the plugin's EAGLE-2 tree with that head merged with
+  prompt lookup, and the plugin's speculation controller (``easyspec.tree.auto``) on a larger merged EAGLE
+  tree. The draft-model setups are left out: each engine process costs about a minute on that machine, so
+  three more setups would add about 10 minutes.
 - ``--full`` (about 25 minutes): all seven setups, adding vLLM's built-in ``draft_model``, the plugin's
-  EasySpec chain drafter and its token tree with the same draft, and the plugin's speculation controller
-  (``easyspec.tree.auto``) on a larger merged EAGLE tree.
+  EasySpec chain drafter and its token tree with the same draft.
 - A ``--target`` without the committed EAGLE head (any target but the default) compares the draft-model
   setups instead: by default vanilla, vLLM's ``draft_model`` and the plugin's token tree; ``--full`` adds the
   EasySpec chain drafter.
@@ -73,7 +73,7 @@ EAGLE3_AUTO_TREE: dict = {"top_k": 4, "depth": 5, "budget": 16, "sources": {"pro
                           "auto": True}
 
 # Setups of the quick default run, by name; --full runs every setup of main_setups.
-DEFAULT_EAGLE_SETUPS = (VANILLA, "eagle3-head", "eagle3-tree")
+DEFAULT_EAGLE_SETUPS = (VANILLA, "eagle3-head", "eagle3-tree", "eagle3-auto")
 DEFAULT_DRAFT_MODEL_SETUPS = (VANILLA, "vllm-draft_model", "easyspec-tree")
 DEFAULT_STEM = "main_job"
 FULL_STEM = "main_job_full"
