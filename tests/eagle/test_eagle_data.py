@@ -41,10 +41,10 @@ def test_heldout_split_always_has_both_sides():
 def test_self_distill_generates_only_new_prompts(tmp_path, monkeypatch, tiny_llama_dir):
     generated: list[list[str]] = []
 
-    def fake_run(cmd, capture_output, text):
+    def fake_run(cmd, **kwargs):
         prompts = json.loads(open(cmd[cmd.index("--prompts-json") + 1]).read())
         generated.append(prompts)
-        with open(cmd[cmd.index("--out") + 1], "w") as f:
+        with open(cmd[cmd.index("--out") + 1], "a") as f:
             for p in prompts:
                 f.write(json.dumps({"prompt": p, "prompt_ids": [1, 2], "response_ids": [len(p), 5]}) + "\n")
 
