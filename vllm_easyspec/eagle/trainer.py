@@ -38,7 +38,15 @@ import torch
 import torch.nn.functional as F
 
 from . import checkpoint as ckpt
-from .data import default_text_dir, load_self_distill, self_distill, sha256_text, split_heldout, text_windows
+from .data import (
+    default_text_dir,
+    load_self_distill,
+    self_distill,
+    self_distill_items,
+    sha256_text,
+    split_heldout,
+    text_windows,
+)
 from .errors import EagleTrainError, HiddenSizeMismatchError
 from .features import FeatureStore, extract, load_target_embed_and_head, target_config
 from .model import FORMATS, EagleHead, head_config_from_target
@@ -56,9 +64,18 @@ def add_train_eagle_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--work-dir", default=None,
                    help="cache for generated data and features (default ~/.cache/vllm-easyspec/eagle)")
     g = p.add_argument_group("data")
-    g.add_argument("--num-prompts", type=int, default=None, help="use the first N project prompts")
+    g.add_argument("--prompt-set", choices=("coding", "broad"), default="coding",
+                   help="coding: the 712 hand-written coding prompts; broad: the corpus of corpus.py (coding, "
+                        "explanations, edits, completions cut from permissive local sources, follow-ups; "
+                        "about 10,000 items by default)")
+    g.add_argument("--num-prompts", type=int, default=None,
+                   help="coding / --prompts-file: use the first N prompts; broad: build N items")
     g.add_argument("--prompts-file", default=None, help="JSON list or one-per-line prompts instead of the built-in set")
     g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--gen-chunk-size", type=int, default=64,
+                   help="prompts per generation call; each finished chunk is saved (the resume point)")
+    g.add_argument("--data-only", action="store_true",
+                   help="stop after the data stage (self-distillation and text windows); rerun to resume it")
     g.add_argument("--no-self-distill", action="store_true")
     g.add_argument("--text-dir", default=None, help="local text (default: the Python stdlib sources)")
     g.add_argument("--text-tokens", type=int, default=60000, help="tokens of local text (0: none)")
@@ -291,8 +308,11 @@ def _command_line(args) -> str:
 
 
 def _read_prompts(args) -> tuple[list[str], str]:
+    """(prompts, name) for ``--prompt-set coding`` or ``--prompts-file``; ``--num-prompts`` takes a prefix."""
     from .prompts import train_prompts
 
+    if getattr(args, "prompt_set", "coding") != "coding" and args.prompts_file:
+        raise EagleTrainError("--prompts-file replaces the built-in prompt set; use it with --prompt-set coding")
     if args.prompts_file:
         text = Path(args.prompts_file).read_text()
         try:
@@ -306,6 +326,19 @@ def _read_prompts(args) -> tuple[list[str], str]:
     if args.num_prompts is not None:
         prompts = prompts[: args.num_prompts]
     return prompts, name
+
+
+def _read_corpus(args, log=print):
+    """``--prompt-set broad``: the corpus of ``corpus.build_corpus`` with ``--num-prompts`` items
+    (default ``corpus.DEFAULT_N_ITEMS``) and ``--seed``."""
+    from .corpus import DEFAULT_N_ITEMS, build_corpus
+
+    if args.prompts_file:
+        raise EagleTrainError("--prompts-file replaces the built-in prompt set; use it with --prompt-set coding")
+    c = build_corpus(args.num_prompts if args.num_prompts is not None else DEFAULT_N_ITEMS, args.seed)
+    log(f"[eagle] broad corpus: {len(c.items)} items {c.counts()} from {len(c.manifest['roots'])} sources "
+        f"({c.seconds:.0f} s)")
+    return c
 
 
 # --------------------------------------------------------------------------- main
@@ -332,13 +365,28 @@ def train(args: argparse.Namespace) -> dict:
     seqs: list[dict] = []
     provenance: dict = {"sources": []}
     if not args.no_self_distill:
-        prompts, pname = _read_prompts(args)
-        jl, info = self_distill(target, prompts, work, args.max_new_tokens, args.seed, args.gen_dtype, log)
-        sd = load_self_distill(jl, args.seq_len)
+        chunk = getattr(args, "gen_chunk_size", 64)
+        corpus_info = {}
+        if getattr(args, "prompt_set", "coding") == "broad":
+            corpus = _read_corpus(args, log)
+            prompts = [it.to_dict() for it in corpus.items]
+            pname = "vllm_easyspec.eagle.corpus.build_corpus"
+            corpus_info = {"corpus": corpus.manifest}
+            jl, info = self_distill_items(target, corpus.items, work, args.max_new_tokens, args.seed,
+                                          args.gen_dtype, log, chunk_size=chunk)
+        else:
+            prompts, pname = _read_prompts(args)
+            jl, info = self_distill(target, prompts, work, args.max_new_tokens, args.seed, args.gen_dtype, log,
+                                    chunk_size=chunk)
+        sd_stats: dict = {}
+        sd = load_self_distill(jl, args.seq_len, sd_stats)
+        if sd_stats["dropped"]:
+            log(f"[eagle] {sd_stats['dropped']} of {sd_stats['records']} answers left out: empty, or the prompt "
+                f"fills --seq-len {args.seq_len}")
         seqs += sd
         provenance["sources"].append({
             "kind": "self-distillation", "prompt_set": pname, "n_prompts": len(prompts),
-            "prompts_sha256": sha256_text(json.dumps(prompts)), "generator": "vLLM, target itself",
+            "prompts_sha256": sha256_text(json.dumps(prompts)), "generator": "vLLM, target itself", **corpus_info,
             "sampling": {"temperature": 0.0, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
                          "dtype": args.gen_dtype},
             "n_sequences": len(sd), "n_tokens": sum(len(s["tokens"]) for s in sd),
@@ -349,6 +397,11 @@ def train(args: argparse.Namespace) -> dict:
         tw, tinfo = text_windows(tok, tdir, args.text_tokens, args.seq_len, args.seed)
         seqs += tw
         provenance["sources"].append({"kind": "local-text", "python": platform.python_version(), **tinfo})
+    if getattr(args, "data_only", False):
+        n_tok = sum(len(s["tokens"]) for s in seqs)
+        log(f"[eagle] data stage done: {len(seqs)} sequences, {n_tok} tokens (--data-only)")
+        return {"out": str(out), "heldout": None, "train_seconds": 0.0, "manifest": None,
+                "data": {**provenance, "n_sequences": len(seqs), "n_tokens": n_tok}}
     train_seqs, val_seqs = split_heldout(seqs, args.val_fraction, args.seed, args.min_train_tokens)
     all_seqs = train_seqs + val_seqs
     tr_idx = list(range(len(train_seqs)))
