@@ -384,3 +384,52 @@ def test_trainer_broad_data_stage_records_the_corpus(tmp_path, monkeypatch, tiny
     assert res["data"]["n_sequences"] == 40 and not (tmp_path / "head" / "eagle_manifest.json").exists()
     with pytest.raises(EagleTrainError):
         trainer.train(p.parse_args(argv + ["--prompts-file", str(tmp_path / "x.json")]))
+
+
+def test_generator_appends_each_chunk_and_skips_prompts_too_long(tmp_path, monkeypatch):
+    """``generate.generate`` against a stand-in ``vllm`` module: one engine call per chunk, every
+    record appended (earlier lines kept), a prompt with no room for the answer gets none."""
+    import sys
+    import types
+
+    from vllm_easyspec.eagle import generate as G
+
+    class Tok:
+        chat_template = None
+
+        def __call__(self, text):
+            return {"input_ids": [len(w) for w in text.split()]}
+
+    calls: list[int] = []
+
+    class LLM:
+        def __init__(self, **kw):
+            self.kw = kw
+
+        def get_tokenizer(self):
+            return Tok()
+
+        def generate(self, reqs, sp, use_tqdm=True):
+            calls.append(len(reqs))
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(
+                token_ids=[9] * sp.max_tokens, text=f"n={len(r['prompt_token_ids'])}", finish_reason="length")])
+                for r in reqs]
+
+    class SamplingParams:
+        def __init__(self, temperature, max_tokens, seed):
+            self.max_tokens = max_tokens
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams))
+    out = tmp_path / "part.jsonl"
+    out.write_text('{"prompt": "old", "prompt_ids": [1], "response_ids": [2]}\n')
+    prompts = ["a b", "c", [{"role": "user", "content": "d e f"}, {"role": "assistant", "content": "g"},
+                            {"role": "user", "content": "h"}], "x " * 30, "i", "j k", "l"]
+    info = G.generate("/nonexistent", prompts, str(out), max_tokens=4, chunk_size=3, max_model_len=24)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[0]["prompt"] == "old" and [r["prompt"] for r in rows[1:]] == prompts
+    assert calls == [3, 2, 1]  # chunks of 3; the 30-word prompt (no room for 4 tokens in 24) is not sent
+    long = rows[4]
+    assert long["response_ids"] == [] and long["finish_reason"] == "prompt_too_long"
+    chat = rows[3]
+    assert chat["prompt_ids"] == G.render_prompt_ids(Tok(), prompts[2]) and chat["response_text"].startswith("n=")
+    assert info["n_prompts"] == 7 and info["n_prompt_too_long"] == 1 and info["n_response_tokens"] == 24
