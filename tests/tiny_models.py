@@ -40,9 +40,11 @@ def build_tiny_tokenizer(out: Path) -> Path:
     return out
 
 
-def _config(arch: str, num_layers: int, vocab_size: int = VOCAB_SIZE):
+def _config(arch: str, num_layers: int, vocab_size: int = VOCAB_SIZE, **sizes):
+    """``sizes``: overrides of ``hidden_size``, ``intermediate_size`` or (Mixtral) ``num_local_experts``."""
     from transformers import LlamaConfig, MixtralConfig, Qwen2Config
 
+    experts = sizes.pop("num_local_experts", 4)
     common = dict(
         vocab_size=vocab_size,
         hidden_size=128,
@@ -57,14 +59,14 @@ def _config(arch: str, num_layers: int, vocab_size: int = VOCAB_SIZE):
         eos_token_id=2,
         pad_token_id=2,
         rms_norm_eps=1e-5,
-    )
+    ) | sizes
     if arch == "llama":
         return LlamaConfig(**common)
     if arch == "qwen2":
         common.pop("head_dim")  # Qwen2 derives head_dim = hidden_size / heads
         return Qwen2Config(**common, use_sliding_window=False)
     if arch == "mixtral":
-        return MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+        return MixtralConfig(**common, num_local_experts=experts, num_experts_per_tok=2)
     raise ValueError(f"unknown tiny architecture {arch!r}")
 
 
@@ -77,6 +79,7 @@ def build_tiny_model(
     layer_scale: float = 1.0,
     logit_scale: float = 6.0,
     vocab_size: int = VOCAB_SIZE,
+    **sizes: int,
 ) -> Path:
     """Write a random float32 model to ``out`` (HF safetensors + the shared tokenizer files).
 
@@ -85,7 +88,7 @@ def build_tiny_model(
     """
     from transformers import AutoModelForCausalLM
 
-    config = _config(arch, num_layers, vocab_size)
+    config = _config(arch, num_layers, vocab_size, **sizes)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     family = torch.Generator().manual_seed(FAMILY_SEED)
