@@ -150,9 +150,11 @@ def snapshot_metrics(snapshot: dict[str, Any], model_name: str) -> list:
                                      f"easyspec.tree.auto controller: {name.replace('_', ' ')}", labels=labels)
         family.add_metric(values, value)
         families.append(family)
-    for name, top, doc in (("nodes_per_request", snapshot["max_nodes"], "nodes chosen per request per step"),
-                           ("draft_depth", snapshot["max_depth"], "levels drafted per step")):
-        counts = {int(k): v for k, v in snapshot["depth_per_step" if name == "draft_depth" else name].items()}
+    for name, key, top, doc in (
+        ("nodes_per_request", "nodes_per_request", snapshot["max_nodes"], "nodes chosen per request per step"),
+        ("draft_depth", "depth_per_step", snapshot["max_depth"], "levels drafted per step"),
+    ):
+        counts = {int(k): v for k, v in snapshot[key].items()}
         buckets, running = [], 0
         for edge in range(top + 1):
             running += counts.get(edge, 0)
