@@ -31,6 +31,7 @@ import torch
 
 from vllm_easyspec.control.controller import SpeculationController
 from vllm_easyspec.control.cost import CostCurve, StepCostModel
+from vllm_easyspec.instruments.step_trace import step_trace_path, trace_tree_step
 from vllm_easyspec.integration.compat import plugin_logger
 from vllm_easyspec.integration.metrics import ControllerPublisher
 from vllm_easyspec.integration.options import easyspec_options
@@ -52,6 +53,7 @@ class TreeRunnerMixin:
     tree_sampler: TreeRejectionSampler | None = None
     _step_clock: tuple[float, int] | None = None  # auto: (start, rows) of a decode step's verify in progress
     _controller_publisher: ControllerPublisher | None = None  # auto, tensor-parallel rank 0: to vLLM's metrics
+    _step_trace: str | None = None  # VLLM_EASYSPEC_STEP_TRACE: where tree verify steps are traced
 
     def __init__(self, vllm_config, device) -> None:
         options = easyspec_options(vllm_config)
@@ -62,6 +64,7 @@ class TreeRunnerMixin:
         drafting = self.drafter.tree_drafting
         self.tree_verifier = TreeVerifier(self.requests, drafting.unshared_target_tokens)
         self.tree_sampler = TreeRejectionSampler(self.sampler, self.speculative_config, self.device)
+        self._step_trace = step_trace_path()
 
     # Extends GPUModelRunner.initialize_kv_cache (CPUModelRunner's too): with easyspec.tree.auto, the step's
     # cost is measured once the caches exist, and the controller starts.
@@ -110,6 +113,9 @@ class TreeRunnerMixin:
             verdict = self.tree_sampler.verify(forward.step, spec_decode_metadata, logits,
                                                self.input_batch.sampling_metadata)
             verifier.forward = None
+            if self._step_trace is not None:  # before the commit rewrites the branch's input ids and positions
+                trace_tree_step(self._step_trace, forward.step, spec_decode_metadata, logits, self.input_ids.gpu,
+                                self.positions, verdict)
             self._commit(forward, verdict)
             output = verdict.sampler_output
         if self._step_clock is not None and verifier.controller is not None:  # auto: keep the cost model current
