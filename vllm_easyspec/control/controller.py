@@ -115,12 +115,13 @@ class SpeculationController:
     def plan_depth(self, req_ids: list[str]) -> int:
         started = time.perf_counter()
         expected = [self.depth_rates.get(req_id, self.global_depth_rates) for req_id in req_ids]
-        batch = len(req_ids)
+        level_rows = len(req_ids) * self.level_width
 
-        def step_seconds(depth: int, rows: int) -> float:
-            return self.cost.step_seconds(rows, depth - 1, batch * self.level_width)
+        def draft_seconds(depth: int) -> float:
+            return self.cost.draft_seconds(depth - 1, level_rows)
 
-        depth = choose_depth(expected, self.max_depth, step_seconds) if req_ids else 1
+        depth = choose_depth(expected, self.max_depth, self.max_nodes, self.cost.verify_seconds,
+                             draft_seconds) if req_ids else 1
         self.stats.depth_per_step[depth] += 1
         self.stats.controller_seconds += time.perf_counter() - started
         return depth

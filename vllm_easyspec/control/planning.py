@@ -5,7 +5,8 @@ the batch (one per request plus one per chosen node) and the drafter's level for
 ``S`` the step's rate is ``(B + sum of P(v accepted) over S) / (verify(B + |S|) + draft)``.
 
 * :func:`choose_depth` runs before drafting: how deep to draft (``depth`` ``d`` costs ``d - 1`` level
-  forwards; depth 1 comes free with the first pass), from each request's recent acceptance by depth.
+  forwards; depth 1 comes free with the first pass), from each request's recent acceptance by depth and the
+  nodes the choice after drafting would then verify.
 * :func:`choose_nodes` runs after drafting: given every request's candidate nodes with their chances, it takes
   the most likely nodes of the whole batch, one at a time, and keeps the count with the best rate; a request
   whose drafts keep failing gets none while its neighbours keep theirs.
@@ -86,18 +87,22 @@ def choose_nodes(candidates: Sequence[Candidates], verify_seconds: Callable[[int
     return best_nodes(candidates, best_count)
 
 
-def choose_depth(expected_by_depth: Sequence[Sequence[float]], max_depth: int,
-                 step_seconds: Callable[[int, int], float]) -> int:
+def choose_depth(expected_by_depth: Sequence[Sequence[float]], max_depth: int, cap: int,
+                 verify_seconds: Callable[[int], float], draft_seconds: Callable[[int], float]) -> int:
     """The drafting depth in ``1..max_depth`` with the best predicted rate. ``expected_by_depth[i][j]``: request
-    ``i``'s chance to accept at least ``j + 1`` tokens when offered that depth; ``step_seconds(depth,
-    verify_rows)``: the step's cost when drafting that deep and verifying that many rows. A request is assumed
-    to verify one node per depth it would reach (the choice after drafting adds more only where they pay)."""
+    ``i``'s chance to accept at least ``j + 1`` tokens when offered that depth; ``cap``: the most nodes a request
+    verifies; ``verify_seconds(rows)``: the target's verify; ``draft_seconds(depth)``: drafting that deep.
+
+    Each depth is judged by the nodes :func:`choose_nodes` would then verify, each request's candidates taken as
+    the chain of its chances: a level whose nodes would not be verified (they cost more rows than they gain, as
+    at a large batch) is not drafted, since it adds drafting cost and no expected tokens."""
     batch = len(expected_by_depth)
     best_depth, best_rate = 1, -1.0
     for depth in range(1, max_depth + 1):
-        gain = sum(sum(rates[:depth]) for rates in expected_by_depth)
-        rows = batch + sum(min(depth, len(rates)) for rates in expected_by_depth)
-        rate = (batch + gain) / step_seconds(depth, rows)
+        candidates = [Candidates(running_minimum(rates[:depth]), cap) for rates in expected_by_depth]
+        counts = choose_nodes(candidates, verify_seconds, draft_seconds(depth))
+        gain = sum(sum(c.chances[:count]) for c, count in zip(candidates, counts, strict=True))
+        rate = (batch + gain) / (verify_seconds(batch + sum(counts)) + draft_seconds(depth))
         if rate > best_rate * (1 + 1e-9):
             best_depth, best_rate = depth, rate
     return best_depth

@@ -5,4 +5,5 @@
 * :mod:`.worker_extension`: pass ``worker_extension_cls=WORKER_EXTENSION_CLS`` to ``LLM`` to read the plugin's
   per-worker counters (drafting time, tree steps) with ``LLM.collective_rpc``.
 * :mod:`.drafting_timer`: drafting and whole-step timers for any speculative method, vLLM's own included.
+* :mod:`.step_trace`: ``VLLM_EASYSPEC_STEP_TRACE`` traces every tree verify step; its command checks a trace.
 """
