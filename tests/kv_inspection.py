@@ -47,11 +47,11 @@ def _drafter(worker: Any):
     return drafter
 
 
-def read_draft_kv(worker: Any, num_positions: int) -> dict[str, dict[str, torch.Tensor]]:
-    """K and V of every draft attention layer at positions ``0..num_positions-1`` of the one request
-    recorded since :func:`start_recording_block_tables` (exactly one must have been recorded)."""
+def read_draft_kv(worker: Any, num_positions: int, request: str | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    """K and V of every draft attention layer at positions ``0..num_positions-1`` of the request recorded since
+    :func:`start_recording_block_tables` whose id starts with ``request`` (None: the only one recorded)."""
     drafter = _drafter(worker)
-    return _read_layers(worker, sorted(drafter._draft_attn_layer_names), num_positions)
+    return _read_layers(worker, sorted(drafter._draft_attn_layer_names), num_positions, request)
 
 
 def read_target_kv(worker: Any, num_positions: int) -> dict[str, dict[str, torch.Tensor]]:
@@ -65,12 +65,15 @@ def read_target_kv(worker: Any, num_positions: int) -> dict[str, dict[str, torch
     return _read_layers(worker, sorted(names), num_positions)
 
 
-def _read_layers(worker: Any, names: list[str], num_positions: int) -> dict[str, dict[str, torch.Tensor]]:
+def _read_layers(worker: Any, names: list[str], num_positions: int,
+                 request: str | None = None) -> dict[str, dict[str, torch.Tensor]]:
     from vllm_easyspec.integration.cpu.kv_layout import PagedKVReader, probe_cpu_kv_layout
 
-    tables = getattr(_drafter(worker), _RECORDED)
+    tables = {req_id: blocks for req_id, blocks in getattr(_drafter(worker), _RECORDED).items()
+              if request is None or req_id.startswith(request)}
     if len(tables) != 1:
-        raise RuntimeError(f"expected exactly one recorded request, found {sorted(tables)}")
+        raise RuntimeError(f"expected exactly one recorded request (id starting with {request!r}), "
+                           f"found {sorted(tables)}")
     (block_ids,) = tables.values()
     block_table = torch.tensor([block_ids], dtype=torch.int64)
     lengths = torch.tensor([num_positions])
@@ -89,3 +92,37 @@ def _read_layers(worker: Any, names: list[str], num_positions: int) -> dict[str,
             "value": values[0, :, :num_positions].transpose(0, 1).clone(),
         }
     return result
+
+
+def generate_and_read_draft_kv(llm: Any, requests: dict[str, tuple[list[int], int]], tag: str,
+                               read: str) -> tuple[dict[str, list[int]], dict[str, dict[str, torch.Tensor]]]:
+    """Run ``requests`` (name -> (prompt ids, greedy tokens), ids ``{tag}-{name}``) together on ``llm`` step by
+    step; returns each one's output tokens and the draft KV of request ``read`` at every position below its
+    last token."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm.collective_rpc(start_recording_block_tables)
+    engine = llm.llm_engine
+    for name, (prompt, max_tokens) in requests.items():
+        engine.add_request(f"{tag}-{name}", TokensPrompt(prompt_token_ids=prompt),
+                           SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id.removeprefix(f"{tag}-")] = list(output.outputs[0].token_ids)
+    positions = len(requests[read][0]) + len(outputs[read]) - 1
+    return outputs, llm.collective_rpc(read_draft_kv, args=(positions, f"{tag}-{read}"))[0]
+
+
+# A long request beside a short one: with budget_by_batch {"2": 0} nothing is drafted while both run.
+DEFERRAL_REQUESTS = {"long": ([1] + [3 + (j * 11) % 60 for j in range(20)], 30), "short": ([1, 7, 8], 10)}
+
+
+def assert_same_kv(actual: dict[str, dict[str, torch.Tensor]], expected: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Every layer's K and V equal (float32 tolerance)."""
+    assert actual.keys() == expected.keys() and expected
+    for name in expected:
+        for part in ("key", "value"):
+            torch.testing.assert_close(actual[name][part], expected[name][part], atol=1e-5, rtol=1e-5)

@@ -106,10 +106,10 @@ def test_deeper_drafting_pays_only_when_acceptance_is_high_and_levels_cheap():
 
     verify = _linear(0.001, 0.05)
     sure, unsure = [[0.9, 0.85, 0.8, 0.75]], [[0.3, 0.1, 0.03, 0.01]]
-    assert choose_depth(sure, 4, 8, verify, levels(0.01)) == 4
-    assert choose_depth(unsure, 4, 8, verify, levels(0.01)) == 1
-    assert choose_depth(sure, 4, 8, verify, levels(0.2)) == 1
-    assert choose_depth(sure, 4, 2, verify, levels(0.01)) == 2  # a node cap of 2 never verifies depth 3
+    assert choose_depth(sure, 4, 8, verify, levels(0.01)).depth == 4
+    assert choose_depth(unsure, 4, 8, verify, levels(0.01)).depth == 1
+    assert choose_depth(sure, 4, 8, verify, levels(0.2)).depth == 1
+    assert choose_depth(sure, 4, 2, verify, levels(0.01)).depth == 2  # a node cap of 2 never verifies depth 3
 
 
 def test_a_level_is_drafted_when_the_nodes_that_pay_need_it():
@@ -118,11 +118,11 @@ def test_a_level_is_drafted_when_the_nodes_that_pay_need_it():
     # half the batch accepts nearly everything, half nearly nothing: the good half's deep nodes pay, and the bad
     # half's nodes are not verified, so they must not count against drafting deeper
     mixed = [[0.95, 0.9, 0.85]] * 8 + [[0.2, 0.05, 0.01]] * 8
-    assert choose_depth(mixed, 3, 8, verify, cheap_levels) == 3
+    assert choose_depth(mixed, 3, 8, verify, cheap_levels).depth == 3
     # every request's depth-2 node is a coin flip: at 4 ms a row it never pays, so depth 2 is not drafted
-    assert choose_depth([[0.97, 0.5, 0.4]] * 16, 3, 8, verify, cheap_levels) == 1
+    assert choose_depth([[0.97, 0.5, 0.4]] * 16, 3, 8, verify, cheap_levels).depth == 1
     # one request alone (rows nearly free): the same chances pay to depth 3
-    assert choose_depth([[0.97, 0.5, 0.4]], 3, 8, _linear(0.0005, 0.05), cheap_levels) == 3
+    assert choose_depth([[0.97, 0.5, 0.4]], 3, 8, _linear(0.0005, 0.05), cheap_levels).depth == 3
 
 
 def test_the_controller_reorders_a_tree_and_learns_from_what_was_accepted():

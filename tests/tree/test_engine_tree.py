@@ -17,7 +17,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kv_inspection import read_target_kv, start_recording_block_tables
+from kv_inspection import (
+    DEFERRAL_REQUESTS,
+    assert_same_kv,
+    generate_and_read_draft_kv,
+    read_target_kv,
+    start_recording_block_tables,
+)
 from request_batches import MIXED, SINGLE, generate
 
 from vllm_easyspec.instruments.metrics import read_spec_decode_counters
@@ -133,6 +139,28 @@ def test_tree_size_follows_the_batch_and_outputs_stay_exact(llm_pool, tree_llama
     assert batched["steps_without_speculation"] > 0  # eight requests start together
     assert batched["chain_steps"] > alone["chain_steps"] and chain_requests >= 4
     assert 0 < batched["nodes_verified"] - alone["nodes_verified"] < 2 * (tree_requests + chain_requests)
+
+
+def test_deferred_first_passes_catch_up_the_draft_kv(llm_pool, tree_llama_dir, tiny_llama_draft_dir):
+    """``budget_by_batch`` gives no nodes from 2 running requests on: while a short request runs beside a long
+    one, no step drafts and the drafter's first passes wait; once the long one runs alone, its next first pass
+    catches them up. Its draft KV at every position then equals that of an engine that never skipped (stale or
+    misplaced K/V would differ), and both outputs equal vanilla's."""
+    expected = dict(zip(DEFERRAL_REQUESTS, generate(llm_pool.get(tree_llama_dir), [
+        (prompt, {"max_tokens": n, "ignore_eos": True}) for prompt, n in DEFERRAL_REQUESTS.values()]), strict=True))
+
+    def run(tree: dict, tag: str):
+        llm = llm_pool.get(tree_llama_dir, speculative_config=_spec(tiny_llama_draft_dir),
+                           additional_config={"easyspec": {"tree": tree}})
+        before = llm.collective_rpc(read_tree_stats)[0]["steps_without_speculation"]
+        outputs, kv = generate_and_read_draft_kv(llm, DEFERRAL_REQUESTS, tag, "long")
+        assert outputs == {name: expected[name][0] for name in DEFERRAL_REQUESTS}, tag
+        return kv, llm.collective_rpc(read_tree_stats)[0]["steps_without_speculation"] - before
+
+    reference, reference_skips = run(STATIC, "always")
+    deferred, skips = run(STATIC | {"budget_by_batch": {"2": 0}}, "deferred")
+    assert reference_skips == 0 and skips >= 5  # the two requests ran side by side, drafting nothing
+    assert_same_kv(deferred, reference)
 
 
 def test_target_kv_after_trees_is_the_verified_chain(llm_pool, tree_llama_dir, tiny_llama_draft_dir):

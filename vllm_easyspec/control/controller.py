@@ -8,7 +8,8 @@ size and acceptance would otherwise never show. The random draw is independent o
 One step, as the drafter and the runner call it:
 
 1. :meth:`SpeculationController.plan_depth` before drafting: the depth with the best predicted rate, from each
-   request's recent acceptance by depth (:func:`~vllm_easyspec.control.planning.choose_depth`);
+   request's recent acceptance by depth (:func:`~vllm_easyspec.control.planning.choose_depth`), or none at all
+   when no node is expected to pay (the drafter then skips the step, its first pass deferred);
 2. :meth:`SpeculationController.choose` after drafting (sources merged in): each request's nodes with their
    chances (:class:`~vllm_easyspec.control.acceptance.AcceptanceModel`, times the recent ratio of realised to
    predicted accepted nodes, at most 1), best first, and how many of them it verifies
@@ -37,6 +38,7 @@ from vllm_easyspec.control.acceptance import AcceptanceModel, NodeFeatures
 from vllm_easyspec.control.cost import StepCostModel
 from vllm_easyspec.control.planning import (
     Candidates,
+    DepthPlan,
     best_first_order,
     best_nodes,
     choose_depth,
@@ -87,6 +89,7 @@ class ControllerStats:
     realised_accepted: int = 0
     controller_seconds: float = 0.0
     exploring_steps: int = 0
+    steps_without_drafting: int = 0  # plan_depth expected no node to pay: no drafting, the first pass deferred
     nodes_per_request: Counter = field(default_factory=Counter)  # chosen nodes -> requests
     depth_per_step: Counter = field(default_factory=Counter)  # drafted depth -> steps
 
@@ -113,6 +116,9 @@ class SpeculationController:
 
     # ------------------------------------------------------------------------------------------ before drafting
     def plan_depth(self, req_ids: list[str]) -> int:
+        """How deep to draft this step; 0 when the batch is expected to verify no node, so the step drafts
+        nothing (its first pass is deferred). One such step in :data:`EXPLORE_EVERY` drafts anyway, so the
+        acceptance of requests that speculate nothing keeps being observed."""
         started = time.perf_counter()
         expected = [self.depth_rates.get(req_id, self.global_depth_rates) for req_id in req_ids]
         level_rows = len(req_ids) * self.level_width
@@ -120,8 +126,12 @@ class SpeculationController:
         def draft_seconds(depth: int) -> float:
             return self.cost.draft_seconds(depth - 1, level_rows)
 
-        depth = choose_depth(expected, self.max_depth, self.max_nodes, self.cost.verify_seconds,
-                             draft_seconds) if req_ids else 1
+        plan = choose_depth(expected, self.max_depth, self.max_nodes, self.cost.verify_seconds,
+                            draft_seconds) if req_ids else DepthPlan(1, 0)
+        depth = plan.depth
+        if req_ids and plan.nodes == 0 and self._explore.random() * EXPLORE_EVERY >= 1:
+            depth = 0
+            self.stats.steps_without_drafting += 1
         self.stats.depth_per_step[depth] += 1
         self.stats.controller_seconds += time.perf_counter() - started
         return depth

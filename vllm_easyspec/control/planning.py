@@ -6,7 +6,7 @@ the batch (one per request plus one per chosen node) and the drafter's level for
 
 * :func:`choose_depth` runs before drafting: how deep to draft (``depth`` ``d`` costs ``d - 1`` level
   forwards; depth 1 comes free with the first pass), from each request's recent acceptance by depth and the
-  nodes the choice after drafting would then verify.
+  nodes the choice after drafting would then verify; when it expects none, the step need not draft at all.
 * :func:`choose_nodes` runs after drafting: given every request's candidate nodes with their chances, it takes
   the most likely nodes of the whole batch, one at a time, and keeps the count with the best rate; a request
   whose drafts keep failing gets none while its neighbours keep theirs.
@@ -87,8 +87,16 @@ def choose_nodes(candidates: Sequence[Candidates], verify_seconds: Callable[[int
     return best_nodes(candidates, best_count)
 
 
+@dataclass(frozen=True)
+class DepthPlan:
+    """How deep to draft, and how many nodes the batch is then expected to verify (0: drafting would not pay)."""
+
+    depth: int
+    nodes: int
+
+
 def choose_depth(expected_by_depth: Sequence[Sequence[float]], max_depth: int, cap: int,
-                 verify_seconds: Callable[[int], float], draft_seconds: Callable[[int], float]) -> int:
+                 verify_seconds: Callable[[int], float], draft_seconds: Callable[[int], float]) -> DepthPlan:
     """The drafting depth in ``1..max_depth`` with the best predicted rate. ``expected_by_depth[i][j]``: request
     ``i``'s chance to accept at least ``j + 1`` tokens when offered that depth; ``cap``: the most nodes a request
     verifies; ``verify_seconds(rows)``: the target's verify; ``draft_seconds(depth)``: drafting that deep.
@@ -97,12 +105,12 @@ def choose_depth(expected_by_depth: Sequence[Sequence[float]], max_depth: int, c
     the chain of its chances: a level whose nodes would not be verified (they cost more rows than they gain, as
     at a large batch) is not drafted, since it adds drafting cost and no expected tokens."""
     batch = len(expected_by_depth)
-    best_depth, best_rate = 1, -1.0
+    best, best_rate = DepthPlan(1, 0), -1.0
     for depth in range(1, max_depth + 1):
         candidates = [Candidates(running_minimum(rates[:depth]), cap) for rates in expected_by_depth]
         counts = choose_nodes(candidates, verify_seconds, draft_seconds(depth))
         gain = sum(sum(c.chances[:count]) for c, count in zip(candidates, counts, strict=True))
         rate = (batch + gain) / (verify_seconds(batch + sum(counts)) + draft_seconds(depth))
         if rate > best_rate * (1 + 1e-9):
-            best_depth, best_rate = depth, rate
-    return best_depth
+            best, best_rate = DepthPlan(depth, sum(counts)), rate
+    return best

@@ -16,8 +16,9 @@ One drafting step is:
 3. with ``sources.prompt_lookup``, the continuation of the context's latest earlier n-gram match is merged
    into each greedy or top-k tree (:mod:`vllm_easyspec.tree.merging`); with ``budget_by_batch``, a dynamic
    tree is drafted at the step's budget (:meth:`~vllm_easyspec.tree.config.TreeConfig.budget_at`,
-   :meth:`~vllm_easyspec.tree.config.TreeConfig.drafted_within`; none: no speculation this step, and no
-   level forward);
+   :meth:`~vllm_easyspec.tree.config.TreeConfig.drafted_within`); a step that drafts nothing (budget 0, or
+   the controller of ``tree.auto`` expects no node to pay) skips even the first pass, which the next step
+   that drafts catches up (:mod:`~vllm_easyspec.integration.deferred_first_pass`);
 4. each request's tree goes to the runner's verifier as a
    :class:`~vllm_easyspec.integration.tree_step.PendingTree` (cut to the budget there) and its nodes,
    parents first, to the scheduler as the request's speculative tokens.
@@ -51,6 +52,7 @@ from vllm_easyspec.control.acceptance import NodeFeatures
 from vllm_easyspec.control.controller import RequestTree
 from vllm_easyspec.control.planning import node_depths
 from vllm_easyspec.integration.compat import plugin_logger
+from vllm_easyspec.integration.deferred_first_pass import DeferredFirstPass
 from vllm_easyspec.integration.options import EasySpecOptions
 from vllm_easyspec.integration.tree_attention import DraftTreeAttention, TreeLevelMetadata
 from vllm_easyspec.integration.tree_step import PendingTree, TreeVerifier
@@ -72,6 +74,7 @@ class TreeDrafting:
         self.proposer = proposer
         self.config = config = options.tree
         self.draft_chain = draft_chain
+        self.deferred = DeferredFirstPass()
         self.retokenizer: TreeRetokenizer | None = None
         self.draft_usable: torch.Tensor | None = None  # retokenize: draft tokens that have text (or map)
         self.unshared_target_tokens: torch.Tensor | None = None  # retokenize: target ids the draft lacks
@@ -133,18 +136,39 @@ class TreeDrafting:
     def propose(self, **arguments) -> torch.Tensor:
         """vLLM's ``propose`` arguments in, ``[B, N]`` node tokens out (module docstring)."""
         proposer = self.proposer
-        batch_size = arguments["common_attn_metadata"].batch_size()
+        cad = arguments["common_attn_metadata"]
+        batch_size = cad.batch_size()
         if proposer.pass_hidden_states_to_model:  # an EAGLE head reads the target's states of the accepted branch
             arguments["target_hidden_states"] = self.verifier.branch_hidden_states(arguments["target_hidden_states"])
         budget = self.config.budget_at(batch_size)
+        req_ids = self._request_ids(batch_size)
+        depth = None
+        controller = self.verifier.controller
+        if not budget.chain and budget.nodes and controller is not None:  # easyspec.tree.auto: as deep as pays
+            depth = controller.plan_depth(req_ids)
+        if not budget.chain and (budget.nodes == 0 or depth == 0):  # nothing to draft: the first pass waits
+            self.deferred.keep(arguments, req_ids, set(self.verifier.requests))
+            return self._hand_over(None, batch_size, arguments["next_token_ids"], 0)
+        arguments = self.deferred.catch_up(arguments, req_ids, set(self.verifier.requests), self._first_pass_room(cad))
         if budget.chain:
             chains = self.draft_chain(**(arguments | {"num_speculative_tokens": budget.nodes}))
             return self._hand_over_chains(chains, batch_size)
-        return self._propose_trees(budget.nodes, **arguments)
+        return self._propose_trees(budget.nodes, depth, **arguments)
 
-    def _propose_trees(self, node_limit: int, *, target_token_ids, target_positions, target_hidden_states,
-                       next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
-                       mm_embed_inputs=None, num_rejected_tokens_gpu=None, **_unused) -> torch.Tensor:
+    def _first_pass_room(self, cad) -> int:
+        """Rows the first pass's buffers hold beyond this step's own (and the slots a draft model adds)."""
+        proposer = self.proposer
+        buffers = [proposer.input_ids, proposer.positions, getattr(proposer, "hidden_states", None),
+                   getattr(proposer, "_slot_mapping_buffer", None)]
+        size = min(buffer.shape[-1 if buffer.ndim == 1 else 0] for buffer in buffers if buffer is not None)
+        extra = getattr(proposer, "net_num_new_slots_per_request", 0) if proposer.needs_extra_input_slots else 0
+        return size - cad.num_actual_tokens - extra * cad.batch_size()
+
+    def _propose_trees(self, node_limit: int, depth: int | None, *, target_token_ids, target_positions,
+                       target_hidden_states, next_token_ids, token_indices_to_sample, common_attn_metadata,
+                       sampling_metadata, mm_embed_inputs=None, num_rejected_tokens_gpu=None,
+                       **_unused) -> torch.Tensor:
+        """One tree drafting step at ``node_limit`` nodes, at most ``depth`` deep (None: the tree's depth)."""
         proposer = self.proposer
         proposer._last_draft_probs = None
         batch_size = common_attn_metadata.batch_size()
@@ -155,13 +179,11 @@ class TreeDrafting:
             target_token_ids, target_positions, target_hidden_states, next_token_ids,
             token_indices_to_sample, common_attn_metadata, mm_embed_inputs, num_rejected_tokens_gpu,
         )
-        if node_limit == 0:  # budget_by_batch: no speculation at this batch size (the first pass kept the KV)
-            return self._hand_over(None, batch_size, next_token_ids, node_limit)
         greedy, temperatures = _greedy_rows(sampling_metadata, batch_size)
         drafted = self.config.drafted_within(node_limit)
         controller = self.verifier.controller
-        if controller is not None:  # easyspec.tree.auto: as deep as pays at this batch
-            drafted = drafted.within_depth(controller.plan_depth(self._request_ids(batch_size)))
+        if depth is not None:
+            drafted = drafted.within_depth(depth)
         draft = LevelwiseTreeDraft(drafted, self._logits(root_hidden), greedy, temperatures,
                                    sampling_metadata.generators)
         state = DraftTreeAttention(
