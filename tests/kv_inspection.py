@@ -120,6 +120,26 @@ def generate_and_read_draft_kv(llm: Any, requests: dict[str, tuple[list[int], in
 DEFERRAL_REQUESTS = {"long": ([1] + [3 + (j * 11) % 60 for j in range(20)], 30), "short": ([1, 7, 8], 10)}
 
 
+def deferral_expected(vanilla: Any) -> dict[str, list[int]]:
+    """Each of :data:`DEFERRAL_REQUESTS`' greedy outputs on ``vanilla`` (an engine without speculation)."""
+    from request_batches import generate
+
+    outputs = generate(vanilla, [(prompt, {"max_tokens": n, "ignore_eos": True})
+                                 for prompt, n in DEFERRAL_REQUESTS.values()])
+    return {name: tokens for name, (tokens, _, _) in zip(DEFERRAL_REQUESTS, outputs, strict=True)}
+
+
+def deferral_run(llm: Any, expected: dict[str, list[int]], tag: str) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
+    """:data:`DEFERRAL_REQUESTS` on ``llm`` (outputs checked against ``expected``, name -> tokens): the long
+    request's draft KV and the number of drafting steps that gave no request any node."""
+    from vllm_easyspec.instruments.worker_extension import read_tree_stats
+
+    before = llm.collective_rpc(read_tree_stats)[0]["steps_without_speculation"]
+    outputs, kv = generate_and_read_draft_kv(llm, DEFERRAL_REQUESTS, tag, "long")
+    assert outputs == expected, tag
+    return kv, llm.collective_rpc(read_tree_stats)[0]["steps_without_speculation"] - before
+
+
 def assert_same_kv(actual: dict[str, dict[str, torch.Tensor]], expected: dict[str, dict[str, torch.Tensor]]) -> None:
     """Every layer's K and V equal (float32 tolerance)."""
     assert actual.keys() == expected.keys() and expected

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 from distribution import ALPHA, install_biased_tree_sampler, restore_tree_sampler, run_distribution_test
-from kv_inspection import DEFERRAL_REQUESTS, assert_same_kv, generate_and_read_draft_kv
+from kv_inspection import assert_same_kv, deferral_expected, deferral_run
 from reference_checkpoint import build_reference_checkpoint
 from request_batches import MIXED, SINGLE, generate
 
@@ -99,18 +99,12 @@ def test_eagle_trees_accept_nodes_off_the_top_path(llm_pool, tiny_llama_dir, tra
 def test_deferred_first_passes_catch_up_the_eagle_heads_kv(llm_pool, tiny_llama_dir, trained_tiny_heads):
     """As tests/tree's deferral test, with an EAGLE-3 head, whose catch-up also feeds the target's hidden states
     of the skipped rows: the head's KV of the long request equals that of an engine that never skipped."""
-    expected = dict(zip(DEFERRAL_REQUESTS, generate(llm_pool.get(tiny_llama_dir), [
-        (prompt, {"max_tokens": n, "ignore_eos": True}) for prompt, n in DEFERRAL_REQUESTS.values()]), strict=True))
+    def engine(tree: dict):
+        return _eagle_tree_engine(llm_pool, tiny_llama_dir, "eagle3", trained_tiny_heads("eagle3"), tree)
 
-    def run(tree: dict, tag: str):
-        llm = _eagle_tree_engine(llm_pool, tiny_llama_dir, "eagle3", trained_tiny_heads("eagle3"), tree)
-        before = llm.collective_rpc(read_tree_stats)[0]["steps_without_speculation"]
-        outputs, kv = generate_and_read_draft_kv(llm, DEFERRAL_REQUESTS, tag, "long")
-        assert outputs == {name: expected[name][0] for name in DEFERRAL_REQUESTS}, tag
-        return kv, llm.collective_rpc(read_tree_stats)[0]["steps_without_speculation"] - before
-
-    reference, reference_skips = run(STATIC, "always")
-    deferred, skips = run(STATIC | {"budget_by_batch": {"2": 0}}, "deferred")
+    expected = deferral_expected(llm_pool.get(tiny_llama_dir))
+    reference, reference_skips = deferral_run(engine(STATIC), expected, "always")
+    deferred, skips = deferral_run(engine(STATIC | {"budget_by_batch": {"2": 0}}), expected, "deferred")
     assert reference_skips == 0 and skips >= 5
     assert_same_kv(deferred, reference)
 

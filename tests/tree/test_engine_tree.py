@@ -18,9 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 from kv_inspection import (
-    DEFERRAL_REQUESTS,
     assert_same_kv,
-    generate_and_read_draft_kv,
+    deferral_expected,
+    deferral_run,
     read_target_kv,
     start_recording_block_tables,
 )
@@ -146,19 +146,13 @@ def test_deferred_first_passes_catch_up_the_draft_kv(llm_pool, tree_llama_dir, t
     one, no step drafts and the drafter's first passes wait; once the long one runs alone, its next first pass
     catches them up. Its draft KV at every position then equals that of an engine that never skipped (stale or
     misplaced K/V would differ), and both outputs equal vanilla's."""
-    expected = dict(zip(DEFERRAL_REQUESTS, generate(llm_pool.get(tree_llama_dir), [
-        (prompt, {"max_tokens": n, "ignore_eos": True}) for prompt, n in DEFERRAL_REQUESTS.values()]), strict=True))
+    def engine(tree: dict):
+        return llm_pool.get(tree_llama_dir, speculative_config=_spec(tiny_llama_draft_dir),
+                            additional_config={"easyspec": {"tree": tree}})
 
-    def run(tree: dict, tag: str):
-        llm = llm_pool.get(tree_llama_dir, speculative_config=_spec(tiny_llama_draft_dir),
-                           additional_config={"easyspec": {"tree": tree}})
-        before = llm.collective_rpc(read_tree_stats)[0]["steps_without_speculation"]
-        outputs, kv = generate_and_read_draft_kv(llm, DEFERRAL_REQUESTS, tag, "long")
-        assert outputs == {name: expected[name][0] for name in DEFERRAL_REQUESTS}, tag
-        return kv, llm.collective_rpc(read_tree_stats)[0]["steps_without_speculation"] - before
-
-    reference, reference_skips = run(STATIC, "always")
-    deferred, skips = run(STATIC | {"budget_by_batch": {"2": 0}}, "deferred")
+    expected = deferral_expected(llm_pool.get(tree_llama_dir))
+    reference, reference_skips = deferral_run(engine(STATIC), expected, "always")
+    deferred, skips = deferral_run(engine(STATIC | {"budget_by_batch": {"2": 0}}), expected, "deferred")
     assert reference_skips == 0 and skips >= 5  # the two requests ran side by side, drafting nothing
     assert_same_kv(deferred, reference)
 
