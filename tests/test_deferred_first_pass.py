@@ -2,6 +2,7 @@
 and the first-pass inputs a later step gets with them in front, on the layouts vLLM's ``propose`` receives."""
 
 import torch
+from fake_device import on_host, second_device
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from vllm_easyspec.integration.deferred_first_pass import MAX_KEPT_ROWS, DeferredFirstPass
@@ -9,9 +10,11 @@ from vllm_easyspec.integration.deferred_first_pass import MAX_KEPT_ROWS, Deferre
 HIDDEN = 3
 
 
-def _arguments(rows: list[list[int]], rejected: list[int] | None = None, sample: bool = False) -> dict:
+def _arguments(rows: list[list[int]], rejected: list[int] | None = None, sample: bool = False,
+               device: torch.device | None = None) -> dict:
     """vLLM's ``propose`` arguments for requests whose rows sit at the given positions (token = 100 * request +
-    position, slot = 1000 + position, hidden state = position)."""
+    position, slot = 1000 + position, hidden state = position); what the runner keeps on its device is on
+    ``device`` (default: the host)."""
     lengths = [len(r) for r in rows]
     starts = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
     positions = torch.tensor([p for r in rows for p in r], dtype=torch.int64)
@@ -35,6 +38,14 @@ def _arguments(rows: list[list[int]], rejected: list[int] | None = None, sample:
     if sample:  # the last verified row of each request
         ends = starts[1:] - 1 - (torch.tensor(rejected) if rejected else 0)
         arguments["token_indices_to_sample"] = ends.to(torch.int32)
+    if device is not None:
+        for name in ("target_token_ids", "target_positions", "target_hidden_states", "next_token_ids",
+                     "token_indices_to_sample", "num_rejected_tokens_gpu"):
+            if arguments[name] is not None:
+                arguments[name] = arguments[name].to(device)
+        arguments["common_attn_metadata"] = cad.replace(
+            query_start_loc=cad.query_start_loc.to(device), seq_lens=cad.seq_lens.to(device),
+            block_table_tensor=cad.block_table_tensor.to(device), slot_mapping=cad.slot_mapping.to(device))
     return arguments
 
 
@@ -79,3 +90,23 @@ def test_the_newest_rows_are_kept_when_the_buffers_are_short():
     many = DeferredFirstPass()
     many.keep(_arguments([list(range(MAX_KEPT_ROWS + 7))]), ["a"], {"a"})
     assert many.rows["a"].start == 7 and many.rows["a"].count == MAX_KEPT_ROWS
+
+
+def test_keep_and_catch_up_stay_on_the_runners_device():
+    """The same steps with the runner's tensors on a second device (tests/fake_device.py): no host/device mix,
+    and the same inputs as on the host."""
+
+    def steps(device):
+        deferred, live = DeferredFirstPass(), {"a", "b"}
+        deferred.keep(_arguments([[10, 11, 12], [5]], rejected=[1, 0], device=device), ["a", "b"], live)
+        deferred.keep(_arguments([[12], [6]], device=device), ["a", "b"], live)
+        out = deferred.catch_up(_arguments([[13, 14], [7]], rejected=[0, 0], sample=True, device=device),
+                                ["a", "b"], live, 100)
+        cad = out["common_attn_metadata"]
+        return [on_host(t).tolist() for t in (out["target_token_ids"], out["target_positions"],
+                                              out["target_hidden_states"], out["token_indices_to_sample"],
+                                              cad.slot_mapping, cad.query_start_loc)]
+
+    expected = steps(None)
+    with second_device() as device:
+        assert steps(device) == expected
