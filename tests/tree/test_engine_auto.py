@@ -7,6 +7,7 @@ engine-level chi-square test passes at T > 0, and still rejects a biased verifie
 from __future__ import annotations
 
 import pytest
+from controller_costs import steps_cost_nothing
 from distribution import ALPHA, install_biased_tree_sampler, restore_tree_sampler, run_distribution_test
 from request_batches import MIXED, SINGLE, generate
 
@@ -22,18 +23,6 @@ TREES = {
 def _auto_engine(llm_pool, target, draft, shape: str, auto: dict | bool = True, **options):
     return llm_pool.get(target, speculative_config={"method": "draft_model", "model": str(draft)},
                         additional_config={"easyspec": {"tree": TREES[shape] | {"auto": auto}} | options})
-
-
-def rows_cost_nothing(worker) -> bool:
-    """Worker-side: the controller's verify cost becomes flat and stays so (a tiny model's timings are noise, and
-    this test needs trees verified to see the bias); everything else about the controller runs as usual."""
-    from vllm_easyspec.control.cost import CostCurve
-
-    controller = worker.model_runner.tree_verifier.controller
-    controller.cost.verify = CostCurve.from_measurements([1], [0.01])
-    controller.cost.verify_scale, controller.cost.extra_per_row = 1.0, 0.0
-    controller.observe_verify = lambda rows, seconds: None
-    return True
 
 
 @pytest.mark.parametrize(("shape", "n"), [("static-lookup", 1), ("dynamic", 2)])
@@ -63,7 +52,7 @@ def test_auto_trees_equal_vanilla(llm_pool, tree_llama_dir, tiny_llama_draft_dir
 @pytest.mark.parametrize("shape", [pytest.param("dynamic", marks=pytest.mark.slow), "iid"])
 def test_distribution_with_auto_trees_matches_target(llm_pool, tree_llama_dir, tiny_llama_draft_dir, shape):
     llm = _auto_engine(llm_pool, tree_llama_dir, tiny_llama_draft_dir, shape)
-    llm.collective_rpc(rows_cost_nothing)
+    llm.collective_rpc(steps_cost_nothing)
     before = llm.collective_rpc(read_tree_stats)[0]
     result = run_distribution_test(llm, tree_llama_dir, temperature=1.0)
     tree_requests = llm.collective_rpc(read_tree_stats)[0]["tree_requests"] - before["tree_requests"]
@@ -73,7 +62,7 @@ def test_distribution_with_auto_trees_matches_target(llm_pool, tree_llama_dir, t
 
 def test_distribution_test_rejects_a_biased_verifier_under_auto(llm_pool, tree_llama_dir, tiny_llama_draft_dir):
     llm = _auto_engine(llm_pool, tree_llama_dir, tiny_llama_draft_dir, "iid", auto={"max_nodes": 6})
-    llm.collective_rpc(rows_cost_nothing)
+    llm.collective_rpc(steps_cost_nothing)
     llm.collective_rpc(install_biased_tree_sampler)
     try:
         result = run_distribution_test(llm, tree_llama_dir, temperature=1.0)
