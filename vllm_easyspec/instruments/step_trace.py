@@ -18,6 +18,8 @@ import sys
 
 import torch
 
+from vllm_easyspec.control.planning import node_depths
+
 TRACE_VARIABLE = "VLLM_EASYSPEC_STEP_TRACE"
 
 
@@ -58,13 +60,6 @@ def trace_tree_step(path: str, step, metadata, logits: torch.Tensor, input_ids: 
         f.write(json.dumps({"requests": requests}) + "\n")
 
 
-def _depths(parents: list[int]) -> list[int]:
-    depths: list[int] = []
-    for parent in parents:
-        depths.append(1 if parent < 0 else depths[parent] + 1)
-    return depths
-
-
 def greedy_outcome(tokens: list[int], parents: list[int], argmax: list[int]) -> tuple[list[int], list[int]]:
     """The greedy verdict of one tree from the target's argmax rows (root first): the accepted nodes (deepest
     fully matching path; among equally deep ones the first) and the output row (their tokens, then the bonus)."""
@@ -72,7 +67,7 @@ def greedy_outcome(tokens: list[int], parents: list[int], argmax: list[int]) -> 
     for token, parent in zip(tokens, parents, strict=True):
         parent_ok = parent < 0 or matches[parent]
         matches.append(parent_ok and argmax[parent + 1] == token)
-    depths = _depths(parents)
+    depths = node_depths(parents)
     best = max((node for node in range(len(tokens)) if matches[node]), key=lambda n: (depths[n], -n), default=-1)
     path: list[int] = []
     node = best
@@ -89,7 +84,7 @@ def trace_violations(request: dict) -> list[str]:
     traced argmax rows, the branch moved to ``P + 1 .. P + a``."""
     tokens, parents, prefix = request["tokens"], request["parents"], request["prefix_len"]
     problems = []
-    positions = [prefix] + [prefix + depth for depth in _depths(parents)]
+    positions = [prefix] + [prefix + depth for depth in node_depths(parents)]
     if request["positions"] != positions:
         problems.append(f"positions {request['positions']} != P + depth {positions}")
     if request["input_ids"][1:] != tokens:
