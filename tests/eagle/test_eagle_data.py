@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
 import torch
 
 from vllm_easyspec.eagle import data as eagle_data
@@ -88,3 +89,44 @@ def test_features_of_a_grown_set_reuse_the_earlier_cache(tmp_path, monkeypatch, 
     fresh = eagle_features.extract(str(tiny_llama_dir), new + old, tmp_path / "fresh", **kw)
     for i in range(7):
         torch.testing.assert_close(fresh.get(i)["final"], grown.get(i)["final"], atol=1e-4, rtol=1e-4)
+
+
+def test_an_interrupted_extraction_resumes_at_its_next_shard(tmp_path, monkeypatch, tiny_llama_dir):
+    seqs = _seqs(9, 5)
+    monkeypatch.setattr(eagle_features, "SHARD_TOKENS", 40)  # about 3 sequences a shard
+    shards = eagle_features.shard_ranges(seqs, 40)
+    assert len(shards) >= 3 and shards[0][0] == 0 and shards[-1][1] == 9
+    assert all(a < b for a, b in shards) and all(b == a2 for (_, b), (a2, _) in zip(shards, shards[1:]))
+    computed: list[int] = []
+    real = eagle_features._extract_into
+
+    class Interrupted(Exception):
+        pass
+
+    def failing_on_second_shard(target, shard_seqs, todo, *a, **k):
+        if computed:
+            raise Interrupted
+        computed.extend(len(shard_seqs[j]["tokens"]) for j in todo)
+        return real(target, shard_seqs, todo, *a, **k)
+
+    kw = {"aux_layer_ids": [1, 2], "dtype": "float32", "store_dtype": torch.float32, "log": lambda *a: None}
+    monkeypatch.setattr(eagle_features, "_extract_into", failing_on_second_shard)
+    with pytest.raises(Interrupted):
+        eagle_features.extract(str(tiny_llama_dir), seqs, tmp_path, **kw)
+    assert not list(tmp_path.glob("features-*/meta.json"))  # an interrupted cache is never taken as complete
+    first = len(computed)
+
+    def counting(target, shard_seqs, todo, *a, **k):
+        computed.extend(len(shard_seqs[j]["tokens"]) for j in todo)
+        return real(target, shard_seqs, todo, *a, **k)
+
+    monkeypatch.setattr(eagle_features, "_extract_into", counting)
+    resumed = eagle_features.extract(str(tiny_llama_dir), seqs, tmp_path, **kw)
+    a, b = shards[0]
+    assert first == b - a and len(computed) == len(seqs)  # the first shard was not extracted again
+    assert len(list(resumed.path.glob("shard-*.pt"))) == len(shards)
+    fresh = eagle_features.extract(str(tiny_llama_dir), seqs, tmp_path / "fresh", **kw)
+    for i in range(len(seqs)):
+        assert resumed.get(i)["tokens"].tolist() == seqs[i]["tokens"] and resumed.sequence_length(i) == len(seqs[i]["tokens"])
+        for name in ("final", "aux", "top1"):
+            torch.testing.assert_close(resumed.get(i)[name], fresh.get(i)[name], atol=1e-4, rtol=1e-4)

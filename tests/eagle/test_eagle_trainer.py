@@ -73,6 +73,10 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_qwen2_dir, tiny_text_dir):
     stages = res["manifest"]["stages"]
     assert [(s["from_step"], s["to_step"]) for s in stages] == [(0, 2), (2, 6)]
     assert "--stop-after 2" in stages[0]["command"] and "--resume" in stages[1]["command"]
+    # the tokens trained on carry across the resume: the same count as the uninterrupted run's
+    full = json.loads((tmp_path / "full" / "eagle_manifest.json").read_text())["history"]
+    assert [h["tokens_seen"] for h in res["manifest"]["history"]] == [h["tokens_seen"] for h in full]
+    assert 0 < full[-1]["loss_tokens_seen"] <= full[-1]["tokens_seen"] == 6 * 4 * 64  # 6 steps of 4 windows
 
 
 def test_eagle_learns_on_tiny_target(tmp_path, tiny_llama_dir, tiny_text_dir):

@@ -10,7 +10,9 @@ Per sequence the cache holds (bf16 unless asked otherwise):
 
 The cache directory is keyed by the target, the sequences and the layer ids, so
 re-running the trainer reuses it; a new sequence set takes the features of any
-sequence an earlier cache of the same target already holds.
+sequence an earlier cache of the same target already holds. It is written in
+shards of about ``SHARD_TOKENS`` tokens, so extraction resumes after an
+interruption and its memory stays bounded by one shard.
 """
 
 from __future__ import annotations
@@ -75,34 +77,56 @@ def load_target_tensor(target: str, suffix: str) -> torch.Tensor | None:
     return None
 
 
+SHARD_TOKENS = 65536  # tokens per shard: about 0.5 GB of bf16 EAGLE-3 features for a 0.5B target
+
+
 class FeatureStore:
-    """Features of many sequences, held in RAM (bf16) after one extraction."""
+    """Features of many sequences, read through mmap from the cache's shards (``shard-*.pt``, or one
+    ``features.pt`` in caches written before shards): a batch reads its own rows, nothing more stays in RAM."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        data = torch.load(self.path / "features.pt", mmap=True, weights_only=True)
         self.meta = json.loads((self.path / "meta.json").read_text())
-        self.offsets = data["offsets"].tolist()
-        self.tokens = data["tokens"]
-        self.loss_start = data["loss_start"].tolist()
-        self.final = data["final"]
-        self.aux = data.get("aux")
-        self.top1 = data["top1"]
+        files = sorted(self.path.glob("shard-*.pt")) or [self.path / "features.pt"]
+        self._shards = [torch.load(f, mmap=True, weights_only=True) for f in files]
+        self.offsets = [0]
+        self.loss_start: list[int] = []
+        self._where: list[tuple[int, int]] = []  # sequence -> (shard, its index there)
+        for k, shard in enumerate(self._shards):
+            local = shard["offsets"].tolist()
+            for i in range(len(local) - 1):
+                self._where.append((k, i))
+                self.offsets.append(self.offsets[-1] + local[i + 1] - local[i])
+            self.loss_start += shard["loss_start"].tolist()
+        first = self._shards[0]
+        self.feature_dtype = first["final"].dtype
+        self.has_aux = first.get("aux") is not None
 
     def __len__(self) -> int:
         return len(self.loss_start)
 
+    def sequence_length(self, i: int) -> int:
+        return self.offsets[i + 1] - self.offsets[i]
+
+    def tokens_of(self, i: int) -> list[int]:
+        shard, local = self._where[i]
+        data = self._shards[shard]
+        a, b = data["offsets"][local].item(), data["offsets"][local + 1].item()
+        return data["tokens"][a:b].tolist()
+
     def get(self, i: int) -> dict:
-        a, b = self.offsets[i], self.offsets[i + 1]
-        out = {"tokens": self.tokens[a:b].long(), "final": self.final[a:b],
-               "top1": self.top1[a:b].long(), "loss_start": self.loss_start[i]}
-        if self.aux is not None:
-            out["aux"] = self.aux[a:b]
+        shard, local = self._where[i]
+        data = self._shards[shard]
+        a, b = data["offsets"][local].item(), data["offsets"][local + 1].item()
+        out = {"tokens": data["tokens"][a:b].long(), "final": data["final"][a:b],
+               "top1": data["top1"][a:b].long(), "loss_start": self.loss_start[i]}
+        if self.has_aux:
+            out["aux"] = data["aux"][a:b]
         return out
 
     @property
     def hidden_size(self) -> int:
-        return int(self.final.shape[-1])
+        return int(self._shards[0]["final"].shape[-1])
 
 
 def _reusable_sequences(target: str, cache_root: Path, aux_layer_ids: list[int], dtype: str,
@@ -119,10 +143,9 @@ def _reusable_sequences(target: str, cache_root: Path, aux_layer_ids: list[int],
             fs = FeatureStore(path)
         except (OSError, RuntimeError, KeyError, json.JSONDecodeError):
             continue
-        if fs.final.dtype != store_dtype or (fs.aux is None) != (not aux_layer_ids):
+        if fs.feature_dtype != store_dtype or fs.has_aux != bool(aux_layer_ids):
             continue
-        own = [{"tokens": fs.tokens[fs.offsets[i]:fs.offsets[i + 1]].tolist(), "loss_start": fs.loss_start[i]}
-               for i in range(len(fs))]
+        own = [{"tokens": fs.tokens_of(i), "loss_start": fs.loss_start[i]} for i in range(len(fs))]
         if f"features-{cache_key(target, own, aux_layer_ids, dtype)}" != path.name:
             continue
         for i, s in enumerate(own):
@@ -130,10 +153,29 @@ def _reusable_sequences(target: str, cache_root: Path, aux_layer_ids: list[int],
     return found
 
 
+def shard_ranges(seqs: list[dict], shard_tokens: int) -> list[tuple[int, int]]:
+    """Consecutive ``[a, b)`` ranges of ``seqs``, each of at most ``shard_tokens`` tokens (or one sequence)."""
+    ranges, start, tokens = [], 0, 0
+    for j, s in enumerate(seqs):
+        n = len(s["tokens"])
+        if j > start and tokens + n > shard_tokens:
+            ranges.append((start, j))
+            start, tokens = j, 0
+        tokens += n
+    if start < len(seqs):
+        ranges.append((start, len(seqs)))
+    return ranges
+
+
 @torch.no_grad()
 def extract(target: str, seqs: list[dict], cache_root: Path, aux_layer_ids: list[int],
             dtype: str = "bfloat16", store_dtype: torch.dtype = torch.bfloat16,
             batch_tokens: int = 4096, log=print) -> FeatureStore:
+    """The features of ``seqs``, from their cache when it is complete; else extracted shard by shard into
+    ``features-KEY.partial`` (a finished shard is never redone: an interrupted run resumes at the next one),
+    taking the features of sequences that earlier caches of the target hold, then moved to ``features-KEY``."""
+    from tqdm.auto import tqdm
+
     key = cache_key(target, seqs, aux_layer_ids, dtype)
     path = Path(cache_root) / f"features-{key}"
     if (path / "meta.json").exists():
@@ -144,26 +186,58 @@ def extract(target: str, seqs: list[dict], cache_root: Path, aux_layer_ids: list
             raise HiddenSizeMismatchError(
                 f"feature cache {path} has hidden size {fs.hidden_size}, target has {want}")
         return fs
-    finals: list = [None] * len(seqs)
-    auxs: list = [None] * len(seqs)
-    top1s: list = [None] * len(seqs)
+    partial = Path(str(path) + ".partial")
+    partial.mkdir(parents=True, exist_ok=True)
+    ranges = shard_ranges(seqs, SHARD_TOKENS)
+    shard_files = [partial / f"shard-{k:05d}.pt" for k in range(len(ranges))]
+    done = sum(f.exists() for f in shard_files)
+    if done:
+        log(f"[eagle] features: resuming, {done} of {len(ranges)} shards already extracted in {partial}")
     known = _reusable_sequences(target, cache_root, aux_layer_ids, dtype, store_dtype)
-    for j, s in enumerate(seqs):
-        hit = known.get(tuple(s["tokens"]))
-        if hit is not None:
-            fs, i = hit
-            got = fs.get(i)
-            finals[j] = got["final"].clone()
-            top1s[j] = got["top1"].to(torch.int32)
-            if aux_layer_ids:
-                auxs[j] = got["aux"].clone()
-    todo = [j for j in range(len(seqs)) if finals[j] is None]
-    n_reused = len(seqs) - len(todo)
+    model_cache: dict = {}
+    n_reused = 0
+    bar = tqdm(total=sum(len(s["tokens"]) for s in seqs), desc="features", unit="tok", mininterval=5)
+    for (a, b), shard_file in zip(ranges, shard_files, strict=True):
+        shard_seqs = seqs[a:b]
+        if shard_file.exists():
+            bar.update(sum(len(s["tokens"]) for s in shard_seqs))
+            continue
+        finals: list = [None] * len(shard_seqs)
+        auxs: list = [None] * len(shard_seqs)
+        top1s: list = [None] * len(shard_seqs)
+        for j, s in enumerate(shard_seqs):
+            hit = known.get(tuple(s["tokens"]))
+            if hit is not None:
+                fs, i = hit
+                got = fs.get(i)
+                finals[j] = got["final"].clone()
+                top1s[j] = got["top1"].to(torch.int32)
+                if aux_layer_ids:
+                    auxs[j] = got["aux"].clone()
+                bar.update(len(s["tokens"]))
+        todo = [j for j in range(len(shard_seqs)) if finals[j] is None]
+        n_reused += len(shard_seqs) - len(todo)
+        if todo:
+            _extract_into(target, shard_seqs, todo, aux_layer_ids, dtype, store_dtype, batch_tokens, finals,
+                          auxs, top1s, model_cache, bar)
+        _save_shard(shard_file, shard_seqs, finals, auxs, top1s, aux_layer_ids)
+    bar.close()
     if n_reused:
         log(f"[eagle] features: {n_reused} of {len(seqs)} sequences reused from earlier caches")
-    del known
-    if todo:
-        _extract_into(target, seqs, todo, aux_layer_ids, dtype, store_dtype, batch_tokens, finals, auxs, top1s)
+    (partial / "meta.json").write_text(json.dumps({
+        "target": os.path.realpath(target), "aux_layer_ids": aux_layer_ids, "dtype": dtype,
+        "n_sequences": len(seqs), "n_tokens": sum(len(s["tokens"]) for s in seqs), "n_shards": len(ranges),
+        "sources": sorted({s["source"].split(":")[0] for s in seqs}), "n_reused": n_reused,
+    }))
+    if path.exists():
+        import shutil
+        shutil.rmtree(path)
+    os.replace(partial, path)
+    return FeatureStore(path)
+
+
+def _save_shard(shard_file: Path, seqs: list[dict], finals: list, auxs: list, top1s: list,
+                aux_layer_ids: list[int]) -> None:
     offsets = [0]
     for s in seqs:
         offsets.append(offsets[-1] + len(s["tokens"]))
@@ -176,29 +250,22 @@ def extract(target: str, seqs: list[dict], cache_root: Path, aux_layer_ids: list
     }
     if aux_layer_ids:
         data["aux"] = torch.cat(auxs)
-    tmp = Path(str(path) + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    torch.save(data, tmp / "features.pt")
-    (tmp / "meta.json").write_text(json.dumps({
-        "target": os.path.realpath(target), "aux_layer_ids": aux_layer_ids, "dtype": dtype,
-        "n_sequences": len(seqs), "n_tokens": offsets[-1],
-        "sources": sorted({s["source"].split(":")[0] for s in seqs}), "n_reused": n_reused,
-    }))
-    if path.exists():
-        import shutil
-        shutil.rmtree(path)
-    os.replace(tmp, path)
-    return FeatureStore(path)
+    tmp = Path(str(shard_file) + ".tmp")
+    torch.save(data, tmp)
+    os.replace(tmp, shard_file)
 
 
 def _extract_into(target: str, seqs: list[dict], todo: list[int], aux_layer_ids: list[int], dtype: str,
-                  store_dtype: torch.dtype, batch_tokens: int, finals: list, auxs: list, top1s: list) -> None:
-    """Run the target over ``seqs[todo]`` (longest first, padded batches) and fill the lists."""
-    from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM
+                  store_dtype: torch.dtype, batch_tokens: int, finals: list, auxs: list, top1s: list,
+                  model_cache: dict, bar) -> None:
+    """Run the target (loaded into ``model_cache`` on first use) over ``seqs[todo]`` (longest first, padded
+    batches) and fill the lists."""
+    if "model" not in model_cache:
+        from transformers import AutoModelForCausalLM
 
-    tdt = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=tdt).eval()
+        tdt = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+        model_cache["model"] = AutoModelForCausalLM.from_pretrained(target, dtype=tdt).eval()
+    model = model_cache["model"]
     inner = model.model
     lm_head = model.get_output_embeddings()
     n_layers = model.config.num_hidden_layers
@@ -206,7 +273,6 @@ def _extract_into(target: str, seqs: list[dict], todo: list[int], aux_layer_ids:
         if not 0 <= a <= n_layers:
             raise ValueError(f"aux layer id {a} out of range for {n_layers} layers")
     order = sorted(todo, key=lambda i: -len(seqs[i]["tokens"]))
-    bar = tqdm(total=sum(len(seqs[j]["tokens"]) for j in todo), desc="features", unit="tok", mininterval=5)
     i = 0
     while i < len(order):
         L = len(seqs[order[i]]["tokens"])
@@ -230,4 +296,3 @@ def _extract_into(target: str, seqs: list[dict], todo: list[int], aux_layer_ids:
             if aux_layer_ids:
                 auxs[j] = torch.cat([out.hidden_states[a][r, :n] for a in aux_layer_ids], -1).to(store_dtype).clone()
             bar.update(n)
-    bar.close()

@@ -450,6 +450,7 @@ def train(args: argparse.Namespace) -> dict:
     steps_per_epoch = math.ceil(len(tr_idx) / args.batch_size)
     total = args.max_steps or max(1, int(round(args.epochs * steps_per_epoch)))
     step = 0
+    seen = {"tokens": 0, "loss_tokens": 0}  # sequence tokens and loss positions the steps so far trained on
     history: list = []
     stages: list = []  # every command that trained this head, with the steps it ran
     train_s_prev = 0.0
@@ -463,6 +464,7 @@ def train(args: argparse.Namespace) -> dict:
         head.load_state_dict(st["head"])
         opt.load_state_dict(st["opt"])
         step, history, train_s_prev = st["step"], st["history"], st.get("train_seconds", 0.0)
+        seen = st.get("seen", seen)
         stages = st.get("stages", [])
         log(f"[eagle] resumed at step {step}/{total}")
 
@@ -471,7 +473,7 @@ def train(args: argparse.Namespace) -> dict:
     def save_state():
         stages[-1]["to_step"] = step
         torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "history": history,
-                    "stages": stages,
+                    "stages": stages, "seen": seen,
                     "head_config": hcfg.to_dict(), "train_seconds": train_s_prev + (time.time() - t_train)},
                    out / (STATE + ".tmp"))
         os.replace(out / (STATE + ".tmp"), out / STATE)
@@ -488,6 +490,8 @@ def train(args: argparse.Namespace) -> dict:
         perm = torch.randperm(len(tr_idx), generator=torch.Generator().manual_seed(args.seed + 7919 * epoch))
         bidx = [tr_idx[int(j)] for j in perm[within * args.batch_size:(within + 1) * args.batch_size]]
         batch = make_batch(store, bidx, hcfg.format)
+        seen["tokens"] += sum(store.sequence_length(i) for i in bidx)
+        seen["loss_tokens"] += int(batch["valid"].sum())
         for gp in opt.param_groups:
             gp["lr"] = lr_at(step, total, args.lr)
         loss, logs = trainer.loss(batch, step)
@@ -503,7 +507,8 @@ def train(args: argparse.Namespace) -> dict:
         bar.update(1)
         if step % args.eval_every == 0 or step == total:
             last_eval = trainer.evaluate(store, va_idx, args.eval_steps)
-            history.append({"step": step, "loss": float(loss.detach()), **logs, "heldout": last_eval})
+            history.append({"step": step, "tokens_seen": seen["tokens"], "loss_tokens_seen": seen["loss_tokens"],
+                            "loss": float(loss.detach()), **logs, "heldout": last_eval})
             log(f"\n[eagle] step {step}: loss {float(loss.detach()):.4f} held-out agreement@1..{args.eval_steps} "
                 f"{last_eval['agreement']} accept_len(k={args.eval_steps}) {last_eval['accept_length_k']}")
         if step % args.save_every == 0 or step == total:
