@@ -38,7 +38,7 @@ def test_the_cost_model_follows_a_machine_that_slows_down_and_learns_what_calibr
     for rows in (30, 64):  # rows it never saw: the bare forward's curve plus the cost per row it learnt
         assert per_row.verify_seconds(rows) == pytest.approx(curve(rows) + 0.003 * rows, rel=0.1)
     assert per_row.extra_per_row > 0.001
-    assert per_row.step_seconds(8, 2, 1) == pytest.approx(per_row.verify_seconds(8) + 0.01)
+    assert per_row.draft_seconds(2, 1) == pytest.approx(0.01) and per_row.draft_seconds(0, 1) == 0.0
     for _ in range(64):  # steps of one size only: the prediction there is right, whatever the split
         per_row.observe_verify(17, 0.12)
     assert per_row.verify_seconds(17) == pytest.approx(0.12, rel=0.05)
@@ -123,6 +123,29 @@ def test_a_level_is_drafted_when_the_nodes_that_pay_need_it():
     assert choose_depth([[0.97, 0.5, 0.4]] * 16, 3, 8, verify, cheap_levels).depth == 1
     # one request alone (rows nearly free): the same chances pay to depth 3
     assert choose_depth([[0.97, 0.5, 0.4]], 3, 8, _linear(0.0005, 0.05), cheap_levels).depth == 3
+
+
+def test_the_first_pass_is_paid_only_by_steps_that_draft():
+    verify = _linear(0.004, 0.05)  # batch 16: 114 ms, 4 ms per extra row
+    batch = [[0.6, 0.3]] * 16
+    free = choose_depth(batch, 2, 8, verify, lambda depth: 0.0)
+    assert free.nodes > 0  # a 60% node for a 4 ms row pays when drafting is free
+    # a first pass of 30 ms is repaid only by nodes worth more than it: these are not, so the step drafts nothing
+    assert choose_depth(batch, 2, 8, verify, lambda depth: 0.03 + (depth - 1) * 0.001).nodes == 0
+    # a lone request's nodes repay the same first pass (its rows are nearly free)
+    assert choose_depth([[0.9, 0.8]], 2, 8, _linear(0.0005, 0.05), lambda depth: 0.003).nodes == 2
+
+
+def test_the_first_pass_cost_follows_what_it_took():
+    cost = StepCostModel(CostCurve.from_measurements([1, 8], [0.01, 0.02]),
+                         CostCurve.from_measurements([1, 64], [0.002, 0.008]))
+    assert cost.first_pass_seconds(0) == 0.0
+    assert cost.first_pass_seconds(32) == pytest.approx(cost.draft_level(32))
+    for _ in range(60):  # the first pass takes three times what one draft forward over its rows took at start-up
+        cost.observe_first_pass(32, 3 * cost.draft_level(32))
+    assert cost.first_pass_seconds(16) == pytest.approx(3 * cost.draft_level(16), rel=0.02)
+    assert cost.draft_seconds(1, 16) == pytest.approx(cost.draft_level(16))  # the levels keep their own scale
+    assert cost.observations["first_pass"] == 60
 
 
 def test_the_controller_reorders_a_tree_and_learns_from_what_was_accepted():

@@ -30,7 +30,7 @@ def controller() -> SpeculationController:
             accepted = {0, 1} if tree.req_id != "r2" else set()
             controller.observe(tree.req_id, choice.features[: choice.count], choice.parents[: choice.count],
                                {i for i in accepted if i < choice.count})
-        controller.plan_depth(["r0", "r1", "r2"])
+        controller.plan_depth(["r0", "r1", "r2"], first_pass_rows=3)
     return controller
 
 

@@ -9,14 +9,15 @@ One step, as the drafter and the runner call it:
 
 1. :meth:`SpeculationController.plan_depth` before drafting: the depth with the best predicted rate, from each
    request's recent acceptance by depth (:func:`~vllm_easyspec.control.planning.choose_depth`), or none at all
-   when no node is expected to pay (the drafter then skips the step, its first pass deferred);
+   when no node is expected to repay the drafting, first pass included (the drafter then skips the step, its
+   first pass deferred);
 2. :meth:`SpeculationController.choose` after drafting (sources merged in): each request's nodes with their
    chances (:class:`~vllm_easyspec.control.acceptance.AcceptanceModel`, times the recent ratio of realised to
    predicted accepted nodes, at most 1), best first, and how many of them it verifies
    (:func:`~vllm_easyspec.control.planning.choose_nodes`);
 3. :meth:`SpeculationController.observe` after verification: what was accepted, which calibrates the
-   acceptance model; :meth:`observe_verify` / :meth:`observe_draft` with the engine's step timings, which keep
-   the cost model current.
+   acceptance model; :meth:`observe_verify` / :meth:`observe_first_pass` / :meth:`observe_draft` with the engine's step
+   timings, which keep the cost model current.
 
 Trees whose children are i.i.d. draws from the draft (``draw: sample``) keep their template order and are
 handed over without their draft probabilities: choosing among i.i.d. draws, or how many to verify, by what was
@@ -115,16 +116,17 @@ class SpeculationController:
         return self._realised_sum / self._predicted_sum
 
     # ------------------------------------------------------------------------------------------ before drafting
-    def plan_depth(self, req_ids: list[str]) -> int:
-        """How deep to draft this step; 0 when the batch is expected to verify no node, so the step drafts
-        nothing (its first pass is deferred). One such step in :data:`EXPLORE_EVERY` drafts anyway, so the
-        acceptance of requests that speculate nothing keeps being observed."""
+    def plan_depth(self, req_ids: list[str], first_pass_rows: int) -> int:
+        """How deep to draft this step; 0 when no node is expected to repay drafting, so the step drafts nothing
+        (its first pass, over ``first_pass_rows`` rows, is deferred). One such step in :data:`EXPLORE_EVERY`
+        drafts anyway, so the acceptance of requests that speculate nothing keeps being observed."""
         started = time.perf_counter()
         expected = [self.depth_rates.get(req_id, self.global_depth_rates) for req_id in req_ids]
         level_rows = len(req_ids) * self.level_width
+        first_pass = self.cost.first_pass_seconds(first_pass_rows)
 
         def draft_seconds(depth: int) -> float:
-            return self.cost.draft_seconds(depth - 1, level_rows)
+            return first_pass + self.cost.draft_seconds(depth - 1, level_rows)
 
         plan = choose_depth(expected, self.max_depth, self.max_nodes, self.cost.verify_seconds,
                             draft_seconds) if req_ids else DepthPlan(1, 0)
@@ -208,3 +210,6 @@ class SpeculationController:
 
     def observe_draft(self, levels: int, rows_per_level: int, seconds: float) -> None:
         self.cost.observe_draft(levels, rows_per_level, seconds)
+
+    def observe_first_pass(self, rows: int, seconds: float) -> None:
+        self.cost.observe_first_pass(rows, seconds)

@@ -7,10 +7,15 @@ also pays, per row, tree attention over the context and the sampler. So the veri
 towards scale 1 and no extra) to what the engine's steps took; steps with different row counts (batches that
 change, and the controller's occasional exploration) separate the two.
 
+Drafting costs the drafter's first pass (one forward over the tokens the last step verified, plus any rows
+deferred from steps that drafted nothing) and one forward per further level; both are predicted from the
+start-up curve of one draft forward, each with its own scale. A step that drafts nothing skips the first pass,
+so the first pass is a cost of speculating at all, not a constant of the step.
+
 Invariants: a :class:`CostCurve` is non-decreasing in its rows (measured points are made monotone) and
 extrapolates linearly past its last point; the fitted scale is positive and the extra cost per row is never
-negative; the draft-level prediction is its curve times a scale, an exponential moving average of observed
-over predicted seconds.
+negative; each drafting prediction (first pass, level) is the draft curve times a scale, an exponential
+moving average of observed over predicted seconds.
 """
 
 from __future__ import annotations
@@ -61,8 +66,8 @@ class CostCurve:
 
 @dataclass
 class StepCostModel:
-    """A decode step's cost: the target's verify forward over all rows of the batch, plus the drafter's level
-    forwards (each over ``rows`` rows); the drafter's first pass runs whatever the choice and is not modelled."""
+    """A decode step's cost: the target's verify forward over all rows of the batch, plus, when the step drafts,
+    the drafter's first pass and its level forwards (each over ``rows`` rows)."""
 
     verify: CostCurve
     draft_level: CostCurve
@@ -70,7 +75,8 @@ class StepCostModel:
     verify_scale: float = 1.0
     extra_per_row: float = 0.0  # verify seconds per row that the bare forwards do not show
     draft_scale: float = 1.0
-    observations: dict[str, int] = field(default_factory=lambda: {"verify": 0, "draft": 0})
+    first_pass_scale: float = 1.0
+    observations: dict[str, int] = field(default_factory=lambda: {"verify": 0, "draft": 0, "first_pass": 0})
     _verify_steps: deque = field(default_factory=lambda: deque(maxlen=VERIFY_HISTORY))  # (rows, seconds)
 
     def verify_seconds(self, rows: int) -> float:
@@ -79,8 +85,9 @@ class StepCostModel:
     def draft_seconds(self, levels: int, rows_per_level: int) -> float:
         return self.draft_scale * levels * self.draft_level(rows_per_level) if levels > 0 else 0.0
 
-    def step_seconds(self, verify_rows: int, levels: int, rows_per_level: int) -> float:
-        return self.verify_seconds(verify_rows) + self.draft_seconds(levels, rows_per_level)
+    def first_pass_seconds(self, rows: int) -> float:
+        """The drafter's first pass over ``rows`` rows (the verified tokens and any deferred ones)."""
+        return self.first_pass_scale * self.draft_level(rows) if rows > 0 else 0.0
 
     def observe_verify(self, rows: int, seconds: float) -> None:
         """An engine step's verify (target forward and sampling) over ``rows`` rows took ``seconds``."""
@@ -113,6 +120,13 @@ class StepCostModel:
             self.draft_scale = self._blend(self.draft_scale, seconds / predicted)
             self.observations["draft"] += 1
 
+    def observe_first_pass(self, rows: int, seconds: float) -> None:
+        """A drafting step's first pass over ``rows`` rows took ``seconds``."""
+        predicted = self.draft_level(rows)
+        if rows > 0 and predicted > 0 and seconds > 0:
+            self.first_pass_scale = self._blend(self.first_pass_scale, seconds / predicted)
+            self.observations["first_pass"] += 1
+
     def _blend(self, scale: float, ratio: float) -> float:
         return (1 - self.smoothing) * scale + self.smoothing * ratio
 
@@ -120,4 +134,5 @@ class StepCostModel:
         """One log line: the current verify and draft-level curves in ms by rows."""
         return (f"verify ms by rows {{{self.verify.describe()}}} x{self.verify_scale:.2f} "
                 f"+ {self.extra_per_row * 1e3:.2f} ms per row; "
-                f"draft level ms by rows {{{self.draft_level.describe()}}} x{self.draft_scale:.2f}")
+                f"draft level ms by rows {{{self.draft_level.describe()}}} x{self.draft_scale:.2f} "
+                f"(first pass x{self.first_pass_scale:.2f})")

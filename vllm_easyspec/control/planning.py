@@ -1,12 +1,12 @@
 """Choosing how much each request speculates in one step, to maximise the batch's expected tokens per second.
 
 A step emits, per request, its accepted nodes plus one token; it costs the target's verify over every row of
-the batch (one per request plus one per chosen node) and the drafter's level forwards. So for chosen nodes
-``S`` the step's rate is ``(B + sum of P(v accepted) over S) / (verify(B + |S|) + draft)``.
+the batch (one per request plus one per chosen node) and, when it drafts, the drafter's first pass and level
+forwards. So for chosen nodes ``S`` the step's rate is ``(B + sum of P(v accepted) over S) / (verify(B + |S|) + draft)``.
 
-* :func:`choose_depth` runs before drafting: how deep to draft (``depth`` ``d`` costs ``d - 1`` level
-  forwards; depth 1 comes free with the first pass), from each request's recent acceptance by depth and the
-  nodes the choice after drafting would then verify; when it expects none, the step need not draft at all.
+* :func:`choose_depth` runs before drafting: how deep to draft (``depth`` ``d`` costs the first pass and
+  ``d - 1`` level forwards), from each request's recent acceptance by depth and the nodes the choice after
+  drafting would then verify, against drafting nothing at all; when nothing pays, the step does not draft.
 * :func:`choose_nodes` runs after drafting: given every request's candidate nodes with their chances, it takes
   the most likely nodes of the whole batch, one at a time, and keeps the count with the best rate; a request
   whose drafts keep failing gets none while its neighbours keep theirs.
@@ -72,19 +72,30 @@ def best_nodes(candidates: Sequence[Candidates], total: int) -> list[int]:
     return chosen
 
 
-def choose_nodes(candidates: Sequence[Candidates], verify_seconds: Callable[[int], float],
-                 other_seconds: float) -> list[int]:
-    """How many of its candidates each request verifies (module docstring). ``verify_seconds(rows)``: the
-    target's verify over ``rows`` rows; ``other_seconds``: the rest of the step (drafting already spent)."""
+def _best_total(candidates: Sequence[Candidates], verify_seconds: Callable[[int], float],
+                other_seconds: float) -> tuple[int, float]:
+    """(count, rate): the number of the batch's most likely nodes, at least one, with the best predicted rate
+    ``(B + gain) / (verify(B + count) + other_seconds)``; (0, 0.0) when no node is offered."""
     batch = len(candidates)
-    best_count, best_rate = 0, batch / (verify_seconds(batch) + other_seconds)
-    gain = 0.0
+    best_count, best_rate, gain = 0, 0.0, 0.0
     for count, (chance, _, _) in enumerate(_offered(candidates), start=1):
         gain += chance
         rate = (batch + gain) / (verify_seconds(batch + count) + other_seconds)
         if rate > best_rate:
             best_count, best_rate = count, rate
-    return best_nodes(candidates, best_count)
+    return best_count, best_rate
+
+
+def choose_nodes(candidates: Sequence[Candidates], verify_seconds: Callable[[int], float],
+                 other_seconds: float) -> list[int]:
+    """How many of its candidates each request verifies (module docstring). ``verify_seconds(rows)``: the
+    target's verify over ``rows`` rows; ``other_seconds``: the rest of the step, whatever is chosen (drafting
+    already spent)."""
+    batch = len(candidates)
+    count, rate = _best_total(candidates, verify_seconds, other_seconds)
+    if rate <= batch / (verify_seconds(batch) + other_seconds):
+        count = 0
+    return best_nodes(candidates, count)
 
 
 @dataclass(frozen=True)
@@ -97,20 +108,21 @@ class DepthPlan:
 
 def choose_depth(expected_by_depth: Sequence[Sequence[float]], max_depth: int, cap: int,
                  verify_seconds: Callable[[int], float], draft_seconds: Callable[[int], float]) -> DepthPlan:
-    """The drafting depth in ``1..max_depth`` with the best predicted rate. ``expected_by_depth[i][j]``: request
-    ``i``'s chance to accept at least ``j + 1`` tokens when offered that depth; ``cap``: the most nodes a request
-    verifies; ``verify_seconds(rows)``: the target's verify; ``draft_seconds(depth)``: drafting that deep.
+    """The drafting depth in ``1..max_depth`` with the best predicted rate, or ``nodes == 0`` (at depth 1) when
+    no depth beats drafting nothing. ``expected_by_depth[i][j]``: request ``i``'s chance to accept at least
+    ``j + 1`` tokens when offered that depth; ``cap``: the most nodes a request verifies;
+    ``verify_seconds(rows)``: the target's verify; ``draft_seconds(depth)``: drafting that deep (first pass
+    included).
 
-    Each depth is judged by the nodes :func:`choose_nodes` would then verify, each request's candidates taken as
-    the chain of its chances: a level whose nodes would not be verified (they cost more rows than they gain, as
-    at a large batch) is not drafted, since it adds drafting cost and no expected tokens."""
+    A depth is judged by the nodes it would verify, each request's candidates taken as the chain of its chances,
+    against a step that drafts nothing and verifies ``B`` rows: drafting is paid only when nodes are verified, so
+    a level whose nodes would not be verified (they cost more rows than they gain, as at a large batch) is not
+    drafted, and neither is a first pass whose nodes do not repay it."""
     batch = len(expected_by_depth)
-    best, best_rate = DepthPlan(1, 0), -1.0
+    best, best_rate = DepthPlan(1, 0), batch / verify_seconds(batch)
     for depth in range(1, max_depth + 1):
         candidates = [Candidates(running_minimum(rates[:depth]), cap) for rates in expected_by_depth]
-        counts = choose_nodes(candidates, verify_seconds, draft_seconds(depth))
-        gain = sum(sum(c.chances[:count]) for c, count in zip(candidates, counts, strict=True))
-        rate = (batch + gain) / (verify_seconds(batch + sum(counts)) + draft_seconds(depth))
-        if rate > best_rate * (1 + 1e-9):
-            best, best_rate = DepthPlan(depth, sum(counts)), rate
+        count, rate = _best_total(candidates, verify_seconds, draft_seconds(depth))
+        if count and rate > best_rate * (1 + 1e-9):
+            best, best_rate = DepthPlan(depth, count), rate
     return best

@@ -90,6 +90,10 @@ class DeferredFirstPass:
             kept.add(arguments["target_token_ids"][begin:end].clone(), cad.slot_mapping[begin:end].clone(),
                      arguments["target_hidden_states"][begin:end].clone())
 
+    def kept_rows(self, req_ids: list[str]) -> int:
+        """Rows kept for ``req_ids``: what a first pass now would catch up (at most)."""
+        return sum(self.rows[req_id].count for req_id in req_ids if req_id in self.rows)
+
     def catch_up(self, arguments: dict, req_ids: list[str], live: set[str], capacity: int) -> dict:
         """vLLM's ``propose`` arguments with each request's kept rows in front of its rows (at most ``capacity``
         rows added in all, the newest kept), or ``arguments`` unchanged when no request has any."""

@@ -145,7 +145,7 @@ class TreeDrafting:
         depth = None
         controller = self.verifier.controller
         if not budget.chain and budget.nodes and controller is not None:  # easyspec.tree.auto: as deep as pays
-            depth = controller.plan_depth(req_ids)
+            depth = controller.plan_depth(req_ids, cad.num_actual_tokens + self.deferred.kept_rows(req_ids))
         if not budget.chain and (budget.nodes == 0 or depth == 0):  # nothing to draft: the first pass waits
             self.deferred.keep(arguments, req_ids, set(self.verifier.requests))
             return self._hand_over(None, batch_size, arguments["next_token_ids"], 0)
@@ -175,13 +175,19 @@ class TreeDrafting:
         feeds_hidden = proposer.pass_hidden_states_to_model  # an EAGLE head: each node reads its parent's state
         if feeds_hidden and proposer.method == "eagle3":
             target_hidden_states = proposer.model.combine_hidden_states(target_hidden_states)
+        controller = self.verifier.controller
+        first_pass_started = time.perf_counter()
         root_hidden, root_feed, root_positions, cad = self._first_pass(
             target_token_ids, target_positions, target_hidden_states, next_token_ids,
             token_indices_to_sample, common_attn_metadata, mm_embed_inputs, num_rejected_tokens_gpu,
         )
+        if controller is not None:  # the first pass's cost keeps the controller's model current
+            if root_hidden.is_cuda:
+                torch.cuda.synchronize(root_hidden.device)
+            controller.observe_first_pass(common_attn_metadata.num_actual_tokens,
+                                          time.perf_counter() - first_pass_started)
         greedy, temperatures = _greedy_rows(sampling_metadata, batch_size)
         drafted = self.config.drafted_within(node_limit)
-        controller = self.verifier.controller
         if depth is not None:
             drafted = drafted.within_depth(depth)
         draft = LevelwiseTreeDraft(drafted, self._logits(root_hidden), greedy, temperatures,
