@@ -92,8 +92,8 @@ class FeatureStore:
         self.offsets = [0]
         self.loss_start: list[int] = []
         self._where: list[tuple[int, int]] = []  # sequence -> (shard, its index there)
-        for k, shard in enumerate(self._shards):
-            local = shard["offsets"].tolist()
+        self._local_offsets = [shard["offsets"].tolist() for shard in self._shards]
+        for k, (shard, local) in enumerate(zip(self._shards, self._local_offsets, strict=True)):
             for i in range(len(local) - 1):
                 self._where.append((k, i))
                 self.offsets.append(self.offsets[-1] + local[i + 1] - local[i])
@@ -108,16 +108,18 @@ class FeatureStore:
     def sequence_length(self, i: int) -> int:
         return self.offsets[i + 1] - self.offsets[i]
 
-    def tokens_of(self, i: int) -> list[int]:
+    def _span(self, i: int) -> tuple[dict, int, int]:
+        """Sequence ``i``'s shard and its rows ``[a, b)`` there."""
         shard, local = self._where[i]
-        data = self._shards[shard]
-        a, b = data["offsets"][local].item(), data["offsets"][local + 1].item()
+        offsets = self._local_offsets[shard]
+        return self._shards[shard], offsets[local], offsets[local + 1]
+
+    def tokens_of(self, i: int) -> list[int]:
+        data, a, b = self._span(i)
         return data["tokens"][a:b].tolist()
 
     def get(self, i: int) -> dict:
-        shard, local = self._where[i]
-        data = self._shards[shard]
-        a, b = data["offsets"][local].item(), data["offsets"][local + 1].item()
+        data, a, b = self._span(i)
         out = {"tokens": data["tokens"][a:b].long(), "final": data["final"][a:b],
                "top1": data["top1"][a:b].long(), "loss_start": self.loss_start[i]}
         if self.has_aux:
