@@ -142,6 +142,26 @@ def make_batch(store: FeatureStore, idxs: list[int], fmt: str) -> dict:
     return {"tokens": tokens, "final": final, "top1": top1, "valid": valid, "feats": feats}
 
 
+def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int,
+                  window_batches: int = 32) -> list[list[int]]:
+    """One epoch's batches over positions ``0..len(lengths)-1``: every position exactly once.
+
+    Positions are shuffled, cut into windows of ``window_batches`` batches, sorted by length within each
+    window and split into batches, and the batches are shuffled again. A batch is padded to its longest
+    sequence, so sorting within a window keeps the padding small (about 3% on the broad corpus, against
+    45% for a plain shuffle at batch 4) while the batch order stays random. Depends only on its
+    arguments, so an interrupted epoch resumes with the same batches.
+    """
+    g = torch.Generator().manual_seed(seed + 7919 * epoch)
+    order = torch.randperm(len(lengths), generator=g).tolist()
+    window = batch_size * window_batches
+    batches: list[list[int]] = []
+    for start in range(0, len(order), window):
+        chunk = sorted(order[start:start + window], key=lambda i: lengths[i])
+        batches += [chunk[a:a + batch_size] for a in range(0, len(chunk), batch_size)]
+    return [batches[int(j)] for j in torch.randperm(len(batches), generator=g)]
+
+
 def _chunked_soft_ce(pred_in: torch.Tensor, target_logits_fn, draft_logits_fn, chunk: int = 1024):
     """sum over rows of -sum_v p_target(v) log p_draft(v), computed in row chunks with
     activation checkpointing so full-vocab logits never all live at once."""
@@ -447,7 +467,8 @@ def train(args: argparse.Namespace) -> dict:
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     trainer = Trainer(head, embed_w, lm_w, args)
 
-    steps_per_epoch = math.ceil(len(tr_idx) / args.batch_size)
+    train_lengths = [store.sequence_length(i) for i in tr_idx]
+    steps_per_epoch = len(epoch_batches(train_lengths, args.batch_size, args.seed, 0))
     total = args.max_steps or max(1, int(round(args.epochs * steps_per_epoch)))
     step = 0
     seen = {"tokens": 0, "loss_tokens": 0}  # sequence tokens and loss positions the steps so far trained on
@@ -485,10 +506,12 @@ def train(args: argparse.Namespace) -> dict:
     bar = tqdm(total=total, initial=step, desc=f"train {hcfg.format}", unit="step", disable=args.quiet,
                mininterval=2)
     last_eval = history[-1]["heldout"] if history else None
+    batches, batches_epoch = [], -1
     while step < total:
         epoch, within = divmod(step, steps_per_epoch)
-        perm = torch.randperm(len(tr_idx), generator=torch.Generator().manual_seed(args.seed + 7919 * epoch))
-        bidx = [tr_idx[int(j)] for j in perm[within * args.batch_size:(within + 1) * args.batch_size]]
+        if epoch != batches_epoch:
+            batches, batches_epoch = epoch_batches(train_lengths, args.batch_size, args.seed, epoch), epoch
+        bidx = [tr_idx[j] for j in batches[within]]
         batch = make_batch(store, bidx, hcfg.format)
         seen["tokens"] += sum(store.sequence_length(i) for i in bidx)
         seen["loss_tokens"] += int(batch["valid"].sum())
