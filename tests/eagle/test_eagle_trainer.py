@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from vllm_easyspec.eagle import checkpoint as ckpt
 from vllm_easyspec.eagle.errors import HiddenSizeMismatchError, NotEnoughDataError, UnsupportedTargetError
-from vllm_easyspec.eagle.trainer import epoch_batches, run_train_eagle, train
+from vllm_easyspec.eagle.trainer import epoch_batches, init_from_head, run_train_eagle, train
 
 
 def _weights(d):
@@ -135,3 +135,24 @@ def test_hidden_size_mismatch(tmp_path, tiny_llama_dir, tiny_text_dir):
     with pytest.raises(HiddenSizeMismatchError, match="hidden size 64"):
         train(train_args(tiny_llama_dir, tmp_path / "h", tmp_path / "w", tiny_text_dir, "eagle",
                          ["--init-from", str(tmp_path / "h64"), "--max-steps", "1"]))
+
+
+def test_init_from_a_head_with_another_draft_vocabulary_keeps_the_new_one(tiny_llama_dir):
+    from vllm_easyspec.eagle.model import EagleHead, head_config_from_target
+
+    cfg = head_config_from_target(json.loads((tiny_llama_dir / "config.json").read_text()), "eagle3", 8)
+    torch.manual_seed(0)
+    src, head = EagleHead(cfg), EagleHead(cfg)
+    src.set_draft_vocab(torch.tensor([1, 2, 3, 4, 5, 6, 7, 8]))
+    head.set_draft_vocab(torch.tensor([5, 6, 7, 8, 20, 21, 22, 23]))
+    target_lm = torch.randn(cfg.vocab_size, cfg.hidden_size)
+    info = init_from_head(head, src, target_lm)
+    assert info["shared_draft_tokens"] == 4
+    assert torch.equal(head.draft_ids(), torch.tensor([5, 6, 7, 8, 20, 21, 22, 23]))
+    assert torch.equal(head.lm_head.weight[:4], src.lm_head.weight[4:])  # tokens 5..8: src's trained rows
+    assert torch.equal(head.lm_head.weight[4:], target_lm[[20, 21, 22, 23]])  # new tokens: the target's rows
+    assert torch.equal(head.fc.weight, src.fc.weight) and torch.equal(head.norm.weight, src.norm.weight)
+    wider = EagleHead(head_config_from_target(json.loads((tiny_llama_dir / "config.json").read_text()), "eagle3",
+                                              8, intermediate_size=2 * cfg.intermediate_size))
+    with pytest.raises(HiddenSizeMismatchError, match="intermediate_size"):
+        init_from_head(wider, src, target_lm)

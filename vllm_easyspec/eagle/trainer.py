@@ -310,6 +310,37 @@ def choose_draft_vocab(store: FeatureStore, idxs: list[int], size: int, vocab: i
                     "distinct_labels_train": int((counts > 0).sum())}
 
 
+@torch.no_grad()
+def init_from_head(head: EagleHead, src: EagleHead, target_lm_head: torch.Tensor) -> dict:
+    """Start ``head`` from ``src``'s trained weights, keeping ``head``'s own draft vocabulary.
+
+    Every weight but the eagle3 output map is copied. A draft token's ``lm_head`` row is ``src``'s trained
+    row where ``src``'s vocabulary has the token, and the target's ``lm_head`` row otherwise (as a fresh head
+    starts). Returns how many draft tokens the two vocabularies share."""
+    differ = [f for f in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                          "head_dim", "vocab_size", "target_num_layers")
+              if getattr(src.cfg, f) != getattr(head.cfg, f)]
+    if differ:
+        raise HiddenSizeMismatchError(
+            "--init-from head differs from the head to train in " + ", ".join(
+                f"{f} ({getattr(src.cfg, f)} vs {getattr(head.cfg, f)})" for f in differ)
+            + "; pass matching --head-intermediate-size, or train without --init-from")
+    output_map = {"lm_head.weight", "d2t", "t2d"}
+    own = {k: v for k, v in src.state_dict().items() if k not in output_map}
+    loaded = head.load_state_dict(own, strict=False)
+    assert set(loaded.missing_keys) <= output_map and not loaded.unexpected_keys, loaded
+    if not head.is3:
+        return {"shared_draft_tokens": None}
+    new_ids, src_ids = head.draft_ids(), src.draft_ids()
+    src_row = torch.full((head.cfg.vocab_size,), -1, dtype=torch.long)
+    src_row[src_ids] = torch.arange(src_ids.numel())
+    rows = src_row[new_ids]
+    shared = rows >= 0
+    head.lm_head.weight.copy_(target_lm_head[new_ids].to(head.lm_head.weight.dtype))
+    head.lm_head.weight[shared] = src.lm_head.weight[rows[shared]].to(head.lm_head.weight.dtype)
+    return {"shared_draft_tokens": int(shared.sum()), "draft_vocab_size": int(new_ids.numel())}
+
+
 def _git_commit() -> str | None:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -457,13 +488,14 @@ def train(args: argparse.Namespace) -> dict:
         # makes the first logits so large that training stalls).
         with torch.no_grad():
             head.lm_head.weight.copy_(lm_w[draft_ids])
+    init_info: dict = {}
     if args.init_from:
         src = ckpt.load_head(args.init_from)
         if src.cfg.hidden_size != hcfg.hidden_size or src.cfg.format != hcfg.format:
             raise HiddenSizeMismatchError(
                 f"--init-from head has format {src.cfg.format}, hidden size {src.cfg.hidden_size}; "
                 f"target needs {hcfg.format}, {hcfg.hidden_size}")
-        head.load_state_dict(src.state_dict())
+        init_info = init_from_head(head, src, lm_w)
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     trainer = Trainer(head, embed_w, lm_w, args)
 
@@ -563,7 +595,7 @@ def train(args: argparse.Namespace) -> dict:
         "training": {"steps": step, "batch_size": args.batch_size, "lr": args.lr, "ttt_steps": trainer.ttt,
                      "noise": args.noise if hcfg.format == "eagle" else None,
                      "ce_weight": args.ce_weight if hcfg.format == "eagle" else None,
-                     "seed": args.seed, "amp": args.amp, "threads": args.threads,
+                     "seed": args.seed, "amp": args.amp, "threads": args.threads, "init_from": init_info or None,
                      "train_seconds": round(train_s, 1), "feature_seconds": round(feat_s, 1),
                      "total_seconds": round(time.time() - t_start, 1),
                      "cpu": platform.processor() or platform.machine(), "torch": torch.__version__},
