@@ -69,11 +69,46 @@ EAGLE_TREES = {
 }
 
 
+def _head_setups(label: str, head: str, batch: int, ks: list[int], ks_batched: list[int] | None,
+                 tree_budgets: list[int], lookup_nodes: int, lookup_budgets: list[int] | None,
+                 policies: list[dict], auto_budgets: list[int]) -> list[Setup]:
+    """Every EAGLE setup of one head: vLLM's eagle3 chains, the plugin's trees, merged, with policies, auto.
+    ``label``: prefixed to the setup names (``LABEL:eagle3-k3``) when several heads run side by side."""
+    setups: list[Setup] = []
+    spec = {"method": "eagle3", "model": head}
+    whose = f"head {label}" if label else "our head"
+
+    def add(name: str, description: str, speculative: dict, additional: dict | None = None) -> None:
+        setups.append(Setup(f"{label}:{name}" if label else name, description, speculative, additional))
+
+    for k in (ks if batch == 1 or not ks_batched else ks_batched):
+        add(f"eagle3-k{k}", f"vLLM eagle3, {whose}", spec | {"num_speculative_tokens": k})
+    for budget in tree_budgets:
+        tree = EAGLE_TREES[budget]
+        add(f"eagle3-tree-{budget}", f"plugin EAGLE-2 tree, {whose}", spec, {"easyspec": {"tree": tree}})
+        if lookup_nodes and (lookup_budgets is None or budget in lookup_budgets):
+            merged = tree | {"sources": {"prompt_lookup": {"nodes": lookup_nodes}}}
+            add(f"eagle3-tree-{budget}+lookup-{lookup_nodes}", f"plugin EAGLE-2 tree merged with prompt lookup, {whose}",
+                spec, {"easyspec": {"tree": merged}})
+            for policy in policies if batch > 1 else ():
+                table = ",".join(f"{k}:{v['chain'] if isinstance(v, dict) else v}{'c' if isinstance(v, dict) else ''}"
+                                 for k, v in policy.items())
+                add(f"eagle3-tree-{budget}+lookup-{lookup_nodes}@{table}",
+                    f"the merged tree, node limit following the batch (budget_by_batch), {whose}",
+                    spec, {"easyspec": {"tree": merged | {"budget_by_batch": policy}}})
+    for budget in auto_budgets:
+        candidate = EAGLE_TREES[budget] | {"sources": {"prompt_lookup": {"nodes": max(lookup_nodes, 4)}}}
+        add(f"eagle3-tree-{budget}+lookup@auto", f"the controller on the merged tree (auto), {whose}",
+            spec, {"easyspec": {"tree": candidate | {"auto": True}}})
+    return setups
+
+
 def speed(batches: list[int], ks: list[int], max_tokens: int, num_prompts: int, eagle1: bool,
           ks_batched: list[int] | None = None, dtype: str = "bfloat16",
           repeats: int = DEFAULT_REPEATS, tree_budgets: list[int] = (), draft_model: bool = True,
           lookup_nodes: int = 0, lookup_budgets: list[int] | None = None, policies: list[dict] = (),
-          prompt_set: str = "heldout", only: str | None = None, auto_budgets: list[int] = ()) -> None:
+          prompt_set: str = "heldout", only: str | None = None, auto_budgets: list[int] = (),
+          heads: list[tuple[str, Path]] = (("", HEAD3),)) -> None:
     target = str(fetch_model(QWEN))
     smol = str(fetch_model(SMOL))
     command = "python -m benchmarks.eagle_bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -87,30 +122,9 @@ def speed(batches: list[int], ks: list[int], max_tokens: int, num_prompts: int, 
             setups.append(Setup("smollm2-k3", "vLLM draft_model SmolLM2-135M, heterogeneous vocab",
                                 {"method": "draft_model", "model": smol, "num_speculative_tokens": 3,
                                  "use_heterogeneous_vocab": True}))
-        for k in (ks if b == 1 or not ks_batched else ks_batched):
-            setups.append(Setup(f"eagle3-k{k}", "vLLM eagle3, our head",
-                                {"method": "eagle3", "model": str(HEAD3), "num_speculative_tokens": k}))
-        for budget in tree_budgets:
-            tree = EAGLE_TREES[budget]
-            setups.append(Setup(f"eagle3-tree-{budget}", "plugin EAGLE-2 tree, our head",
-                                {"method": "eagle3", "model": str(HEAD3)}, {"easyspec": {"tree": tree}}))
-            if lookup_nodes and (lookup_budgets is None or budget in lookup_budgets):
-                merged = tree | {"sources": {"prompt_lookup": {"nodes": lookup_nodes}}}
-                setups.append(Setup(f"eagle3-tree-{budget}+lookup-{lookup_nodes}",
-                                    "plugin EAGLE-2 tree merged with prompt lookup",
-                                    {"method": "eagle3", "model": str(HEAD3)}, {"easyspec": {"tree": merged}}))
-                for policy in policies if b > 1 else ():
-                    table = ",".join(f"{k}:{v['chain'] if isinstance(v, dict) else v}{'c' if isinstance(v, dict) else ''}"
-                                     for k, v in policy.items())
-                    setups.append(Setup(f"eagle3-tree-{budget}+lookup-{lookup_nodes}@{table}",
-                                        "the merged tree, node limit following the batch (budget_by_batch)",
-                                        {"method": "eagle3", "model": str(HEAD3)},
-                                        {"easyspec": {"tree": merged | {"budget_by_batch": policy}}}))
-        for budget in auto_budgets:
-            candidate = EAGLE_TREES[budget] | {"sources": {"prompt_lookup": {"nodes": max(lookup_nodes, 4)}}}
-            setups.append(Setup(f"eagle3-tree-{budget}+lookup@auto", "the controller on the merged tree (auto)",
-                                {"method": "eagle3", "model": str(HEAD3)},
-                                {"easyspec": {"tree": candidate | {"auto": True}}}))
+        for label, head in heads:
+            setups += _head_setups(label if len(heads) > 1 else "", str(head), b, ks, ks_batched, tree_budgets,
+                                   lookup_nodes, lookup_budgets, policies, auto_budgets)
         if eagle1 and b == 1:
             setups.append(Setup("eagle1-untrained-k3", "vLLM eagle, random head: drafting cost only",
                                 {"method": "eagle", "model": str(_untrained_eagle1(target)),
@@ -120,7 +134,7 @@ def speed(batches: list[int], ks: list[int], max_tokens: int, num_prompts: int, 
         wl = Workload(target=target, prompts=prompts, max_tokens=max_tokens, batch_size=b, dtype=dtype)
         rows = run_setups(setups, wl, repeats=repeats)
         stem = (f"eagle_{'auto_' if auto_budgets else ''}{'tree_' if tree_budgets else ''}speed"
-                f"{'' if prompt_set == 'heldout' else '_' + prompt_set}_b{b}"
+                f"{'' if prompt_set == 'heldout' else '_' + prompt_set}{'_heads' if len(heads) > 1 else ''}_b{b}"
                 + ("" if dtype == "bfloat16" else f"_{dtype}"))
         described = {"edit": "code-edit", "heldout": "held-out"}.get(prompt_set, prompt_set)
         paths = write_results(rows, stem,
@@ -231,6 +245,16 @@ def replay(num_prompts: int, k: int, max_tokens: int) -> None:
     (RESULTS_DIR / "eagle_replay.json").write_text(json.dumps(result, indent=2) + "\n")
 
 
+def _heads(specs: list[str]) -> list[tuple[str, Path]]:
+    heads = []
+    for spec in specs:
+        label, sep, path = spec.partition("=")
+        if not sep or not label or not (Path(path) / "config.json").exists():
+            raise SystemExit(f"--heads takes LABEL=HEAD_FOLDER (a folder with config.json); got {spec!r}")
+        heads.append((label, Path(path)))
+    return heads
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -259,6 +283,9 @@ if __name__ == "__main__":
     s.add_argument("--prompts", choices=("heldout", "edit", "chat", "mixed"), default="heldout",
                    help="held-out EAGLE prompts (default) or the code-edit set, where prompt lookup should matter")
     s.add_argument("--no-draft-model", action="store_true", help="skip the SmolLM2 draft_model setup")
+    s.add_argument("--heads", nargs="+", default=None, metavar="LABEL=HEAD",
+                   help="run every EAGLE setup with each of these heads side by side (setup names get LABEL:); "
+                        f"default: {HEAD3.relative_to(ROOT)}")
     s.add_argument("--only", default=None, help="run only the setups whose name matches this regex (and vanilla)")
     r = sub.add_parser("replay")
     r.add_argument("--num-prompts", type=int, default=8)
@@ -270,7 +297,7 @@ if __name__ == "__main__":
     if a.cmd == "speed":
         speed(a.batch, a.ks, a.max_tokens, a.num_prompts, not a.no_eagle1, a.ks_batched, a.dtype, a.repeats,
               a.tree_budgets, not a.no_draft_model, a.lookup_nodes, a.lookup_budgets, a.policy, a.prompts, a.only,
-              a.auto)
+              a.auto, _heads(a.heads) if a.heads else (("", HEAD3),))
     elif a.cmd == "replay":
         replay(a.num_prompts, a.k, a.max_tokens)
     else:
