@@ -157,20 +157,24 @@ def _one_by_one(llm, prompts) -> tuple[list[list[int]], object]:
     return outputs, read_spec_decode_counters(llm) - before
 
 
-@pytest.mark.slow
+@pytest.mark.parametrize("fmt", [pytest.param("eagle", marks=pytest.mark.slow), "eagle3"])
 def test_the_top_path_of_an_eagle_tree_drafts_what_vllms_eagle_chain_drafts(llm_pool, tiny_llama_dir,
-                                                                          trained_tiny_heads):
+                                                                          trained_tiny_heads, fmt):
     """The head's forwards over tree levels are vLLM's chain forwards: a tree whose top-1 path is a chain of
     3 drafts that chain, step for step, so while no other node wins, vLLM's per-position acceptance counts
     come out identical. With a rank-1 sibling at depth 1 the accepted nodes sit at other rows than their
     linear positions (the next first pass reads them from the moved rows; the row move itself is checked in
-    tests/tree/test_tree_drafting.py, as this tiny head barely depends on the hidden state)."""
-    head = trained_tiny_heads("eagle")
-    chain = llm_pool.get(tiny_llama_dir, speculative_config={"method": "eagle", "model": str(head),
+    tests/tree/test_tree_drafting.py, as this tiny head barely depends on the hidden state). The EAGLE-3 head
+    drafts its tree in its reduced output vocabulary (48 of the target's tokens), vLLM's chain in the target's:
+    a wrong map between the two changes the drafts (its tree is the top-1 path alone: on these prompts its
+    rank-1 siblings win)."""
+    head = trained_tiny_heads(fmt)
+    chain = llm_pool.get(tiny_llama_dir, speculative_config={"method": fmt, "model": str(head),
                                                              "num_speculative_tokens": 3})
     expected_outputs, expected = _one_by_one(chain, CHAIN_PROMPTS)
     assert expected.num_drafts > 0 and expected.accepted_per_position[1] > 0
-    llm = _eagle_tree_engine(llm_pool, tiny_llama_dir, "eagle", head, {"choices": [[0], [1], [0, 0], [0, 0, 0]]})
+    choices = [[0], [1], [0, 0], [0, 0, 0]] if fmt == "eagle" else [[0], [0, 0], [0, 0, 0]]
+    llm = _eagle_tree_engine(llm_pool, tiny_llama_dir, fmt, head, {"choices": choices})
     before = llm.collective_rpc(read_tree_stats)[0]
     outputs, got = _one_by_one(llm, CHAIN_PROMPTS)
     off_top = llm.collective_rpc(read_tree_stats)[0]["off_top_path_branches"] - before["off_top_path_branches"]

@@ -30,8 +30,10 @@ into place), handed over as paths, which the runner verifies as vLLM verifies a 
 An EAGLE head also reads a hidden state per row: in the first pass the target's, of the accepted branch
 (:meth:`~vllm_easyspec.integration.tree_step.TreeVerifier.branch_hidden_states` moves the winning nodes'
 states to the branch's rows, whichever branch won); at every level each node gets the state the head
-produced for its parent (the root's for depth 1). Its logits are over the target vocabulary already (an
-EAGLE-3 head maps its draft vocabulary through ``d2t``).
+produced for its parent (the root's for depth 1). An EAGLE-3 head with a reduced output vocabulary (``d2t``)
+drafts in that vocabulary: its logits are never spread over the target's (18x wider at 8,192 of 151,936
+tokens, and the widest tensor of a drafting step), node tokens become target ids before each level forward and
+at hand-over, and an i.i.d. tree's draft probabilities are spread into the target vocabulary at hand-over.
 
 With ``use_heterogeneous_vocab`` the draft scores only tokens that map into the target vocabulary, and
 node tokens (and an i.i.d. tree's draft probabilities) are mapped to target ids. With ``tree.retokenize``
@@ -75,6 +77,7 @@ class TreeDrafting:
         self.config = config = options.tree
         self.draft_chain = draft_chain
         self.deferred = DeferredFirstPass()
+        self._output_ids: torch.Tensor | None | bool = False  # reduced output vocabulary: its target ids (lazy)
         self.retokenizer: TreeRetokenizer | None = None
         self.draft_usable: torch.Tensor | None = None  # retokenize: draft tokens that have text (or map)
         self.unshared_target_tokens: torch.Tensor | None = None  # retokenize: target ids the draft lacks
@@ -128,6 +131,19 @@ class TreeDrafting:
         logger.info("easyspec.tree.retokenize: the draft proposes any of its %d tokens with text; %d target "
                     "tokens outside the shared vocabulary reach it as their draft encoding's last token",
                     int(usable.sum()), filled)
+
+    @property
+    def output_ids(self) -> torch.Tensor | None:
+        """The target id of each token of the head's reduced output vocabulary (EAGLE-3 ``d2t``), or None when
+        the drafter's logits are over the target's vocabulary or a draft model's own. Read once the model is
+        loaded."""
+        if self._output_ids is False:
+            model, self._output_ids = self.proposer.model, None
+            d2t = getattr(model, "draft_id_to_target_id", None)
+            if (d2t is not None and hasattr(model, "logits_processor") and hasattr(model, "lm_head")
+                    and not self.proposer.use_heterogeneous_vocab):
+                self._output_ids = torch.arange(d2t.shape[0], device=d2t.device) + d2t.detach().long()
+        return self._output_ids
 
     @property
     def verifier(self) -> TreeVerifier:
@@ -205,6 +221,8 @@ class TreeDrafting:
             metadata = TreeLevelMetadata(state=state, width=width, tree_mask=draft.frontier_mask())
             # one position per frontier row (vLLM's rotary op reads one per token, unchecked)
             positions = root_positions.repeat_interleave(width) + draft.frontier_depth
+            if self.output_ids is not None:
+                tokens = self.output_ids[tokens]
             inputs = {
                 "input_ids": tokens.reshape(-1).to(proposer.input_ids.dtype),
                 "positions": positions.to(proposer.positions.dtype),
@@ -262,9 +280,13 @@ class TreeDrafting:
         return hidden[token_indices_to_sample], root_feed, proposer.positions[token_indices_to_sample], cad
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft logits over the draft vocabulary: restricted to target-mappable tokens across vocabularies, or
-        with ``retokenize`` to the tokens that have text (or map, special ones)."""
+        """Draft logits over the draft vocabulary: an EAGLE-3 head's reduced one (:attr:`output_ids`), a draft
+        model's restricted to target-mappable tokens across vocabularies, or with ``retokenize`` to the tokens
+        that have text (or map, special ones)."""
         proposer = self.proposer
+        if self.output_ids is not None:
+            model = proposer.model
+            return model.logits_processor(model.lm_head, hidden).float()
         logits = proposer.model.compute_logits(hidden).float()
         if self.draft_usable is not None:
             logits = logits.masked_fill(~self.draft_usable, float("-inf"))
@@ -308,6 +330,9 @@ class TreeDrafting:
         elif mapping is not None:
             tokens = mapping.map_draft_to_target_ids(tokens)
             token_lists = tokens.tolist()
+        elif self.output_ids is not None:
+            tokens = self.output_ids[tokens]
+            token_lists = tokens.tolist()
         lookup = None if self.config.sources is None else self.config.sources.prompt_lookup
         controller = verifier.controller
         pending: dict[str, PendingTree] = {}
@@ -320,6 +345,8 @@ class TreeDrafting:
             probs = trees.draft_probs.get(row)  # None for top-k rows, and for every retokenized row (config)
             if probs is not None and mapping is not None:
                 probs = _to_target_vocab(probs, mapping)
+            elif probs is not None and self.output_ids is not None:
+                probs = _spread(probs, self.output_ids, proposer.model.config.vocab_size)
             row_tokens, row_parents, mode = token_lists[row], parent_lists[row], trees.draw_modes[row]
             drafted = len(row_tokens)
             if lookup is not None and mode is ChildDrawMode.WITHOUT_REPLACEMENT:
@@ -388,6 +415,13 @@ def _greedy_rows(sampling_metadata, batch_size: int) -> tuple[list[bool], torch.
         return [True] * batch_size, None
     temperature = sampling_metadata.temperature[:batch_size].float().cpu()
     return (temperature <= SAMPLING_EPS).tolist(), temperature
+
+
+def _spread(probs: torch.Tensor, target_ids: torch.Tensor, target_vocab_size: int) -> torch.Tensor:
+    """Probabilities over a reduced vocabulary ``[..., V_reduced]`` at their target ids ``[..., V_target]``."""
+    out = probs.new_zeros(*probs.shape[:-1], target_vocab_size)
+    out[..., target_ids] = probs
+    return out
 
 
 def _to_target_vocab(probs: torch.Tensor, mapping) -> torch.Tensor:
