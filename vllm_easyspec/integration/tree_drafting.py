@@ -44,6 +44,7 @@ tokens it lacks reach it through :func:`~vllm_easyspec.tree.retokenizing.approxi
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
@@ -77,7 +78,6 @@ class TreeDrafting:
         self.config = config = options.tree
         self.draft_chain = draft_chain
         self.deferred = DeferredFirstPass()
-        self._output_ids: torch.Tensor | None | bool = False  # reduced output vocabulary: its target ids (lazy)
         self.retokenizer: TreeRetokenizer | None = None
         self.draft_usable: torch.Tensor | None = None  # retokenize: draft tokens that have text (or map)
         self.unshared_target_tokens: torch.Tensor | None = None  # retokenize: target ids the draft lacks
@@ -132,18 +132,17 @@ class TreeDrafting:
                     "tokens outside the shared vocabulary reach it as their draft encoding's last token",
                     int(usable.sum()), filled)
 
-    @property
+    @functools.cached_property
     def output_ids(self) -> torch.Tensor | None:
         """The target id of each token of the head's reduced output vocabulary (EAGLE-3 ``d2t``), or None when
-        the drafter's logits are over the target's vocabulary or a draft model's own. Read once the model is
-        loaded."""
-        if self._output_ids is False:
-            model, self._output_ids = self.proposer.model, None
-            d2t = getattr(model, "draft_id_to_target_id", None)
-            if (d2t is not None and hasattr(model, "logits_processor") and hasattr(model, "lm_head")
-                    and not self.proposer.use_heterogeneous_vocab):
-                self._output_ids = torch.arange(d2t.shape[0], device=d2t.device) + d2t.detach().long()
-        return self._output_ids
+        the drafter's logits are over the target's vocabulary or a draft model's own. Read at the first
+        drafting step, once the model is loaded."""
+        model = self.proposer.model
+        d2t = getattr(model, "draft_id_to_target_id", None)
+        if (d2t is None or not hasattr(model, "logits_processor") or not hasattr(model, "lm_head")
+                or self.proposer.use_heterogeneous_vocab):
+            return None
+        return torch.arange(d2t.shape[0], device=d2t.device) + d2t.detach().long()
 
     @property
     def verifier(self) -> TreeVerifier:
