@@ -108,7 +108,9 @@ def speed(batches: list[int], ks: list[int], max_tokens: int, num_prompts: int, 
           repeats: int = DEFAULT_REPEATS, tree_budgets: list[int] = (), draft_model: bool = True,
           lookup_nodes: int = 0, lookup_budgets: list[int] | None = None, policies: list[dict] = (),
           prompt_set: str = "heldout", only: str | None = None, auto_budgets: list[int] = (),
-          heads: list[tuple[str, Path]] = (("", HEAD3),)) -> None:
+          heads: list[tuple[str, Path]] | None = None) -> None:
+    """``heads``: (label, folder) of each head to run side by side; default the committed head, unlabelled."""
+    heads = heads or [("", HEAD3)]
     target = str(fetch_model(QWEN))
     smol = str(fetch_model(SMOL))
     command = "python -m benchmarks.eagle_bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -297,7 +299,7 @@ if __name__ == "__main__":
     if a.cmd == "speed":
         speed(a.batch, a.ks, a.max_tokens, a.num_prompts, not a.no_eagle1, a.ks_batched, a.dtype, a.repeats,
               a.tree_budgets, not a.no_draft_model, a.lookup_nodes, a.lookup_budgets, a.policy, a.prompts, a.only,
-              a.auto, _heads(a.heads) if a.heads else (("", HEAD3),))
+              a.auto, _heads(a.heads) if a.heads else None)
     elif a.cmd == "replay":
         replay(a.num_prompts, a.k, a.max_tokens)
     else:

@@ -158,3 +158,22 @@ def test_dynamic_tree_drafted_within_a_node_limit_is_the_best_nodes_of_the_full_
         small_paths, _ = paths_and_scores(small, b)
         assert sorted(small_paths) == sorted(full_paths[i] for i in best)
     assert full_config.drafted_within(10) is full_config and STATIC.drafted_within(2) is STATIC
+
+
+def test_draft_probabilities_move_to_their_target_ids():
+    """An i.i.d. tree's ``q`` rows over the draft vocabulary reach the verifier at target ids: an EAGLE-3 head's
+    reduced vocabulary through ``d2t``, a draft model's through vLLM's mapping (only its mappable tokens)."""
+    from types import SimpleNamespace
+
+    from vllm_easyspec.integration.tree_drafting import _spread, _to_target_vocab
+
+    probs = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.2, 0.3, 0.4]])
+    spread = _spread(probs, torch.tensor([2, 5, 7, 9]), 10)
+    assert spread.shape == (2, 10) and torch.equal(spread[:, [2, 5, 7, 9]], probs)
+    assert spread.sum(-1).tolist() == pytest.approx(probs.sum(-1).tolist())
+    mapping = SimpleNamespace(intersection_mask_draft=torch.tensor([True, False, True, True]),
+                              draft_to_target_ids=torch.tensor([3, -1, 0, 8]), target_vocab_size=10)
+    moved = _to_target_vocab(probs, mapping)
+    expected = torch.zeros(2, 10)
+    expected[:, [3, 0, 8]] = probs[:, [0, 2, 3]]
+    assert torch.equal(moved, expected)

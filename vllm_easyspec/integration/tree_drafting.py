@@ -426,7 +426,5 @@ def _spread(probs: torch.Tensor, target_ids: torch.Tensor, target_vocab_size: in
 def _to_target_vocab(probs: torch.Tensor, mapping) -> torch.Tensor:
     """Draft-vocabulary probabilities (zero outside the mappable intersection) in target-vocabulary ids."""
     draft_ids = mapping.intersection_mask_draft.nonzero().flatten()
-    out = probs.new_zeros(probs.shape[0], mapping.target_vocab_size)
-    out[:, mapping.draft_to_target_ids[draft_ids]] = probs[:, draft_ids]
-    return out
+    return _spread(probs[:, draft_ids], mapping.draft_to_target_ids[draft_ids], mapping.target_vocab_size)
 
