@@ -513,6 +513,8 @@ def _child_main(request_path: Path, result_path: Path) -> None:
         "token_ids": token_ids,
         # easyspec.tree.auto: the controller's counters, cost curves and calibration (None without it)
         "controller": llm.collective_rpc("easyspec_controller_stats")[0],
+        # easyspec.tree: the runner's counters (tree steps, chain steps, paths in tree steps; None without trees)
+        "tree_stats": llm.collective_rpc("easyspec_tree_stats")[0],
     }
     if record_top_logits:
         # Untimed replay of the timed request under the same conditions (empty prefix cache, same warm-up),

@@ -161,12 +161,13 @@ def _error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: tuple[int, int] = (4, 2),
                    head_size: int = 32, trees: tuple = ((7, 4, 37), (9, 9, 21)), plain: tuple = (11, 5),
-                   pad_tokens: int = 3, pad_request: bool = True) -> dict:
-    """One verify forward of a batch [tree A, plain request, tree B] (+ CUDA-graph padding) through the GPU
-    tree backend, the way the engine runs it; returns errors and checks for the test to assert on.
+                   path: tuple | None = (4, 26), pad_tokens: int = 3, pad_request: bool = True) -> dict:
+    """One verify forward of a batch [tree A, plain request, tree B, path C] (+ CUDA-graph padding) through the
+    GPU tree backend, the way the engine runs it; returns errors and checks for the test to assert on.
 
     ``trees``: per tree request (nodes drafted, nodes scheduled, P); ``scheduled < drafted`` is a truncated
     tree. ``plain``: (computed, scheduled) of the request without a tree (a decode if scheduled is 1).
+    ``path``: (nodes, P) of a tree request whose nodes are one path, which vLLM's kernel must serve.
     """
     _enable_vllm_triton()
     from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -193,7 +194,11 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
     (drafted_a, n_a, p_a), (drafted_b, n_b, p_b) = trees
     parents_a = [p - 1 for p in random_parents(drafted_a + 1, gen)[1:]][:n_a]  # a prefix of a tree
     parents_b = [p - 1 for p in random_parents(drafted_b + 1, gen)[1:]][:n_b]
+    if parents_a == list(range(-1, n_a - 1)) or parents_b == list(range(-1, n_b - 1)):
+        raise ValueError("trees A and B must not be paths: choose another seed")
     batch = [(p_a, 1 + n_a, parents_a), (plain[0], plain[1], None), (p_b, 1 + n_b, parents_b)]
+    if path is not None:
+        batch.append((path[1], 1 + path[0], list(range(-1, path[0] - 1))))
     num_reqs = len(batch)
     scheduled = torch.tensor([s for _, s, _ in batch])
     computed = torch.tensor([c for c, _, _ in batch])
@@ -226,7 +231,8 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
                     tokens=torch.randint(0, 1000, (s - 1,), generator=gen).tolist(), parents=parents)
         for r, (c, s, parents) in enumerate(batch) if parents is not None
     ]
-    step = TreeVerifyStep(tree_requests)
+    step = TreeVerifyStep(tree_requests)  # as the runner builds it: every request with drafts
+    masked_requests = [r for r in tree_requests if not r.is_path]
     positions = torch.zeros(num_tokens_padded, dtype=torch.int64)
     positions[:num_tokens] = linear
     rows, tree_positions = step.row_positions()
@@ -303,17 +309,20 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
 
     # ---- expectations ------------------------------------------------------------------------------------
     key_cache, value_cache = fa_views(written, head_size)
-    tree_rows = torch.cat([r.query_start + torch.arange(1 + r.num_nodes) for r in tree_requests])
-    cu = torch.tensor([0] + [1 + r.num_nodes for r in tree_requests]).cumsum(0).int()
+    tree_rows = torch.cat([r.query_start + torch.arange(1 + r.num_nodes) for r in masked_requests])
+    cu = torch.tensor([0] + [1 + r.num_nodes for r in masked_requests]).cumsum(0).int()
     # request-local query parents (root = query 0, node i = query i + 1), not TreeVerifyStep's mask
-    query_parents = torch.tensor([q for r in tree_requests for q in [-1] + [p + 1 for p in r.parents]])
+    query_parents = torch.tensor([q for r in masked_requests for q in [-1] + [p + 1 for p in r.parents]])
     mask = ancestor_mask_from_parents(query_parents, cu)
     tree_ref = tree_attention_reference(
-        query[tree_rows].cpu(), key_cache.cpu(), value_cache.cpu(), block_table[[r.batch_row for r in tree_requests]],
-        torch.tensor([r.prefix_len for r in tree_requests]), cu, mask, scale, out_dtype=torch.float32)
-    s, e = int(starts[1]), int(starts[2])
-    chain_ref = causal_reference(query[s:e].cpu(), key_cache.cpu(), value_cache.cpu(), block_table[1],
-                                 int(seq_lens[1]), scale)
+        query[tree_rows].cpu(), key_cache.cpu(), value_cache.cpu(), block_table[[r.batch_row for r in masked_requests]],
+        torch.tensor([r.prefix_len for r in masked_requests]), cu, mask, scale, out_dtype=torch.float32)
+    chain_errors = []  # the plain request and the path: causal attention over their whole sequence
+    for r in [1] + ([3] if path is not None else []):
+        s, e = int(starts[r]), int(starts[r + 1])
+        reference = causal_reference(query[s:e].cpu(), key_cache.cpu(), value_cache.cpu(), block_table[r],
+                                     int(seq_lens[r]), scale)
+        chain_errors.append(_error(output[s:e], reference))
 
     expected = written.clone()
     expected_keys, expected_values = fa_views(expected, head_size)
@@ -322,15 +331,18 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
         expected_keys[block, destination % block_size] = key[source_row]
         expected_values[block, destination % block_size] = value[source_row]
     kept = forward.kept_kv[LAYER]
-    query_rows = step.attention_rows()
-    tree_request_rows = step.batch_rows
+    masked = TreeVerifyStep(masked_requests)
+    query_rows = masked.attention_rows()
+    tree_request_rows = masked.batch_rows
     return {
         "chain_kernel": chain_kernel,
         "plain_metadata_is_vllms": type(plain_metadata) is TritonAttentionMetadata,
         "tree_metadata": type(meta) is TreeTritonVerifyMetadata,
         "chain_metadata_is_vllms": type(meta.chain) is TritonAttentionMetadata,
         "tree_error": _error(output[tree_rows.to(dev)], tree_ref),
-        "chain_error": _error(output[s:e], chain_ref),
+        "chain_error": max(chain_errors),
+        "path_served_by_vllm": path is None or not bool(torch.isin(
+            torch.arange(int(starts[3]), int(starts[4])), meta.tree_rows.cpu()).any()),
         "padding_untouched": bool(output[num_tokens:].isnan().all()),
         "forward_wrote_nothing": forward_wrote_nothing,
         "kept_kv_shape": tuple(kept.key.shape),
@@ -342,7 +354,7 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
         "num_moves": len(moves),
         "write_matches": bool(torch.equal(kv_cache.cpu(), expected.cpu())),
         "write_changed_cache": not torch.equal(kv_cache.cpu(), written.cpu()),
-        "expected_shape": (len(tree_requests), num_kv_heads, step.width, head_size),
+        "expected_shape": (len(masked_requests), num_kv_heads, masked.width, head_size),
     }
 
 

@@ -2,11 +2,12 @@
 
 No GPU has run any of this. The verify forward runs where ``conftest.kernel_runner`` puts it: in-process on a
 GPU, otherwise in a worker with ``TRITON_INTERPRET=1`` on CPU tensors (``gpu_backend_cases``). A batch of
-[tree A (truncated), a request without a tree, tree B] plus CUDA-graph padding goes through vLLM's Triton
+[tree A (truncated), a request without a tree, tree B, tree C that is one path (vLLM's kernel serves it)]
+plus CUDA-graph padding goes through vLLM's Triton
 metadata builder and impl subclassed by the plugin, with ``CommonAttentionMetadata`` built as vLLM's GPU
 runner builds it (linear slots, tree RoPE positions). K/V reach the cache through vLLM's own
 reshape-and-cache kernel. Tree rows are compared with the float64 per-node reference
-(``tree_attention_reference`` with a mask built from the parents alone), the other request's rows with a
+(``tree_attention_reference`` with a mask built from the parents alone), the other requests' rows with a
 float64 causal reference; the accepted branch is moved by the runner's commit (``TreeRunnerMixin._commit``)
 through ``VerifyKV.write``.
 
@@ -38,6 +39,7 @@ def _check_verify(result: dict, dtype: str) -> None:
     print(f"GPU tree backend {dtype}: tree rows {result['tree_error']:.2e}, other request "
           f"{result['chain_error']:.2e} ({result['chain_kernel']})")
     assert result["plain_metadata_is_vllms"] and result["tree_metadata"] and result["chain_metadata_is_vllms"]
+    assert result["path_served_by_vllm"]
     assert result["tree_error"] < TOLERANCE[dtype]
     assert result["chain_error"] < TOLERANCE[dtype]
     assert result["padding_untouched"] and result["forward_wrote_nothing"]
@@ -93,7 +95,7 @@ def _step(batch_rows, starts, prefixes, sizes):
     from vllm_easyspec.tree.verify_step import TreeRequest, TreeVerifyStep
 
     return TreeVerifyStep([
-        TreeRequest(batch_row=r, query_start=s, prefix_len=p, tokens=list(range(n)), parents=list(range(-1, n - 1)))
+        TreeRequest(batch_row=r, query_start=s, prefix_len=p, tokens=list(range(n)), parents=[-1] * n)  # not paths
         for r, s, p, n in zip(batch_rows, starts, prefixes, sizes)
     ])
 

@@ -135,3 +135,23 @@ def test_a_step_budget_is_decided_in_one_place(budget):
     chain = isinstance(budget["4"], dict)
     assert tree.budget_at(3) == StepBudget(nodes=6, chain=False)
     assert tree.budget_at(4) == StepBudget(nodes=2, chain=chain)
+
+
+def test_paths_leave_the_masked_step_and_only_nodes_verified_away_from_their_place_move():
+    """A request whose nodes are one path is served where it sits (vLLM's kernel, linear slots): the masked
+    step holds the other trees, each request knows its index there, and of an accepted branch only the nodes
+    verified in a row other than their destination must move."""
+    path = TreeRequest(batch_row=0, query_start=0, prefix_len=10, tokens=[5, 6, 7], parents=[-1, 0, 1])
+    tree = TreeRequest(batch_row=1, query_start=4, prefix_len=20, tokens=[5, 6, 7], parents=[-1, -1, 1])
+    one = TreeRequest(batch_row=2, query_start=8, prefix_len=30, tokens=[9], parents=[-1])
+    assert path.is_path and not tree.is_path and one.is_path
+    step = TreeVerifyStep([path, tree, one])
+    masked, index = step.masked_part()
+    assert [r.batch_row for r in masked.requests] == [1] and index.tolist() == [-1, 0, -1] and masked.width == 4
+    assert TreeVerifyStep([path, one]).masked_part() is None
+    assert TreeVerifyStep([tree]).masked_part()[0] is not None
+    # path: nodes 0, 1 accepted (rows 1, 2 -> positions 11, 12); tree: nodes 1, 2 (rows 2, 3 -> 21, 22); one: node 0
+    branch = step.accepted_moves(torch.tensor([[0, 1], [1, 2], [0, -1]]), torch.tensor([2, 2, 1]))
+    moves = branch.out_of_place(step.prefix_lens)
+    assert moves.request_index.tolist() == [1, 1] and moves.source_column.tolist() == [2, 3]
+    assert moves.destination.tolist() == [21, 22] and moves.tokens.tolist() == [6, 7]

@@ -208,6 +208,7 @@ class TreeRunnerMixin:
         verifier.forward = TreeVerifyForward(step)
         stats.steps += 1
         stats.tree_requests += len(requests)
+        stats.path_requests += sum(request.is_path for request in requests)
         stats.nodes_verified += int(step.trees.num_nodes.sum())
 
     def _start_controller(self, tree: TreeConfig) -> SpeculationController:
@@ -259,13 +260,16 @@ class TreeRunnerMixin:
         self.tree_verifier.record_branch(step, branch)
         if not len(branch):
             return
-        block_table = forward.block_table.long()
-        moved = branch.to(block_table.device)  # the host's branch goes to the cache's device once
-        for kept in forward.kept_kv.values():
-            blocks = block_table[moved.request_index, moved.destination // kept.block_size]
-            slots = blocks * kept.block_size + moved.destination % kept.block_size
-            kept.write(kept.key[moved.request_index, :, moved.source_column],
-                       kept.value[moved.request_index, :, moved.source_column], slots)
+        moves = branch.out_of_place(step.prefix_lens)  # only nodes of masked requests (paths are in place)
+        if len(moves):
+            block_table = forward.block_table.long()
+            moved = moves.to(block_table.device)  # the host's moves go to the cache's device once
+            masked_request = forward.masked_index.to(block_table.device)[moved.request_index]
+            for kept in forward.kept_kv.values():
+                blocks = block_table[masked_request, moved.destination // kept.block_size]
+                slots = blocks * kept.block_size + moved.destination % kept.block_size
+                kept.write(kept.key[masked_request, :, moved.source_column],
+                           kept.value[masked_request, :, moved.source_column], slots)
         rows = self.tree_verifier.branch_rows[1]
         input_ids = self.input_ids.gpu
         input_ids[rows.to(input_ids.device)] = branch.tokens.to(input_ids.device, input_ids.dtype)

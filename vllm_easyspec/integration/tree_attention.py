@@ -4,9 +4,12 @@ forward, and the start-up checks.
 
 * **target verify**: while the runner builds attention metadata for a step with token trees
   (:func:`verifying`), a backend's metadata builder builds tree metadata instead of vLLM's. The requests
-  without a tree go to vLLM's own kernel as a sub-batch (:func:`split_verify_batch`); the tree rows attend
-  to their cached prefix and their ancestors. Each layer keeps the tree rows' K/V
-  (:class:`~vllm_easyspec.integration.tree_step.VerifyKV`) for the runner's commit.
+  without a tree, and those whose tree is a path (:attr:`~vllm_easyspec.tree.verify_step.TreeRequest.is_path`:
+  causal attention is its tree attention), go to vLLM's own kernel as a sub-batch (:func:`split_verify_batch`);
+  the other trees' rows attend to their cached prefix and their ancestors
+  (:attr:`~vllm_easyspec.integration.tree_step.TreeVerifyForward.masked`). Each layer keeps those rows' K/V
+  (:class:`~vllm_easyspec.integration.tree_step.VerifyKV`) for the runner's commit. A step whose trees are
+  all paths gets vLLM's metadata for the whole batch.
 * **draft level** (:class:`TreeLevelMetadata`): a drafter forward over one depth of the draft trees. Those
   rows write nothing to the cache; they attend to the draft prefix (through the root) and to the K/V of
   their ancestors from earlier levels of the same step, kept in :class:`DraftTreeAttention`. A backend
@@ -89,7 +92,8 @@ SUB_BATCH_FIELDS: dict[str, SubBatchField] = {
 
 
 def split_verify_batch(cm, step: TreeVerifyStep):
-    """The requests of ``cm`` (vLLM's ``CommonAttentionMetadata``) that have no tree in ``step``, as their own
+    """The requests of ``cm`` (vLLM's ``CommonAttentionMetadata``) that are not in ``step`` (the trees that need
+    masked attention), as their own
     ``CommonAttentionMetadata`` with their flattened rows in the full batch; ``(None, None)`` if none has a row.
 
     Every field is carried as :data:`SUB_BATCH_FIELDS` says; ``max_seq_len`` uses the CPU upper bound when
@@ -208,7 +212,7 @@ class TreeVerifyBuilderMixin:
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         forward = _ACTIVE_VERIFY.get()
-        if forward is None:
+        if forward is None or forward.masked is None:  # no step, or only paths: vLLM's attention serves it
             return self.build_without_trees(common_prefix_len, common_attn_metadata, fast_build)
         return self.build_verify(common_prefix_len, common_attn_metadata, forward)
 
@@ -217,11 +221,13 @@ class TreeVerifyBuilderMixin:
         return super().build(common_prefix_len, common_attn_metadata, fast_build)
 
     def build_requests_without_tree(self, common_prefix_len, cm, step: TreeVerifyStep):
-        """vLLM's metadata for the step's requests without a tree and their rows, or ``(None, None)``."""
+        """vLLM's metadata for the batch's requests outside ``step`` (the masked trees) and their rows, or
+        ``(None, None)``."""
         sub, rows = split_verify_batch(cm, step)
         return (None, None) if sub is None else (self.build_without_trees(common_prefix_len, sub), rows)
 
     def build_verify(self, common_prefix_len, cm, forward: TreeVerifyForward):
+        """Tree metadata for ``forward.masked`` (never None here), vLLM's for the rest of the batch."""
         raise NotImplementedError
 
 

@@ -115,6 +115,7 @@ class TreeStats:
     last_limit_is_chain: bool = False  # ... and whether that was a chain ({"chain": k})
     chain_steps: int = 0  # verify steps whose drafts were all top-1 chains, verified by vLLM's own path
     chain_requests: int = 0  # requests verified in those steps (nodes_verified and accepted count theirs)
+    path_requests: int = 0  # requests of tree steps whose nodes are one path: vLLM's kernel, branch in place
     steps_without_speculation: int = 0  # drafting steps at a batch size budget_by_batch gives no nodes
     accepted_outside_shared_vocab: int = 0  # tree.retokenize: accepted tokens the draft's vocabulary lacks
 
@@ -131,11 +132,23 @@ class VerifyKV:
 
 @dataclass
 class TreeVerifyForward:
-    """The verify forward in progress: its trees, and the K/V each target layer keeps of the tree rows."""
+    """The verify forward in progress: its trees, and the K/V each target layer keeps of the rows that need
+    masked attention.
+
+    Invariant: :attr:`masked` holds the step's requests whose nodes are not a path; they alone get tree
+    attention and kept K/V. A path's rows sit at their linear positions, so it goes to vLLM's kernel with the
+    requests without drafts, and its accepted branch is already in place.
+    """
 
     step: TreeVerifyStep
-    kept_kv: dict[str, VerifyKV] = field(default_factory=dict)  # by layer name
-    block_table: torch.Tensor | None = None  # [R, max_blocks] of the tree requests, set by the builder
+    kept_kv: dict[str, VerifyKV] = field(default_factory=dict)  # by layer name, rows of ``masked``
+    block_table: torch.Tensor | None = None  # [R', max_blocks] of the masked requests, set by the builder
+    masked: TreeVerifyStep | None = field(init=False)  # None: every tree is a path
+    masked_index: torch.Tensor | None = field(init=False)  # [R] each request's index in ``masked``, -1: a path
+
+    def __post_init__(self) -> None:
+        part = self.step.masked_part()
+        self.masked, self.masked_index = part if part is not None else (None, None)
 
 
 @dataclass

@@ -57,6 +57,13 @@ class TreeRequest:
     def num_nodes(self) -> int:
         return len(self.tokens)
 
+    @property
+    def is_path(self) -> bool:
+        """The nodes are one path from the root (node ``j``'s parent is node ``j - 1``): row ``j`` sits at its
+        linear position ``P + j``, so causal attention over the cache is its tree attention and any accepted
+        branch is already in place."""
+        return self.parents == list(range(-1, self.num_nodes - 1))
+
 
 @dataclass
 class TreeVerifyStep:
@@ -86,6 +93,17 @@ class TreeVerifyStep:
 
     def __len__(self) -> int:
         return len(self.requests)
+
+    def masked_part(self) -> tuple[TreeVerifyStep, torch.Tensor] | None:
+        """The requests that need masked tree attention (those whose nodes are not a path,
+        :attr:`TreeRequest.is_path`) as their own step, and each request's index in it (-1 for paths); None
+        when every request is a path."""
+        masked = [request for request in self.requests if not request.is_path]
+        if not masked:
+            return None
+        is_masked = torch.tensor([not request.is_path for request in self.requests])
+        index = torch.where(is_masked, is_masked.long().cumsum(0) - 1, -1)
+        return (self if len(masked) == len(self.requests) else TreeVerifyStep(masked, self.device)), index
 
     def attention_rows(self) -> torch.Tensor:
         """``[R, W]`` flattened forward row of every query of every tree request (padding repeats the root)."""
@@ -166,6 +184,13 @@ class AcceptedBranch:
 
     def __len__(self) -> int:
         return int(self.request_index.numel())
+
+    def out_of_place(self, prefix_lens: torch.Tensor) -> AcceptedBranch:
+        """The nodes whose query row is not already their destination (``source_column != destination - P``,
+        ``prefix_lens`` per request of the step): only their K/V must move; the others' linear slots hold it."""
+        keep = self.source_column != self.destination - prefix_lens[self.request_index]
+        return AcceptedBranch(*(x[keep] for x in (self.request_index, self.source_column, self.destination,
+                                                  self.tokens)))
 
     def to(self, device: torch.device) -> AcceptedBranch:
         return AcceptedBranch(*(x.to(device) for x in (self.request_index, self.source_column, self.destination,

@@ -4,8 +4,8 @@
 overridden through vLLM's ``register_backend``). It is vLLM's backend unchanged except for the two kinds of
 tree forward (:mod:`~vllm_easyspec.integration.tree_attention`):
 
-* **target verify** (:class:`TreeVerifyMetadata`): each tree request's ``1 + n`` rows attend, in one masked
-  SDPA per layer, to its cached prefix (read with the layout probed at start-up,
+* **target verify** (:class:`TreeVerifyMetadata`): the ``1 + n`` rows of each tree that is not a path
+  (paths go to the C++ kernel with the requests without drafts) attend, in one masked SDPA per layer, to its cached prefix (read with the layout probed at start-up,
   :mod:`~vllm_easyspec.integration.cpu.kv_layout`) and to the forward's own K/V of its root and nodes under
   the ancestor mask. The rows' K/V still go to their linear slots as vLLM writes them, and are kept for the
   runner's commit, which writes the accepted branch through vLLM's own ``cpu_attn_reshape_and_cache``.
@@ -65,7 +65,7 @@ class TreeVerifyMetadata:
     """Per-forward metadata of a verify step that contains token trees (shared by all target layers)."""
 
     num_actual_tokens: int
-    chain: Any | None  # vLLM's CPUAttentionMetadata for the requests without trees, or None
+    chain: Any | None  # vLLM's CPUAttentionMetadata for the other requests (paths included), or None
     chain_rows: torch.Tensor | None  # their flattened rows
     forward: TreeVerifyForward
     query_rows: torch.Tensor  # [R, W] flattened row of each query (padding repeats the root)
@@ -74,7 +74,7 @@ class TreeVerifyMetadata:
     single: tuple[int, int] | None  # (first, end) forward rows when the step has one tree request
     tree_mask: torch.Tensor  # [R, W, W]
     prefix_lens: torch.Tensor  # [R] = P, the cached prefix is positions < P
-    block_table: torch.Tensor  # [R, max_blocks] of the tree requests
+    block_table: torch.Tensor  # [R, max_blocks] of the masked tree requests
     gather_plans: dict[Any, GatherPlan] = field(default_factory=dict)  # prefix reads, shared by the layers
     biases: dict[tuple, torch.Tensor] = field(default_factory=dict)  # built once, shared by the layers
 
@@ -99,7 +99,7 @@ class TreeCPUAttentionMetadataBuilder(TreeVerifyBuilderMixin, CPUAttentionMetada
         refuse_unsupported_layers(vllm_config, layer_names, no_window=-1)
 
     def build_verify(self, common_prefix_len, cm, forward: TreeVerifyForward) -> TreeVerifyMetadata:
-        step = forward.step
+        step = forward.masked
         chain, chain_rows = self.build_requests_without_tree(common_prefix_len, cm, step)
         block_table = cm.block_table_tensor[step.batch_rows]
         forward.block_table = block_table

@@ -4,7 +4,7 @@
 TritonAttentionBackend``, overridden through vLLM's ``register_backend`` on CUDA / ROCm only). It is vLLM's
 backend unchanged except for the two kinds of tree forward (:mod:`~vllm_easyspec.integration.tree_attention`):
 
-* **target verify** (:class:`TreeTritonVerifyMetadata`): the tree requests' ``1 + n`` rows go to
+* **target verify** (:class:`TreeTritonVerifyMetadata`): the rows of the trees that are not paths go to
   :func:`vllm_easyspec.kernels.tree_attention.tree_attention_triton` over the layer's FlashAttention-layout
   cache. That kernel reads the rows' own K/V from the cache, where vLLM's ``do_kv_cache_update`` (this
   backend has ``forward_includes_kv_cache_update = False``) has already put them at the linear slots
@@ -52,14 +52,14 @@ class TreeTritonVerifyMetadata:
     All tensors are on the builder's device; ``T`` is the number of tree rows (roots and nodes)."""
 
     num_actual_tokens: int
-    chain: Any | None  # vLLM's TritonAttentionMetadata for the requests without trees, or None
+    chain: Any | None  # vLLM's TritonAttentionMetadata for the other requests (paths included), or None
     chain_rows: torch.Tensor | None  # their flattened rows
     forward: TreeVerifyForward
     tree_rows: torch.Tensor  # [T] flattened forward row of every tree query, request-major
     cu_query_lens: torch.Tensor  # [R + 1] int32: request r owns tree_rows[cu[r]:cu[r + 1]]
     tree_mask: torch.Tensor  # [T, W] bool: request-local ancestor-or-self (root = column 0)
     prefix_lens: torch.Tensor  # [R] int32 = P; query j of request r sits at position P + j of its cache
-    block_table: torch.Tensor  # [R, max_blocks] int32 of the tree requests
+    block_table: torch.Tensor  # [R, max_blocks] int32 of the masked tree requests
     max_query_len: int  # 1 + the largest n
     query_rows: torch.Tensor  # [R, W] flattened row of each query (padding repeats the root), for kept K/V
 
@@ -100,7 +100,7 @@ class TreeTritonAttentionMetadataBuilder(TreeVerifyBuilderMixin, TritonAttention
         refuse_unsupported_layers(vllm_config, layer_names, no_window=(-1, -1))
 
     def build_verify(self, common_prefix_len, cm, forward: TreeVerifyForward) -> TreeTritonVerifyMetadata:
-        step = forward.step
+        step = forward.masked
         chain, chain_rows = self.build_requests_without_tree(common_prefix_len, cm, step)
         device = self.device
         rows = step.attention_rows()
