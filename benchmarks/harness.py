@@ -61,7 +61,7 @@ ROW_FIELDS = (
     "drafting_seconds_per_step", "drafting_share_of_decode", "engine_steps", "step_seconds_per_step",
     "verify_seconds_per_step", "decode_steps", "verify_seconds_per_decode_step",
     "drafting_seconds_per_decode_step", "forward_seconds_per_decode_step", "nodes_per_step",
-    "engine_start_seconds", "controller",
+    "engine_start_seconds", "controller", "tree_stats",
 )  # fmt: skip
 # Timing fields reported as the median over a setup's runs; every other field comes from its first run.
 MEDIAN_FIELDS = (
