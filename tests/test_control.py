@@ -15,6 +15,7 @@ from vllm_easyspec.control.planning import (
     best_first_order,
     choose_depth,
     choose_nodes,
+    path_length,
     running_minimum,
 )
 
@@ -42,6 +43,23 @@ def test_the_cost_model_follows_a_machine_that_slows_down_and_learns_what_calibr
     for _ in range(64):  # steps of one size only: the prediction there is right, whatever the split
         per_row.observe_verify(17, 0.12)
     assert per_row.verify_seconds(17) == pytest.approx(0.12, rel=0.05)
+
+
+def test_the_cost_model_learns_what_a_row_of_a_branching_tree_adds():
+    curve = CostCurve.from_measurements([1, 8, 64], [0.01, 0.02, 0.05])
+    model = StepCostModel(curve, CostCurve.from_measurements([1], [0.005]))
+    rng = random.Random(1)
+    for _ in range(64):  # steps of paths and of branching trees: 1 ms per row, and 4 ms more per masked row
+        rows = rng.randint(4, 24)
+        masked = rng.choice([0, 0, rng.randint(2, rows)])
+        model.observe_verify(rows, curve(rows) + 0.001 * rows + 0.004 * masked, masked)
+    assert model.extra_per_masked_row == pytest.approx(0.004, rel=0.15)
+    assert model.verify_seconds(20, 10) == pytest.approx(curve(20) + 0.02 + 0.04, rel=0.05)
+    assert model.verify_seconds(20) == pytest.approx(curve(20) + 0.02, rel=0.1)
+    flat = StepCostModel(curve, CostCurve.from_measurements([1], [0.005]))
+    for rows in [4, 8, 16] * 20:  # masked rows cost nothing extra (and cannot make the extra negative)
+        flat.observe_verify(rows, curve(rows), rows // 2)
+    assert flat.extra_per_masked_row >= 0 and flat.verify_seconds(16, 8) == pytest.approx(curve(16), rel=0.05)
 
 
 def _features(depth: int, logprob: float | None = -0.1, lookup: bool = False) -> NodeFeatures:
@@ -79,8 +97,23 @@ def test_nodes_are_best_first_and_parents_come_first():
     assert running_minimum([0.5, 0.7, 0.2, 0.4]) == [0.5, 0.5, 0.2, 0.2]
 
 
-def _linear(per_row: float, fixed: float = 0.05):
-    return lambda rows: fixed + per_row * rows
+def _linear(per_row: float, fixed: float = 0.05, per_masked_row: float = 0.0):
+    return lambda rows, masked_rows: fixed + per_row * rows + per_masked_row * masked_rows
+
+
+def test_a_branch_is_chosen_only_when_its_chance_pays_for_masked_attention_over_every_row_of_its_tree():
+    # best first: the top path (nodes 0, 1), then a sibling of node 0 (its parent is the root), then node 1's child
+    parents = [-1, 0, -1, 1]
+    assert path_length(parents) == 2 and path_length([-1, 0, 1]) == 3 and path_length([]) == 0
+    tree = Candidates([0.9, 0.6, 0.4, 0.3], cap=4, path_length=path_length(parents))
+    assert [tree.masked_rows(n) for n in range(5)] == [0, 0, 0, 4, 5]
+    # rows cost 1 ms, masked rows nothing more: the sibling pays (0.4 tokens for 1 ms on a ~55 ms step)
+    assert choose_nodes([tree], _linear(0.001), 0.0) == [4]
+    # a row of a branching tree costs 5 ms more: the sibling would make all 4 rows masked, so the path stays alone
+    assert choose_nodes([tree], _linear(0.001, per_masked_row=0.005), 0.0) == [2]
+    # the same chances as a path never pay the masked cost
+    chain = Candidates([0.9, 0.6, 0.4, 0.3], cap=4, path_length=4)
+    assert choose_nodes([chain], _linear(0.001, per_masked_row=0.005), 0.0) == [4]
 
 
 def test_cheap_rows_buy_every_likely_node_and_expensive_rows_only_the_surest():

@@ -45,6 +45,7 @@ from vllm_easyspec.control.planning import (
     choose_depth,
     choose_nodes,
     node_depths,
+    path_length,
     running_minimum,
 )
 
@@ -157,7 +158,7 @@ class SpeculationController:
                 [tree.features[i] for i in order],
                 [chances[i] for i in order],
             ))
-        candidates = [Candidates(chances, self.max_nodes) for *_, chances in ordered]
+        candidates = [Candidates(chances, self.max_nodes, path_length(parents)) for _, parents, _, chances in ordered]
         counts = choose_nodes(candidates, self.cost.verify_seconds, other_seconds=0.0)
         if self._explore.random() * EXPLORE_EVERY < 1:
             counts = best_nodes(candidates, self._explore.randint(0, 2 * sum(counts) + 1))
@@ -205,8 +206,8 @@ class SpeculationController:
             for req_id in [r for r in state if r not in live]:
                 del state[req_id]
 
-    def observe_verify(self, rows: int, seconds: float) -> None:
-        self.cost.observe_verify(rows, seconds)
+    def observe_verify(self, rows: int, seconds: float, masked_rows: int = 0) -> None:
+        self.cost.observe_verify(rows, seconds, masked_rows)
 
     def observe_draft(self, levels: int, rows_per_level: int, seconds: float) -> None:
         self.cost.observe_draft(levels, rows_per_level, seconds)

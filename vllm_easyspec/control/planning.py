@@ -1,8 +1,9 @@
 """Choosing how much each request speculates in one step, to maximise the batch's expected tokens per second.
 
 A step emits, per request, its accepted nodes plus one token; it costs the target's verify over every row of
-the batch (one per request plus one per chosen node) and, when it drafts, the drafter's first pass and level
-forwards. So for chosen nodes ``S`` the step's rate is ``(B + sum of P(v accepted) over S) / (verify(B + |S|) + draft)``.
+the batch (one per request plus one per chosen node; the rows of a request whose chosen nodes branch need masked
+tree attention, a path's rows do not) and, when it drafts, the drafter's first pass and level forwards. So for
+chosen nodes ``S`` the step's rate is ``(B + sum of P(v accepted) over S) / (verify(B + |S|, masked rows) + draft)``.
 
 * :func:`choose_depth` runs before drafting: how deep to draft (``depth`` ``d`` costs the first pass and
   ``d - 1`` level forwards), from each request's recent acceptance by depth and the nodes the choice after
@@ -29,6 +30,21 @@ class Candidates:
 
     chances: list[float]
     cap: int  # the most nodes this request may verify
+    path_length: int | None = None  # how many first nodes are one path from the root (None: all of them)
+
+    def masked_rows(self, count: int) -> int:
+        """Rows needing masked tree attention when this request verifies its first ``count`` nodes: none for a
+        path, else all ``1 + count``."""
+        return 0 if self.path_length is None or count <= self.path_length else 1 + count
+
+
+def path_length(parents: Sequence[int]) -> int:
+    """How many first nodes of a tree (parents first) are one path from the root: node ``j``'s parent is
+    ``j - 1``."""
+    for index, parent in enumerate(parents):
+        if parent != index - 1:
+            return index
+    return len(parents)
 
 
 def node_depths(parents: Sequence[int]) -> list[int]:
@@ -72,28 +88,35 @@ def best_nodes(candidates: Sequence[Candidates], total: int) -> list[int]:
     return chosen
 
 
-def _best_total(candidates: Sequence[Candidates], verify_seconds: Callable[[int], float],
+VerifySeconds = Callable[[int, int], float]  # (rows, rows needing masked tree attention) -> seconds
+
+
+def _best_total(candidates: Sequence[Candidates], verify_seconds: VerifySeconds,
                 other_seconds: float) -> tuple[int, float]:
     """(count, rate): the number of the batch's most likely nodes, at least one, with the best predicted rate
-    ``(B + gain) / (verify(B + count) + other_seconds)``; (0, 0.0) when no node is offered."""
+    ``(B + gain) / (verify(B + count, masked rows) + other_seconds)``; (0, 0.0) when no node is offered."""
     batch = len(candidates)
-    best_count, best_rate, gain = 0, 0.0, 0.0
-    for count, (chance, _, _) in enumerate(_offered(candidates), start=1):
+    chosen = [0] * batch
+    best_count, best_rate, gain, masked = 0, 0.0, 0.0, 0
+    for count, (chance, request, _) in enumerate(_offered(candidates), start=1):
         gain += chance
-        rate = (batch + gain) / (verify_seconds(batch + count) + other_seconds)
+        c = candidates[request]
+        masked += c.masked_rows(chosen[request] + 1) - c.masked_rows(chosen[request])
+        chosen[request] += 1
+        rate = (batch + gain) / (verify_seconds(batch + count, masked) + other_seconds)
         if rate > best_rate:
             best_count, best_rate = count, rate
     return best_count, best_rate
 
 
-def choose_nodes(candidates: Sequence[Candidates], verify_seconds: Callable[[int], float],
+def choose_nodes(candidates: Sequence[Candidates], verify_seconds: VerifySeconds,
                  other_seconds: float) -> list[int]:
-    """How many of its candidates each request verifies (module docstring). ``verify_seconds(rows)``: the
-    target's verify over ``rows`` rows; ``other_seconds``: the rest of the step, whatever is chosen (drafting
-    already spent)."""
+    """How many of its candidates each request verifies (module docstring). ``verify_seconds(rows, masked)``:
+    the target's verify over ``rows`` rows, ``masked`` of them in branching trees; ``other_seconds``: the rest
+    of the step, whatever is chosen (drafting already spent)."""
     batch = len(candidates)
     count, rate = _best_total(candidates, verify_seconds, other_seconds)
-    if rate <= batch / (verify_seconds(batch) + other_seconds):
+    if rate <= batch / (verify_seconds(batch, 0) + other_seconds):
         count = 0
     return best_nodes(candidates, count)
 
@@ -107,19 +130,19 @@ class DepthPlan:
 
 
 def choose_depth(expected_by_depth: Sequence[Sequence[float]], max_depth: int, cap: int,
-                 verify_seconds: Callable[[int], float], draft_seconds: Callable[[int], float]) -> DepthPlan:
+                 verify_seconds: VerifySeconds, draft_seconds: Callable[[int], float]) -> DepthPlan:
     """The drafting depth in ``1..max_depth`` with the best predicted rate, or ``nodes == 0`` (at depth 1) when
     no depth beats drafting nothing. ``expected_by_depth[i][j]``: request ``i``'s chance to accept at least
     ``j + 1`` tokens when offered that depth; ``cap``: the most nodes a request verifies;
-    ``verify_seconds(rows)``: the target's verify; ``draft_seconds(depth)``: drafting that deep (first pass
-    included).
+    ``verify_seconds(rows, masked)``: the target's verify; ``draft_seconds(depth)``: drafting that deep (first
+    pass included).
 
     A depth is judged by the nodes it would verify, each request's candidates taken as the chain of its chances,
     against a step that drafts nothing and verifies ``B`` rows: drafting is paid only when nodes are verified, so
     a level whose nodes would not be verified (they cost more rows than they gain, as at a large batch) is not
     drafted, and neither is a first pass whose nodes do not repay it."""
     batch = len(expected_by_depth)
-    best, best_rate = DepthPlan(1, 0), batch / verify_seconds(batch)
+    best, best_rate = DepthPlan(1, 0), batch / verify_seconds(batch, 0)
     for depth in range(1, max_depth + 1):
         candidates = [Candidates(running_minimum(rates[:depth]), cap) for rates in expected_by_depth]
         count, rate = _best_total(candidates, verify_seconds, draft_seconds(depth))

@@ -51,7 +51,7 @@ class TreeRunnerMixin:
 
     tree_verifier: TreeVerifier | None = None
     tree_sampler: TreeRejectionSampler | None = None
-    _step_clock: tuple[float, int] | None = None  # auto: (start, rows) of a decode step's verify in progress
+    _step_clock: tuple[float, int, int] | None = None  # auto: (start, rows, masked rows) of a decode step's verify
     _controller_publisher: ControllerPublisher | None = None  # auto, tensor-parallel rank 0: to vLLM's metrics
     _step_trace: str | None = None  # VLLM_EASYSPEC_STEP_TRACE: where tree verify steps are traced
 
@@ -89,7 +89,10 @@ class TreeRunnerMixin:
             decode_only = not scheduler_output.scheduled_new_reqs and all(
                 count == 1 + len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
                 for req_id, count in scheduler_output.num_scheduled_tokens.items())
-            self._step_clock = (started, scheduler_output.total_num_scheduled_tokens) if decode_only else None
+            forward = self.tree_verifier.forward
+            masked_rows = 0 if forward is None or forward.masked is None else int(forward.masked.num_queries.sum())
+            self._step_clock = ((started, scheduler_output.total_num_scheduled_tokens, masked_rows) if decode_only
+                                else None)
         return result
 
     # Extends GPUModelRunner._build_attention_metadata: tree requests get tree-attention metadata.
@@ -119,10 +122,10 @@ class TreeRunnerMixin:
             self._commit(forward, verdict)
             output = verdict.sampler_output
         if self._step_clock is not None and verifier.controller is not None:  # auto: keep the cost model current
-            started, rows = self._step_clock
+            started, rows, masked_rows = self._step_clock
             if output.sampled_token_ids.is_cuda:
                 torch.cuda.synchronize(output.sampled_token_ids.device)
-            verifier.controller.observe_verify(rows, time.perf_counter() - started)
+            verifier.controller.observe_verify(rows, time.perf_counter() - started, masked_rows)
             self._step_clock = None
         return output
 
