@@ -54,6 +54,8 @@ def test_the_cost_model_learns_what_a_row_of_a_branching_tree_adds():
         masked = rng.choice([0, 0, rng.randint(2, rows)])
         model.observe_verify(rows, curve(rows) + 0.001 * rows + 0.004 * masked, masked)
     assert model.extra_per_masked_row == pytest.approx(0.004, rel=0.15)
+    # plain floats: the fit travels in the engine's outputs, which vLLM's encoder refuses numpy scalars in
+    assert all(type(x) is float for x in (model.verify_scale, model.extra_per_row, model.extra_per_masked_row))
     assert model.verify_seconds(20, 10) == pytest.approx(curve(20) + 0.02 + 0.04, rel=0.05)
     assert model.verify_seconds(20) == pytest.approx(curve(20) + 0.02, rel=0.1)
     flat = StepCostModel(curve, CostCurve.from_measurements([1], [0.005]))

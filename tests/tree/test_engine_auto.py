@@ -43,8 +43,6 @@ def test_auto_trees_equal_vanilla(llm_pool, tree_llama_dir, tiny_llama_draft_dir
     assert all(t > 0 for t in stats["verify_curve"]["seconds"])
     assert stats["calibration_conditional"] and stats["calibration_path"]
     assert tree["accepted"] > 0 and tree["chain_fallbacks"] == 0
-    # tree steps mixed paths (vLLM's kernel, branch in place) with trees (masked attention, branch moved)
-    assert 0 < tree["path_requests"] < tree["tree_requests"]
     # vLLM's metrics show the same controller (the worker's snapshot, read by the front end's collector)
     seen = {m.name: m for m in llm.get_metrics() if m.name.startswith("vllm:easyspec_auto_")}
     assert seen["vllm:easyspec_auto_steps"].value == stats["steps"]

@@ -101,12 +101,16 @@ def test_a_draft_equal_to_the_target_gets_its_whole_top_path_accepted_in_a_batch
     assert counters.accepted_per_position[:depth] == (counters.num_drafts,) * depth
 
 
-def test_prompt_lookup_nodes_merged_into_trees_are_accepted_and_exact(llm_pool, tree_llama_dir, tiny_llama_draft_dir):
+@pytest.mark.parametrize("choices", [[[0], [1], [0, 0]], [[0], [0, 0], [0, 0, 0]]], ids=["branching", "path"])
+def test_prompt_lookup_nodes_merged_into_trees_are_accepted_and_exact(llm_pool, tree_llama_dir, tiny_llama_draft_dir,
+                                                                     choices):
     """``sources.prompt_lookup`` merges the continuation of the latest earlier n-gram match into every tree.
     The tiny target's greedy outputs fall into loops, which lookup predicts, so merged nodes get accepted
-    (they would not, with a wrong history); outputs still equal vanilla's in a mixed batch."""
+    (they would not, with a wrong history); outputs still equal vanilla's in a mixed batch. Merged into a
+    drafted path, lookup branches some requests' trees and leaves the others paths: one step then verifies
+    paths through vLLM's kernel (their branch already in place) beside masked trees (their branch moved)."""
     vanilla = _vanilla(llm_pool, tree_llama_dir, "mixed", MIXED)
-    tree = {"choices": [[0], [1], [0, 0]], "sources": {"prompt_lookup": {"nodes": 4, "min_match": 1, "max_match": 3}}}
+    tree = {"choices": choices, "sources": {"prompt_lookup": {"nodes": 4, "min_match": 1, "max_match": 3}}}
     llm = llm_pool.get(tree_llama_dir, speculative_config=_spec(tiny_llama_draft_dir),
                        additional_config={"easyspec": {"tree": tree}})
     before = llm.collective_rpc(read_tree_stats)[0]
@@ -116,6 +120,9 @@ def test_prompt_lookup_nodes_merged_into_trees_are_accepted_and_exact(llm_pool, 
     accepted = stats["source_nodes_accepted"] - before["source_nodes_accepted"]
     assert stats["chain_fallbacks"] == 0
     assert 0 < accepted <= stats["accepted"] - before["accepted"] and 0 < accepted <= added
+    if choices[1] == [0, 0]:
+        paths = stats["path_requests"] - before["path_requests"]
+        assert 0 < paths < stats["tree_requests"] - before["tree_requests"]
 
 
 def test_tree_size_follows_the_batch_and_outputs_stay_exact(llm_pool, tree_llama_dir, tiny_llama_draft_dir):

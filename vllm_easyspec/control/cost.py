@@ -126,7 +126,7 @@ class StepCostModel:
             loss = float(((design @ coefficients - seconds) ** 2).sum() + ((weight * (coefficients - prior)) ** 2).sum())
             if best is None or loss < best[0]:
                 best = (loss, coefficients)
-        scale, per_row, per_masked_row = best[1]  # the scale-only fit always qualifies
+        scale, per_row, per_masked_row = (float(x) for x in best[1])  # the scale-only fit always qualifies
         self.verify_scale, self.extra_per_row, self.extra_per_masked_row = max(scale, 0.05), per_row, per_masked_row
 
     def observe_draft(self, levels: int, rows_per_level: int, seconds: float) -> None:

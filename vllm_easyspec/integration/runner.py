@@ -209,9 +209,9 @@ class TreeRunnerMixin:
         rows, positions = step.row_positions()
         self.positions[rows.to(self.positions.device)] = positions.to(self.positions.device, self.positions.dtype)
         verifier.forward = TreeVerifyForward(step)
+        stats.path_requests += len(step) - (0 if verifier.forward.masked is None else len(verifier.forward.masked))
         stats.steps += 1
         stats.tree_requests += len(requests)
-        stats.path_requests += sum(request.is_path for request in requests)
         stats.nodes_verified += int(step.trees.num_nodes.sum())
 
     def _start_controller(self, tree: TreeConfig) -> SpeculationController:
