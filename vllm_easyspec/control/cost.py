@@ -108,7 +108,8 @@ class StepCostModel:
     def _fit_verify(self) -> None:
         """``scale``, ``extra_per_row`` and ``extra_per_masked_row`` by least squares over the recent steps, each
         weakly pulled towards (1, 0, 0), which keeps them determined when every step had the same rows; of the
-        fits whose extras are not negative (some extras left out), the one closest to the steps."""
+        fits whose extras are not negative (some extras left out), the one closest to the steps. The fits are
+        nested, so a feasible fit with both extras is that one and the others are not computed."""
         design = np.array([(self.verify(rows), rows, masked) for rows, masked, _ in self._verify_steps], dtype=float)
         seconds = np.array([s for *_, s in self._verify_steps], dtype=float)
         prior = np.array([1.0, 0.0, 0.0])
@@ -126,6 +127,8 @@ class StepCostModel:
             loss = float(((design @ coefficients - seconds) ** 2).sum() + ((weight * (coefficients - prior)) ** 2).sum())
             if best is None or loss < best[0]:
                 best = (loss, coefficients)
+            if len(extras) == 2:  # the unrestricted fit is feasible: no restriction of it fits closer
+                break
         scale, per_row, per_masked_row = (float(x) for x in best[1])  # the scale-only fit always qualifies
         self.verify_scale, self.extra_per_row, self.extra_per_masked_row = max(scale, 0.05), per_row, per_masked_row
 

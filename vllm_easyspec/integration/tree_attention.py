@@ -93,8 +93,8 @@ SUB_BATCH_FIELDS: dict[str, SubBatchField] = {
 
 def split_verify_batch(cm, step: TreeVerifyStep):
     """The requests of ``cm`` (vLLM's ``CommonAttentionMetadata``) that are not in ``step`` (the trees that need
-    masked attention), as their own
-    ``CommonAttentionMetadata`` with their flattened rows in the full batch; ``(None, None)`` if none has a row.
+    masked attention), as their own ``CommonAttentionMetadata`` with their flattened rows in the full batch;
+    ``(None, None)`` if none has a row.
 
     Every field is carried as :data:`SUB_BATCH_FIELDS` says; ``max_seq_len`` uses the CPU upper bound when
     the runner gives one (no device sync), and requests with no rows (CUDA-graph padding) never make a

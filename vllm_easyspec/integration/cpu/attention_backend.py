@@ -5,9 +5,9 @@ overridden through vLLM's ``register_backend``). It is vLLM's backend unchanged 
 tree forward (:mod:`~vllm_easyspec.integration.tree_attention`):
 
 * **target verify** (:class:`TreeVerifyMetadata`): the ``1 + n`` rows of each tree that is not a path
-  (paths go to the C++ kernel with the requests without drafts) attend, in one masked SDPA per layer, to its cached prefix (read with the layout probed at start-up,
-  :mod:`~vllm_easyspec.integration.cpu.kv_layout`) and to the forward's own K/V of its root and nodes under
-  the ancestor mask. The rows' K/V still go to their linear slots as vLLM writes them, and are kept for the
+  (paths go to the C++ kernel with the requests without drafts) attend, in one masked SDPA per layer, to its
+  cached prefix (read with the layout probed at start-up, :mod:`~vllm_easyspec.integration.cpu.kv_layout`)
+  and to the forward's own K/V of its root and nodes under the ancestor mask. The rows' K/V still go to their linear slots as vLLM writes them, and are kept for the
   runner's commit, which writes the accepted branch through vLLM's own ``cpu_attn_reshape_and_cache``.
 * **draft level**: the draft prefix is read through the same layout reader.
 
