@@ -94,6 +94,17 @@ class Workload:
     kv_cache_gib: int = 2
 
 
+@dataclass
+class Cell:
+    """One measured workload of a matrix run (``run_matrix``): ``prompts`` served ``batch_size`` at a time, a
+    finished request's place taken by the next prompt, as a server with ``batch_size`` clients would."""
+
+    name: str
+    prompts: list[str]
+    batch_size: int
+    max_tokens: int
+
+
 DEFAULT_PROMPT_KINDS = ("chat", "code", "math")  # the default mix; "edit" prompts are asked for by name
 
 
@@ -165,6 +176,51 @@ def run_setups(
     rows = finalize_rows(raw, order=names)
     report_identity(rows)
     return rows
+
+
+def run_matrix(
+    setups: list[Setup], workload: Workload, cells: list[Cell], repeats: int = DEFAULT_REPEATS,
+    runs_file: Path | None = None, progress: bool = True,
+) -> dict[str, list[dict[str, Any]]]:
+    """Like ``run_setups``, but each engine process times every cell in turn (engine start-up is paid once per
+    process, not per cell); the engine's ``max_num_seqs`` is ``workload.batch_size``, at least every cell's
+    batch. Returns one list of rows per cell, each aggregated exactly as ``run_setups`` aggregates its runs.
+
+    ``runs_file`` (JSON lines) keeps every finished run; a run already there is not run again, so an
+    interrupted matrix resumes where it stopped."""
+    names = [s.name for s in setups]
+    if len(set(names)) != len(names):
+        raise ValueError(f"setup names must be unique, got {names}")
+    if max(cell.batch_size for cell in cells) > workload.batch_size:
+        raise ValueError(f"workload.batch_size {workload.batch_size} is below a cell's batch")
+    by_name = {s.name: s for s in setups}
+    done: dict[tuple[int, str], dict[str, Any]] = {}
+    if runs_file is not None and runs_file.exists():
+        for line in runs_file.read_text().splitlines():
+            run = json.loads(line)
+            if run["setup"] in by_name and set(run["cells"]) >= {cell.name for cell in cells}:
+                done[(run["round"], run["setup"])] = run
+    schedule = interleaved_order(names, repeats)
+    bar = tqdm(schedule, desc="runs", unit="run", disable=not progress)
+    raw = []
+    for round_index, name in bar:
+        bar.set_postfix_str(f"{name} (round {round_index + 1}/{repeats})")
+        run = done.get((round_index, name))
+        if run is None:
+            record_top_logits = name == VANILLA and round_index == 0
+            run = _run_in_child(by_name[name], workload, round_index, record_top_logits, cells) | {
+                "round": round_index}
+            if runs_file is not None:
+                with runs_file.open("a") as out:
+                    out.write(json.dumps(run) + "\n")
+        raw.append(run)
+    rows_by_cell = {}
+    for cell in cells:
+        rows = finalize_rows([run["cells"][cell.name] | {"round": run["round"]} for run in raw], order=names)
+        print(f"-- {cell.name}")
+        report_identity(rows)
+        rows_by_cell[cell.name] = rows
+    return rows_by_cell
 
 
 def spread(values: list[float]) -> tuple[float, float, float]:
@@ -389,14 +445,16 @@ def report_identity(rows: list[dict[str, Any]]) -> int:
 
 
 def _run_in_child(
-    setup: Setup, workload: Workload, round_index: int = 0, record_top_logits: bool = False
+    setup: Setup, workload: Workload, round_index: int = 0, record_top_logits: bool = False,
+    cells: list[Cell] | None = None,
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="easyspec-bench-") as scratch:
         request = Path(scratch) / "request.json"
         result = Path(scratch) / "result.json"
         request.write_text(
             json.dumps(
-                {"setup": asdict(setup), "workload": asdict(workload), "record_top_logits": record_top_logits}
+                {"setup": asdict(setup), "workload": asdict(workload), "record_top_logits": record_top_logits,
+                 "cells": [asdict(cell) for cell in cells or []]}
             )
         )
         env = os.environ | engine_env(setup.tensor_parallel_size) | setup.env
@@ -417,21 +475,32 @@ def _run_in_child(
 
 
 def _child_main(request_path: Path, result_path: Path) -> None:
-    """Runs inside the child process: build the engine, warm up, time one generate call."""
-    from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    from vllm_easyspec.instruments.metrics import read_spec_decode_counters
-    from vllm_easyspec.instruments.worker_extension import WORKER_EXTENSION_CLS
-    from vllm_easyspec.models import prompt_token_ids
-
+    """Runs inside the child process: build the engine, then time the workload, or each of its cells."""
     request = json.loads(request_path.read_text())
     setup = Setup(**request["setup"])
     workload = Workload(**request["workload"])
     record_top_logits = bool(request.get("record_top_logits"))
-    tokenizer = AutoTokenizer.from_pretrained(workload.target)
-    prompt_ids = [prompt_token_ids(tokenizer, text) for text in workload.prompts]
+    llm, engine_start = _start_engine(setup, workload)
+    cells = [Cell(**cell) for cell in request.get("cells") or []]
+    if not cells:
+        result = _measure(llm, setup, workload, Cell("", workload.prompts, workload.batch_size, workload.max_tokens),
+                          record_top_logits, limit_in_flight=False)
+        result["engine_start_seconds"] = engine_start
+    else:
+        result = {"setup": setup.name, "cells": {}}
+        for cell in cells:
+            llm.reset_prefix_cache()  # every cell starts as the first would, whatever ran before it
+            measured = _measure(llm, setup, workload, cell, record_top_logits, limit_in_flight=True)
+            result["cells"][cell.name] = measured | {"engine_start_seconds": engine_start}
+    result_path.write_text(json.dumps(result))
+
+
+def _start_engine(setup: Setup, workload: Workload) -> tuple[Any, float]:
+    """The setup's engine with the step and drafting timers on; its start-up seconds."""
+    from vllm import LLM
+
+    from vllm_easyspec.instruments.worker_extension import WORKER_EXTENSION_CLS
+
     engine_options: dict[str, Any] = {}
     if setup.name == VANILLA:
         # Every vanilla run gets the same engine; without a logprobs request this mode costs nothing.
@@ -456,15 +525,34 @@ def _child_main(request_path: Path, result_path: Path) -> None:
     if setup.speculative_config:
         llm.collective_rpc("easyspec_time_drafter")  # drafting time for vLLM's own proposers too
     llm.collective_rpc("easyspec_time_steps")  # whole engine steps, every setup
-    params = SamplingParams(temperature=workload.temperature, max_tokens=workload.max_tokens, seed=0)
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
+    return llm, engine_start
+
+
+def _measure(llm, setup: Setup, workload: Workload, cell: Cell, record_top_logits: bool,
+             limit_in_flight: bool) -> dict[str, Any]:
+    """Warm up, then time one generate over ``cell``'s prompts (at most ``cell.batch_size`` in flight when
+    ``limit_in_flight``, else as many as the engine's ``max_num_seqs``); counters are differences of
+    snapshots around the timed call."""
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_easyspec.instruments.metrics import read_spec_decode_counters
+    from vllm_easyspec.models import prompt_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(workload.target)
+    prompts = [TokensPrompt(prompt_token_ids=prompt_token_ids(tokenizer, text)) for text in cell.prompts]
+    in_flight = cell.batch_size if limit_in_flight else None
+    params = SamplingParams(temperature=workload.temperature, max_tokens=cell.max_tokens, seed=0)
     warm_up = SamplingParams(temperature=0.0, max_tokens=8)
     llm.generate(prompts[:1], warm_up, use_tqdm=False)
     drafting_before = _drafting_seconds_and_steps(llm)
     steps_before = _step_stats(llm)
     counters_before = read_spec_decode_counters(llm)
+    controller_before = llm.collective_rpc("easyspec_controller_stats")[0]
+    tree_before = llm.collective_rpc("easyspec_tree_stats")[0]
     started = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = _generate(llm, prompts, params, in_flight)
     generate_seconds = time.perf_counter() - started
     counters = read_spec_decode_counters(llm) - counters_before
     steps_after = _step_stats(llm)
@@ -489,13 +577,13 @@ def _child_main(request_path: Path, result_path: Path) -> None:
         "draft": Path(spec["model"]).name if spec.get("model") else None,
         "method": spec.get("method", "none") if spec else "none",
         "num_speculative_tokens": spec.get("num_speculative_tokens"),
-        "batch_size": workload.batch_size,
+        "batch_size": cell.batch_size,
         "tensor_parallel_size": setup.tensor_parallel_size,
         "dtype": workload.dtype,
         "logits_dtype": str(llm.model_config.dtype).removeprefix("torch."),
         "temperature": workload.temperature,
         "num_prompts": len(prompts),
-        "max_tokens": workload.max_tokens,
+        "max_tokens": cell.max_tokens,
         "output_tokens": output_tokens,
         "generate_seconds": generate_seconds,
         "decode_seconds": decode_seconds,
@@ -509,29 +597,85 @@ def _child_main(request_path: Path, result_path: Path) -> None:
         "drafting_seconds_per_step": drafting_seconds_per_step,
         "drafting_share_of_decode": drafting_share,
         **_step_split(steps_before, steps_after),
-        "engine_start_seconds": engine_start,
         "token_ids": token_ids,
-        # easyspec.tree.auto: the controller's counters, cost curves and calibration (None without it)
-        "controller": llm.collective_rpc("easyspec_controller_stats")[0],
-        # easyspec.tree: the runner's counters (tree steps, chain steps, paths in tree steps; None without trees)
-        "tree_stats": llm.collective_rpc("easyspec_tree_stats")[0],
+        # easyspec.tree.auto: the controller's counters over the timed call, its cost curves and calibration
+        # tables as they stand after it (None without it)
+        "controller": counter_delta(controller_before, llm.collective_rpc("easyspec_controller_stats")[0]),
+        # easyspec.tree: the runner's counters over the timed call (tree steps, chain steps, paths in tree steps;
+        # None without trees)
+        "tree_stats": counter_delta(tree_before, llm.collective_rpc("easyspec_tree_stats")[0]),
     }
     if record_top_logits:
-        # Untimed replay of the timed request under the same conditions (empty prefix cache, same warm-up),
-        # asking for vanilla's top raw logits at every output position.
+        # Untimed replay of the timed request under the same conditions (empty prefix cache, same warm-up,
+        # same requests in flight), asking for vanilla's top raw logits at every output position.
         llm.reset_prefix_cache()
         llm.generate(prompts[:1], warm_up, use_tqdm=False)
         params_top = SamplingParams(
             temperature=workload.temperature,
-            max_tokens=workload.max_tokens,
+            max_tokens=cell.max_tokens,
             seed=0,
             logprobs=TOP_LOGITS_RECORDED,
         )
-        with_logprobs = llm.generate(prompts, params_top, use_tqdm=False)
+        with_logprobs = _generate(llm, prompts, params_top, in_flight)
         replay_ids = [list(o.outputs[0].token_ids) for o in with_logprobs]
         result["logprobs_tokens_match"] = replay_ids == token_ids
         result["vanilla_top"] = [_top_logits_per_position(o.outputs[0].logprobs) for o in with_logprobs]
-    result_path.write_text(json.dumps(result))
+    return result
+
+
+def _generate(llm, prompts: list[Any], params: Any, in_flight: int | None) -> list[Any]:
+    """``llm.generate``'s outputs in prompt order; with ``in_flight``, at most that many requests run at once,
+    each finished one replaced by the next prompt."""
+    if in_flight is None or in_flight >= len(prompts):
+        return llm.generate(prompts, params, use_tqdm=False)
+    engine = llm.llm_engine
+    waiting = list(enumerate(prompts))
+    index_of: dict[str, int] = {}
+    outputs: dict[int, Any] = {}
+
+    def submit() -> None:
+        index, prompt = waiting.pop(0)
+        external = f"cell-{index}-{time.monotonic_ns()}"
+        index_of[external] = index
+        index_of[engine.add_request(external, prompt, params)] = index
+
+    for _ in range(in_flight):
+        submit()
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                outputs[index_of[output.request_id]] = output
+                if waiting:
+                    submit()
+    if len(outputs) != len(prompts):
+        raise RuntimeError(f"{len(outputs)} of {len(prompts)} requests finished")
+    return [outputs[i] for i in range(len(prompts))]
+
+
+def counter_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``after`` with every number (and every number inside a flat dict of numbers) replaced by its increase
+    since ``before``; other values (curves, tables, scales) as they stand in ``after``."""
+    if after is None or before is None:
+        return after
+
+    def is_number(value: Any) -> bool:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+
+    delta: dict[str, Any] = {}
+    for key, value in after.items():
+        old = before.get(key)
+        if is_number(value) and is_number(old) and key not in NON_COUNTERS:
+            delta[key] = value - old
+        elif isinstance(value, dict) and isinstance(old, dict) and all(map(is_number, value.values())):
+            keys = set(value) | set(old)
+            delta[key] = {k: value.get(k, 0) - old.get(k, 0) for k in sorted(keys, key=str)}
+        else:
+            delta[key] = value
+    return delta
+
+
+# Numbers in the controller's stats that are states, not counters: reported as they stand.
+NON_COUNTERS = ("realised_over_predicted",)
 
 
 def _top_logits_per_position(logprobs) -> list[list[list[float]]]:

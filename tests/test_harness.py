@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import pytest
 
+import benchmarks.harness as harness
 from benchmarks.harness import (
+    Cell,
     Setup,
+    Workload,
     classify_identity,
+    counter_delta,
     finalize_rows,
     identity_cell,
     identity_failures,
     interleaved_order,
     markdown_table,
     near_tie_threshold,
+    run_matrix,
     select_setups,
     spread,
     ulp,
@@ -189,3 +194,51 @@ def test_one_divergence_per_prompt_and_the_worst_wins():
     assert [d["prompt"] for d in verdict["divergences"]] == [0, 1]
     assert [d["near_tie"] for d in verdict["divergences"]] == [True, False]  # prompt 1: 2 vs 9 at margin 24
     assert verdict["identity"] == "FAILED"
+
+
+# ---- matrix runs ----
+
+
+def test_counter_delta_subtracts_counters_and_keeps_states():
+    before = {"steps": 3, "seconds": 0.5, "nodes_per_request": {0: 2, 1: 1}, "realised_over_predicted": 0.9,
+              "verify_curve": {"rows": [1, 2], "seconds": [0.1, 0.2]}, "flag": True}
+    after = {"steps": 10, "seconds": 2.0, "nodes_per_request": {0: 2, 1: 4, 2: 1}, "realised_over_predicted": 1.1,
+             "verify_curve": {"rows": [1, 2], "seconds": [0.1, 0.3]}, "flag": True}
+    delta = counter_delta(before, after)
+    assert delta["steps"] == 7 and delta["seconds"] == 1.5
+    assert delta["nodes_per_request"] == {0: 0, 1: 3, 2: 1}
+    assert delta["realised_over_predicted"] == 1.1  # a state, not a counter
+    assert delta["verify_curve"] == after["verify_curve"] and delta["flag"] is True
+    assert counter_delta(None, after) is after and counter_delta(before, None) is None
+
+
+def test_a_matrix_aggregates_each_cell_and_resumes_from_its_runs_file(tmp_path, monkeypatch):
+    cells = [Cell("chat-b1", ["p"] * 4, 1, 8), Cell("chat-b4", ["p"] * 8, 4, 8)]
+    speeds = {("vanilla", "chat-b1"): 10.0, ("vanilla", "chat-b4"): 30.0,
+              ("spec", "chat-b1"): 20.0, ("spec", "chat-b4"): 27.0}
+    called = []
+
+    def fake_child(setup, workload, round_index, record_top_logits, cells_asked):
+        called.append((round_index, setup.name))
+        assert [c.name for c in cells_asked] == ["chat-b1", "chat-b4"] and workload.batch_size == 4
+        factor = 1.0 + 0.1 * round_index
+        return {"setup": setup.name, "cells": {c.name: _raw(setup.name, factor * speeds[setup.name, c.name],
+                                                             [[1, 2]]) for c in cells_asked}}
+
+    monkeypatch.setattr(harness, "_run_in_child", fake_child)
+    runs = tmp_path / "runs.jsonl"
+    setups = [Setup("vanilla"), Setup("spec")]
+    workload = Workload(target="t", prompts=[], batch_size=4)
+    first = run_matrix(setups, workload, cells, repeats=2, runs_file=runs, progress=False)
+    assert called == [(0, "vanilla"), (0, "spec"), (1, "spec"), (1, "vanilla")]
+    assert len(runs.read_text().splitlines()) == 4
+    spec_b1 = first["chat-b1"][1]
+    assert spec_b1["repeats"] == 2 and spec_b1["decode_tok_per_s_runs"] == [20.0, 22.0]
+    assert spec_b1["speedup_vs_vanilla"] == pytest.approx(21.0 / 10.5)
+    assert first["chat-b4"][1]["speedup_vs_vanilla"] == pytest.approx(28.35 / 31.5)
+    called.clear()
+    again = run_matrix(setups, workload, cells, repeats=3, runs_file=runs, progress=False)
+    assert called == [(2, "vanilla"), (2, "spec")]  # rounds 0 and 1 came from the runs file
+    assert again["chat-b1"][1]["repeats"] == 3
+    with pytest.raises(ValueError, match="below a cell's batch"):
+        run_matrix(setups, Workload(target="t", prompts=[], batch_size=2), cells, runs_file=None, progress=False)

@@ -1,0 +1,366 @@
+"""The speculation controller (``easyspec.tree.auto``) against every fixed setup, for each prompt class and
+batch size, with both drafters of the default target, side by side in one run.
+
+    python -m benchmarks.auto_matrix [--batches 1 2 4 8 16] [--classes chat heldout edit mixed]
+        [--pairs eagle draft] [--max-tokens 32] [--repeats 2] [--only REGEX] [--stem auto_matrix]
+
+Setups (``SETUPS``): vanilla; vLLM's ``eagle3`` chains with the committed head at k = 2 and 3; the plugin's
+fixed merged EAGLE-2 trees (4 and 8 head nodes + 4 prompt-lookup nodes); the 4-node one with the README's
+``budget_by_batch`` table; the controller on a 16 + 4-node candidate; and with SmolLM2-135M drafting across
+vocabularies: vLLM's ``draft_model`` chain at k = 1 (its fastest k), the bridged tree of 4 root children + 4
+lookup nodes, that tree with a table that stops speculating from batch 4, and the controller on a 12 + 4-node
+candidate. A cell is one prompt class at one batch size: ``2 x batch`` prompts (at least 4) served ``batch``
+at a time, a finished request replaced by the next prompt, ``--max-tokens`` each. Every engine process times
+every cell in turn (``harness.run_matrix``); each setup runs in ``--repeats`` interleaved processes.
+
+Results: ``benchmarks/results/{stem}.{json,md}``, ``{stem}_speed.png`` (speed against batch per class),
+``{stem}_calibration.png`` (the controller's predicted against observed acceptance, by bin) and
+``{stem}_cost.png`` (the verify and draft-level cost curves it measured). Finished runs are kept in
+``benchmarks/results/logs/{stem}.runs.jsonl``: the same command resumes an interrupted matrix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+from itertools import cycle, islice
+from pathlib import Path
+from typing import Any
+
+from benchmarks.eagle_bench import EAGLE_TREES, HEAD3, QWEN, SMOL, _prompts
+from benchmarks.harness import RESULTS_DIR, VANILLA, Cell, Setup, Workload, run_matrix, select_setups
+from vllm_easyspec.models import fetch_model
+
+CLASSES = ("chat", "heldout", "edit", "mixed")
+BATCHES = (1, 2, 4, 8, 16)
+LOOKUP = {"prompt_lookup": {"nodes": 4}}
+# The README's table for the merged EAGLE tree: the whole tree alone, a k=2 chain from 2 requests, none from 5.
+EAGLE_TABLE = {"2": {"chain": 2}, "5": 0}
+# The README's advice for a draft model ("no speculation at batch 8"), as a table: the tree below 4 requests.
+DRAFT_TABLE = {"4": 0}
+BRIDGED_TREE = {"choices": [[0], [1], [2], [3]], "sources": LOOKUP, "retokenize": True}
+DRAFT_AUTO_TREE = {"top_k": 4, "depth": 3, "budget": 12, "sources": LOOKUP, "retokenize": True, "auto": True}
+
+
+def setups(pairs: list[str]) -> list[Setup]:
+    """Vanilla, then each pair's fixed setups, its ``budget_by_batch`` table and its controller."""
+    chosen = [Setup(VANILLA, "no speculation")]
+    if "eagle" in pairs:
+        head = {"method": "eagle3", "model": str(HEAD3)}
+        tree4 = EAGLE_TREES[4] | {"sources": LOOKUP}
+        chosen += [
+            Setup("eagle3-k2", "vLLM eagle3 chain, k=2", head | {"num_speculative_tokens": 2}),
+            Setup("eagle3-k3", "vLLM eagle3 chain, k=3", head | {"num_speculative_tokens": 3}),
+            Setup("eagle-tree-4+4", "EAGLE-2 tree, 4 head + 4 lookup nodes", head, {"easyspec": {"tree": tree4}}),
+            Setup("eagle-tree-8+4", "EAGLE-2 tree, 8 head + 4 lookup nodes", head,
+                  {"easyspec": {"tree": EAGLE_TREES[8] | {"sources": LOOKUP}}}),
+            Setup("eagle-table", f"the 4 + 4 tree with budget_by_batch {json.dumps(EAGLE_TABLE)}", head,
+                  {"easyspec": {"tree": tree4 | {"budget_by_batch": EAGLE_TABLE}}}),
+            Setup("eagle-auto", "controller (auto) on a 16 + 4-node EAGLE-2 candidate", head,
+                  {"easyspec": {"tree": EAGLE_TREES[16] | {"sources": LOOKUP, "auto": True}}}),
+        ]
+    if "draft" in pairs:
+        draft = {"method": "draft_model", "model": str(fetch_model(SMOL)), "use_heterogeneous_vocab": True}
+        chosen += [
+            Setup("smol-k1", "vLLM draft_model chain, SmolLM2-135M, k=1", draft | {"num_speculative_tokens": 1}),
+            Setup("smol-tree-4+4", "bridged tree, 4 root children + 4 lookup nodes", draft | {"num_speculative_tokens": 8},
+                  {"easyspec": {"tree": BRIDGED_TREE}}),
+            Setup("smol-table", f"the bridged tree with budget_by_batch {json.dumps(DRAFT_TABLE)}",
+                  draft | {"num_speculative_tokens": 8},
+                  {"easyspec": {"tree": BRIDGED_TREE | {"budget_by_batch": DRAFT_TABLE}}}),
+            Setup("smol-auto", "controller (auto) on a 12 + 4-node bridged candidate",
+                  draft | {"num_speculative_tokens": 16}, {"easyspec": {"tree": DRAFT_AUTO_TREE}}),
+        ]
+    return chosen
+
+
+def cells(classes: list[str], batches: list[int], max_tokens: int) -> list[Cell]:
+    """Every class at every batch size: ``2 x batch`` prompts (at least 4), the class's prompts repeated in
+    order when it has fewer."""
+    out = []
+    for prompt_class in classes:
+        pool = _prompts(prompt_class, 48)
+        for batch in batches:
+            count = max(2 * batch, 4)
+            out.append(Cell(f"{prompt_class}-b{batch}", list(islice(cycle(pool), count)), batch, max_tokens))
+    return out
+
+
+PAIR_OF = {"eagle": "EAGLE-3 head", "smol": "SmolLM2-135M draft"}
+
+
+def pair_of(name: str) -> str | None:
+    return next((label for prefix, label in PAIR_OF.items() if name.startswith(prefix)), None)
+
+
+def cell_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per pair: the best fixed setup (the median-fastest of the pair's setups other than ``-auto``), the
+    controller's ratio to vanilla and to that setup, and its model's predicted against realised tokens."""
+    by_name = {row["setup"]: row for row in rows}
+    summary: dict[str, Any] = {"vanilla_tok_per_s": by_name[VANILLA]["decode_tok_per_s"]}
+    for prefix in ("eagle", "smol"):
+        pair = [row for row in rows if row["setup"].startswith(prefix)]
+        auto = next((row for row in pair if row["setup"].endswith("-auto")), None)
+        fixed = [row for row in pair if row is not auto and row["decode_tok_per_s"]]
+        if auto is None or not fixed:
+            continue
+        best = max(fixed, key=lambda row: row["decode_tok_per_s"])
+        controller = auto.get("controller") or {}
+        steps = controller.get("steps") or 0
+        summary[prefix] = {
+            "best_fixed": best["setup"],
+            "best_fixed_vs_vanilla": best["speedup_vs_vanilla"],
+            "auto_vs_vanilla": auto["speedup_vs_vanilla"],
+            "auto_vs_vanilla_range": [auto["speedup_min"], auto["speedup_max"]],
+            "auto_vs_best_fixed": auto["decode_tok_per_s"] / best["decode_tok_per_s"],
+            "auto_vs_best_fixed_range": [auto["decode_tok_per_s_min"] / best["decode_tok_per_s"],
+                                         auto["decode_tok_per_s_max"] / best["decode_tok_per_s"]],
+            "predicted_accepted_per_step": controller.get("predicted_accepted", 0) / steps if steps else None,
+            "realised_accepted_per_step": controller.get("realised_accepted", 0) / steps if steps else None,
+            "nodes_per_request_step": (controller.get("nodes_chosen", 0) / controller["requests"]
+                                       if controller.get("requests") else None),
+            "controller_share_of_step": _controller_share(auto),
+        }
+    return summary
+
+
+def _controller_share(row: dict[str, Any]) -> float | None:
+    """The controller's own seconds over the timed call's engine-step seconds (first run)."""
+    controller = row.get("controller") or {}
+    steps, per_step = row.get("engine_steps"), row.get("step_seconds_per_step")
+    if not controller.get("controller_seconds") or not steps or not per_step:
+        return None
+    return controller["controller_seconds"] / (steps * per_step)
+
+
+def _ratio(row: dict[str, Any] | None) -> str:
+    if row is None or row.get("speedup_vs_vanilla") is None:
+        return "–"
+    return f"{row['speedup_vs_vanilla']:.2f} [{row['speedup_min']:.2f}–{row['speedup_max']:.2f}]"
+
+
+def markdown(rows_by_cell: dict[str, list[dict[str, Any]]], names: list[str]) -> str:
+    """One table of speed ratios (setups as columns), one of the controller against the best fixed setup."""
+    header = "| cell | vanilla tok/s | " + " | ".join(n for n in names if n != VANILLA) + " |"
+    lines = [header, "|" + "---|" * (len(names) + 1)]
+    for cell, rows in rows_by_cell.items():
+        by_name = {row["setup"]: row for row in rows}
+        vanilla = by_name[VANILLA]
+        lines.append(
+            f"| {cell} | {vanilla['decode_tok_per_s']:.1f} | "
+            + " | ".join(_ratio(by_name.get(n)) for n in names if n != VANILLA) + " |"
+        )
+    lines += ["", "| cell | pair | best fixed | its ratio | auto vs vanilla | auto vs best fixed | "
+              "predicted / realised accepted per step | nodes per request-step | controller share |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for cell, rows in rows_by_cell.items():
+        summary = cell_summary(rows)
+        for prefix, label in PAIR_OF.items():
+            s = summary.get(prefix)
+            if s is None:
+                continue
+            low, high = s["auto_vs_best_fixed_range"]
+            predicted, realised = s["predicted_accepted_per_step"], s["realised_accepted_per_step"]
+            lines.append(
+                f"| {cell} | {label} | {s['best_fixed']} | {s['best_fixed_vs_vanilla']:.2f} "
+                f"| {s['auto_vs_vanilla']:.2f} | {s['auto_vs_best_fixed']:.2f} [{low:.2f}–{high:.2f}] "
+                f"| {_num(predicted)} / {_num(realised)} | {_num(s['nodes_per_request_step'])} "
+                f"| {_pct(s['controller_share_of_step'])} |"
+            )
+    return "\n".join(lines)
+
+
+def _num(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}"
+
+
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{100 * value:.1f}%"
+
+
+def goals(rows_by_cell: dict[str, list[dict[str, Any]]]) -> str:
+    """The issue's goals per pair: cells where auto's median is below vanilla's spread, or below 0.97x the
+    best fixed setup."""
+    lines = []
+    for prefix, label in PAIR_OF.items():
+        below_vanilla, below_best, cells_seen = [], [], 0
+        for cell, rows in rows_by_cell.items():
+            s = cell_summary(rows).get(prefix)
+            if s is None:
+                continue
+            cells_seen += 1
+            vanilla = next(row for row in rows if row["setup"] == VANILLA)
+            vanilla_low = vanilla["speedup_min"]
+            if s["auto_vs_vanilla"] < min(1.0, vanilla_low):
+                below_vanilla.append(f"{cell} ({s['auto_vs_vanilla']:.2f})")
+            if s["auto_vs_best_fixed"] < 0.97:
+                below_best.append(f"{cell} ({s['auto_vs_best_fixed']:.2f} of {s['best_fixed']})")
+        if cells_seen:
+            lines.append(f"- {label}: {cells_seen} cells; auto below vanilla's spread in "
+                         f"{len(below_vanilla)}: {', '.join(below_vanilla) or 'none'}; below 0.97x the best fixed "
+                         f"setup in {len(below_best)}: {', '.join(below_best) or 'none'}")
+            one_config = batch1_over_classes(rows_by_cell, prefix)
+            if one_config:
+                lines.append("  - batch 1, geometric mean over the classes apart (one configuration for all): "
+                             + ", ".join(f"{name} {ratio:.2f}" for name, ratio in one_config.items()))
+            mixed = [f"{cell}: {s[prefix]['auto_vs_best_fixed']:.2f} of {s[prefix]['best_fixed']}"
+                     for cell, s in ((c, cell_summary(r)) for c, r in rows_by_cell.items())
+                     if cell.startswith("mixed-") and prefix in s]
+            if mixed:
+                lines.append("  - mixed cells, auto against the best uniform setting (goal >= 1.05): " + ", ".join(mixed))
+    return "\n".join(lines)
+
+
+def batch1_over_classes(rows_by_cell: dict[str, list[dict[str, Any]]], prefix: str) -> dict[str, float]:
+    """Each of the pair's setups' geometric-mean ratio to vanilla over the batch-1 cells of the classes apart
+    (not ``mixed``), fastest first; empty when a setup lacks a cell."""
+    cells_b1 = [rows for cell, rows in rows_by_cell.items() if cell.endswith("-b1") and not cell.startswith("mixed")]
+    ratios: dict[str, list[float]] = {}
+    for rows in cells_b1:
+        for row in rows:
+            if row["setup"].startswith(prefix) and row.get("speedup_vs_vanilla"):
+                ratios.setdefault(row["setup"], []).append(row["speedup_vs_vanilla"])
+    means = {name: statistics.geometric_mean(values) for name, values in ratios.items()
+             if len(values) == len(cells_b1)}
+    return dict(sorted(means.items(), key=lambda item: -item[1]))
+
+
+def plot_speed(rows_by_cell: dict[str, list[dict[str, Any]]], names: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    classes = sorted({cell.rsplit("-b", 1)[0] for cell in rows_by_cell}, key=lambda c: CLASSES.index(c))
+    pairs = [p for p in PAIR_OF if any(n.startswith(p) for n in names)]
+    fig, axes = plt.subplots(len(pairs), len(classes), figsize=(4 * len(classes), 3.6 * len(pairs)),
+                             squeeze=False, sharey="row")
+    for i, prefix in enumerate(pairs):
+        for j, prompt_class in enumerate(classes):
+            ax = axes[i][j]
+            cells_here = [c for c in rows_by_cell if c.rsplit("-b", 1)[0] == prompt_class]
+            batches = [int(c.rsplit("-b", 1)[1]) for c in cells_here]
+            for name in [n for n in names if n.startswith(prefix)]:
+                ratios = [next((r["speedup_vs_vanilla"] for r in rows_by_cell[c] if r["setup"] == name), None)
+                          for c in cells_here]
+                style = {"linewidth": 2.5, "color": "black"} if name.endswith("-auto") else {"alpha": 0.8}
+                ax.plot(batches, ratios, marker="o", label=name, **style)
+            ax.axhline(1.0, color="grey", linewidth=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(batches, [str(b) for b in batches])
+            ax.set_title(f"{PAIR_OF[prefix]}, {prompt_class}", fontsize=9)
+            ax.set_xlabel("batch (requests in flight)")
+            if j == 0:
+                ax.set_ylabel("decode tok/s ÷ vanilla (median)")
+            if j == len(classes) - 1:
+                ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _auto_states(raw_rows: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per controller setup, its first run's controller state after the last cell (cumulative tables)."""
+    last_cell = list(raw_rows)[-1]
+    return {row["setup"]: row["controller"] for row in raw_rows[last_cell]
+            if row["setup"].endswith("-auto") and row.get("controller")}
+
+
+def plot_calibration(states: dict[str, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
+    for ax, table, title in ((axes[0], "calibration_path", "P(accepted) of every offered node"),
+                             (axes[1], "calibration_conditional", "P(accepted | parent accepted)")):
+        for name, state in states.items():
+            bins = state.get(table) or []
+            ax.plot([b["predicted"] for b in bins], [b["observed"] for b in bins], marker="o", label=name)
+            for b in bins:
+                ax.annotate(str(b["nodes"]), (b["predicted"], b["observed"]), fontsize=6)
+        ax.plot([0, 1], [0, 1], color="grey", linewidth=0.8, linestyle="--")
+        ax.set_xlabel("predicted (mean of the bin)")
+        ax.set_ylabel("observed")
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_cost(states: dict[str, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
+    for name, state in states.items():
+        verify, level = state["verify_curve"], state["draft_level_curve"]
+        axes[0].plot(verify["rows"], [1e3 * s * verify["scale"] for s in verify["seconds"]], marker="o",
+                     label=f"{name} (scale {verify['scale']:.2f}, +{1e3 * verify['extra_per_masked_row']:.2f} "
+                           "ms per masked row)")
+        axes[1].plot(level["rows"], [1e3 * s * level["scale"] for s in level["seconds"]], marker="o",
+                     label=f"{name} (scale {level['scale']:.2f})")
+    axes[0].set_title("target verify: start-up curve x current scale", fontsize=9)
+    axes[1].set_title("one draft level", fontsize=9)
+    for ax in axes:
+        ax.set_xlabel("rows in the forward")
+        ax.set_ylabel("ms")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    parser.add_argument("--classes", nargs="+", default=list(CLASSES), choices=CLASSES)
+    parser.add_argument("--pairs", nargs="+", default=["eagle", "draft"], choices=("eagle", "draft"))
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--only", default=None, help="only the setups whose name matches this regex (and vanilla)")
+    parser.add_argument("--stem", default="auto_matrix")
+    args = parser.parse_args(argv)
+    command = "python -m benchmarks.auto_matrix " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    chosen = select_setups(setups(args.pairs), args.only)
+    names = [s.name for s in chosen]
+    matrix = cells(args.classes, args.batches, args.max_tokens)
+    workload = Workload(target=str(fetch_model(QWEN)), prompts=[], batch_size=max(args.batches))
+    runs_file = RESULTS_DIR / "logs" / f"{args.stem}.runs.jsonl"
+    runs_file.parent.mkdir(parents=True, exist_ok=True)
+    rows_by_cell = run_matrix(chosen, workload, matrix, repeats=args.repeats, runs_file=runs_file)
+    states = _auto_states(rows_by_cell)
+    table = markdown(rows_by_cell, names)
+    described = ", ".join(f"`{s.name}`: {s.description}" for s in chosen)
+    md = (f"# The controller against fixed setups, by prompt class and batch\n\nCommand: `{command}`\n\n"
+          f"Setups: {described}.\n\nCells: 2 x batch prompts (at least 4) served batch at a time, "
+          f"{args.max_tokens} tokens each, bf16, greedy. Ratios: median decode tok/s / vanilla's median "
+          f"[min–max over {args.repeats} interleaved engine processes].\n\n{table}\n\n"
+          f"Goals (auto >= vanilla beyond the spread, >= 0.97x the best fixed setup of its pair):\n\n"
+          f"{goals(rows_by_cell)}\n")
+    stem = RESULTS_DIR / args.stem
+    Path(f"{stem}.md").write_text(md)
+    Path(f"{stem}.json").write_text(json.dumps(
+        {"command": command, "cells": {c.name: {"batch": c.batch_size, "prompts": len(c.prompts)} for c in matrix},
+         "summary": {cell: cell_summary(rows) for cell, rows in rows_by_cell.items()},
+         "rows": rows_by_cell}, indent=1) + "\n")
+    plot_speed(rows_by_cell, names, Path(f"{stem}_speed.png"))
+    if states:
+        plot_calibration(states, Path(f"{stem}_calibration.png"))
+        plot_cost(states, Path(f"{stem}_cost.png"))
+    print(md)
+    medians = [s[p]["auto_vs_vanilla"] for s in (cell_summary(r) for r in rows_by_cell.values())
+               for p in PAIR_OF if p in s]
+    if medians:
+        print(f"auto vs vanilla over all cells: median {statistics.median(medians):.2f}, min {min(medians):.2f}")
+
+
+if __name__ == "__main__":
+    main()
