@@ -183,6 +183,24 @@ def test_the_first_pass_cost_follows_what_it_took():
     assert cost.observations["first_pass"] == 60
 
 
+def test_the_cost_model_records_what_it_predicted_before_each_observation():
+    cost = StepCostModel(CostCurve.from_measurements([1, 8], [0.01, 0.02]),
+                         CostCurve.from_measurements([1, 64], [0.002, 0.008]))
+    cost.observe_verify(4, 0.03)  # the start-up curve said 0.01 + 3/7 * 0.01 at 4 rows
+    assert cost.predicted_seconds["verify"] == pytest.approx(0.01 + 3 / 7 * 0.01)
+    assert cost.observed_seconds["verify"] == 0.03
+    cost.observe_draft(2, 1, 0.008)  # two levels of 0.002 predicted; the scale then learns 0.9 + 0.1 * 2
+    cost.observe_draft(2, 1, 0.008)
+    assert cost.predicted_seconds["draft"] == pytest.approx(0.004 + 1.1 * 0.004)
+    assert cost.observed_seconds["draft"] == pytest.approx(0.016)
+    for _ in range(200):  # a model that has learnt a steady cost predicts it
+        cost.observe_first_pass(8, 0.006)
+    before = dict(cost.predicted_seconds), dict(cost.observed_seconds)
+    cost.observe_first_pass(8, 0.006)
+    assert cost.predicted_seconds["first_pass"] - before[0]["first_pass"] == pytest.approx(0.006, rel=1e-3)
+    assert cost.observations == {"verify": 1, "draft": 2, "first_pass": 201}
+
+
 def test_the_controller_reorders_a_tree_and_learns_from_what_was_accepted():
     cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.05 + 63 * 0.0005]),
                          CostCurve.from_measurements([1, 64], [0.01, 0.02]))
