@@ -74,6 +74,7 @@ def read_controller_stats(worker) -> dict[str, Any] | None:
         "cost_observed_seconds": dict(cost.observed_seconds),
         "calibration_conditional": controller.acceptance.conditional.table(),
         "calibration_path": controller.acceptance.path.table(),
+        "outcome_guard": controller.guard.table(),
     }
 
 
