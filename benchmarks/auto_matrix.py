@@ -123,6 +123,7 @@ def cell_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "nodes_per_request_step": (controller.get("nodes_chosen", 0) / controller["requests"]
                                        if controller.get("requests") else None),
             "controller_share_of_step": _controller_share(auto),
+            "cost_predicted_over_observed": _cost_error(controller),
         }
     return summary
 
@@ -134,6 +135,14 @@ def _controller_share(row: dict[str, Any]) -> float | None:
     if not controller.get("controller_seconds") or not steps or not per_step:
         return None
     return controller["controller_seconds"] / (steps * per_step)
+
+
+def _cost_error(controller: dict[str, Any]) -> dict[str, float]:
+    """Per part of a step (verify, draft levels, first pass), the seconds the cost model predicted for the
+    steps it then observed over the seconds they took (1.0: no error; from the controller's counters)."""
+    predicted = controller.get("cost_predicted_seconds") or {}
+    observed = controller.get("cost_observed_seconds") or {}
+    return {part: predicted[part] / observed[part] for part in predicted if observed.get(part)}
 
 
 def _ratio(row: dict[str, Any] | None) -> str:
@@ -154,8 +163,9 @@ def markdown(rows_by_cell: dict[str, list[dict[str, Any]]], names: list[str]) ->
             + " | ".join(_ratio(by_name.get(n)) for n in names if n != VANILLA) + " |"
         )
     lines += ["", "| cell | pair | best fixed | its ratio | auto vs vanilla | auto vs best fixed | "
-              "predicted / realised accepted per step | nodes per request-step | controller share |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "predicted / realised accepted per step | nodes per request-step | controller share "
+              "| cost model predicted / observed: verify, levels, first pass |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for cell, rows in rows_by_cell.items():
         summary = cell_summary(rows)
         for prefix, label in PAIR_OF.items():
@@ -168,7 +178,8 @@ def markdown(rows_by_cell: dict[str, list[dict[str, Any]]], names: list[str]) ->
                 f"| {cell} | {label} | {s['best_fixed']} | {s['best_fixed_vs_vanilla']:.2f} "
                 f"| {s['auto_vs_vanilla']:.2f} | {s['auto_vs_best_fixed']:.2f} [{low:.2f}–{high:.2f}] "
                 f"| {_num(predicted)} / {_num(realised)} | {_num(s['nodes_per_request_step'])} "
-                f"| {_pct(s['controller_share_of_step'])} |"
+                f"| {_pct(s['controller_share_of_step'])} "
+                f"| {', '.join(_num(s['cost_predicted_over_observed'].get(p)) for p in ('verify', 'draft', 'first_pass'))} |"
             )
     return "\n".join(lines)
 

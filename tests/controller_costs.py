@@ -7,7 +7,8 @@ def drafting_costs_nothing(worker) -> bool:
     """Worker-side: the controller's drafting (first pass and levels) becomes nearly free and stays so, while
     the verify cost is still measured and kept current by the engine's steps. A tiny draft costs about what its
     tiny target does, so on a quiet machine the controller rightly drafts little; tests that need nodes
-    verified and the verify model observed pin this."""
+    verified and the verify model observed pin this. The outcome guard, which would see the real drafting cost,
+    never holds a step back."""
     from vllm_easyspec.control.cost import CostCurve
 
     controller = worker.model_runner.tree_verifier.controller
@@ -16,6 +17,7 @@ def drafting_costs_nothing(worker) -> bool:
     cost.draft_scale = cost.first_pass_scale = 1.0
     controller.observe_draft = lambda levels, rows_per_level, seconds: None
     controller.observe_first_pass = lambda rows, seconds: None
+    controller.guard.holds_back = lambda requests, plain_seconds: False
     return True
 
 
@@ -30,5 +32,5 @@ def steps_cost_nothing(worker) -> bool:
     cost = controller.cost
     cost.verify = CostCurve.from_measurements([1], [0.01])
     cost.verify_scale, cost.extra_per_row, cost.extra_per_masked_row = 1.0, 0.0, 0.0
-    controller.observe_verify = lambda rows, seconds, masked_rows=0: None
+    controller.observe_verify = lambda rows, seconds, masked_rows=0, requests=None: None
     return True

@@ -183,6 +183,24 @@ def test_the_first_pass_cost_follows_what_it_took():
     assert cost.observations["first_pass"] == 60
 
 
+def test_the_cost_model_records_what_it_predicted_before_each_observation():
+    cost = StepCostModel(CostCurve.from_measurements([1, 8], [0.01, 0.02]),
+                         CostCurve.from_measurements([1, 64], [0.002, 0.008]))
+    cost.observe_verify(4, 0.03)  # the start-up curve said 0.01 + 3/7 * 0.01 at 4 rows
+    assert cost.predicted_seconds["verify"] == pytest.approx(0.01 + 3 / 7 * 0.01)
+    assert cost.observed_seconds["verify"] == 0.03
+    cost.observe_draft(2, 1, 0.008)  # two levels of 0.002 predicted; the scale then learns 0.9 + 0.1 * 2
+    cost.observe_draft(2, 1, 0.008)
+    assert cost.predicted_seconds["draft"] == pytest.approx(0.004 + 1.1 * 0.004)
+    assert cost.observed_seconds["draft"] == pytest.approx(0.016)
+    for _ in range(200):  # a model that has learnt a steady cost predicts it
+        cost.observe_first_pass(8, 0.006)
+    before = dict(cost.predicted_seconds), dict(cost.observed_seconds)
+    cost.observe_first_pass(8, 0.006)
+    assert cost.predicted_seconds["first_pass"] - before[0]["first_pass"] == pytest.approx(0.006, rel=1e-3)
+    assert cost.observations == {"verify": 1, "draft": 2, "first_pass": 201}
+
+
 def test_the_controller_reorders_a_tree_and_learns_from_what_was_accepted():
     cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.05 + 63 * 0.0005]),
                          CostCurve.from_measurements([1, 64], [0.01, 0.02]))
@@ -202,3 +220,53 @@ def test_the_controller_reorders_a_tree_and_learns_from_what_was_accepted():
     assert controller.depth_rates["a"][1] > before[1] and controller.global_depth_rates[1] > before[1]
     controller.forget({"b"})
     assert "a" not in controller.depth_rates
+
+
+# ---- the outcome guard ----
+
+
+def _cheap_drafting_controller() -> SpeculationController:
+    """Costs that make drafting look nearly free: the models alone always draft."""
+    cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.05 + 63 * 0.0001]),
+                         CostCurve.from_measurements([1, 64], [1e-5, 2e-5]))
+    return SpeculationController(cost, max_depth=3, max_nodes=4, level_width=2)
+
+
+def _cycle(controller: SpeculationController, req_ids: list[str], accepted: int, draft_seconds: float,
+           verify_seconds: float) -> int:
+    """One decode cycle as the runner drives it: plan, drafting, the verify's outcomes, the verify's timing."""
+    depth = controller.plan_depth(req_ids, first_pass_rows=len(req_ids))
+    controller.observe_drafting(draft_seconds if depth else 1e-4)
+    if depth:
+        controller.observe(req_ids[0], [NodeFeatures(False, 1, -0.1)] * accepted, [-1] + list(range(accepted - 1)),
+                           set(range(accepted)))
+    controller.observe_verify(len(req_ids) * 2, verify_seconds, requests=len(req_ids))
+    return depth
+
+
+def test_the_guard_holds_drafting_back_where_drafted_cycles_measurably_produce_less():
+    controller = _cheap_drafting_controller()
+    batch = [f"r{i}" for i in range(16)]
+    # drafted cycles: 16 + 2 tokens in 0.09 s (200 tok/s) against the verify model's 16 in 0.0515 s (310 tok/s)
+    depths = [_cycle(controller, batch, accepted=2, draft_seconds=0.02, verify_seconds=0.07) for _ in range(200)]
+    assert all(depths[:8])  # the models alone draft until the guard has seen enough drafted cycles
+    held = controller.stats.steps_held_back
+    assert held > 150 and depths[8:].count(0) == held  # then it drafts only to explore
+    assert controller.guard.holds_back(16, controller.cost.verify_seconds(16))
+    # a lone request, a bucket of its own, whose drafts pay: never held back
+    lone = [_cycle(controller, ["solo"], accepted=3, draft_seconds=0.005, verify_seconds=0.05) for _ in range(40)]
+    assert all(lone) and controller.guard.table()[0]["drafted_cycles"] == 40
+
+
+def test_the_guard_trusts_measured_cycles_without_drafts_over_the_model():
+    from vllm_easyspec.control.controller import GUARD_MIN_CYCLES, OutcomeGuard
+
+    guard = OutcomeGuard()
+    for _ in range(GUARD_MIN_CYCLES):
+        guard.add(True, 8, tokens=12, seconds=0.1)  # 120 tok/s
+    assert guard.holds_back(8, plain_seconds=0.05)  # the model's cycle without drafts: 160 tok/s
+    assert not guard.holds_back(8, plain_seconds=0.08)  # ... 100 tok/s
+    for _ in range(GUARD_MIN_CYCLES):
+        guard.add(False, 9, tokens=8, seconds=0.08)  # the same bucket (8-15 requests), measured: 100 tok/s
+    assert not guard.holds_back(8, plain_seconds=0.05)  # measured cycles win over the model
+    assert not OutcomeGuard().holds_back(8, plain_seconds=0.05)  # nothing measured: the models decide

@@ -41,6 +41,7 @@ def test_auto_trees_equal_vanilla(llm_pool, tree_llama_dir, tiny_llama_draft_dir
     assert stats["predicted_accepted"] > 0 and sum(stats["nodes_per_request"].values()) == stats["requests"]
     assert stats["verify_curve"]["rows"][:2] == [1, 2] and stats["cost_observations"]["verify"] > 0
     assert all(t > 0 for t in stats["verify_curve"]["seconds"])
+    assert stats["cost_observed_seconds"]["verify"] > 0 and stats["cost_predicted_seconds"]["verify"] > 0
     assert stats["calibration_conditional"] and stats["calibration_path"]
     assert tree["accepted"] > 0 and tree["chain_fallbacks"] == 0
     # vLLM's metrics show the same controller (the worker's snapshot, read by the front end's collector)

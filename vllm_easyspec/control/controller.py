@@ -19,6 +19,14 @@ One step, as the drafter and the runner call it:
    acceptance model; :meth:`observe_verify` / :meth:`observe_first_pass` / :meth:`observe_draft` with the engine's step
    timings, which keep the cost model current.
 
+The models can be wrong together where the margin is thin (many requests, each extra row dear): so the
+controller also keeps the outcome itself, tokens per second of whole decode cycles (drafting, then the verify
+that follows it), per batch-size bucket, for cycles that drafted and cycles that did not
+(:class:`OutcomeGuard`). Where cycles that drafted have measurably produced fewer tokens per second than
+cycles that did not (or, before any such cycle, than the verify model says a cycle without drafts costs), the
+step drafts nothing even when the models say it would pay; one step in :data:`EXPLORE_EVERY` drafts anyway,
+so a batch whose drafts become good is seen.
+
 Trees whose children are i.i.d. draws from the draft (``draw: sample``) keep their template order and are
 handed over without their draft probabilities: choosing among i.i.d. draws, or how many to verify, by what was
 drawn would bias them, so such a request verifies a prefix of its template whose length depends on depth and
@@ -54,6 +62,8 @@ GLOBAL_DEPTH_SMOOTHING = 0.1  # ... in the batch-wide acceptance-by-depth that n
 FIRST_DEPTH_RATE = 0.6  # before anything is observed: reaching depth j has chance FIRST_DEPTH_RATE ** j
 EXPLORE_EVERY = 16  # one step in this many verifies a random number of the best nodes (cost at other rows)
 RATIO_MEMORY = 0.98  # decay per verified request of the sums behind realised / predicted accepted nodes
+GUARD_MEMORY = 0.9  # decay per decode cycle of the sums behind a bucket's tokens per second
+GUARD_MIN_CYCLES = 8  # cycles of a kind a bucket needs before its measured rate is trusted
 
 
 @dataclass
@@ -92,8 +102,83 @@ class ControllerStats:
     controller_seconds: float = 0.0
     exploring_steps: int = 0
     steps_without_drafting: int = 0  # plan_depth expected no node to pay: no drafting, the first pass deferred
+    steps_held_back: int = 0  # the models said drafting pays, the measured outcome said it does not
     nodes_per_request: Counter = field(default_factory=Counter)  # chosen nodes -> requests
     depth_per_step: Counter = field(default_factory=Counter)  # drafted depth -> steps
+
+
+@dataclass
+class _Rate:
+    """Decayed sums of tokens and seconds over decode cycles of one kind."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    cycles: int = 0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens = GUARD_MEMORY * self.tokens + tokens
+        self.seconds = GUARD_MEMORY * self.seconds + seconds
+        self.cycles += 1
+
+    @property
+    def per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _Cycle:
+    """One decode cycle in progress: the drafting that ``plan_depth`` opened, then the verify that closes it."""
+
+    drafted: bool
+    seconds: float = 0.0
+    accepted: int = 0
+
+
+@dataclass
+class OutcomeGuard:
+    """Tokens per second of whole decode cycles (drafting + verify), by batch-size bucket (powers of two), for
+    cycles that drafted and cycles that did not. A cycle's tokens are its verify step's requests plus the drafts
+    they accepted; its seconds are the drafting (the first pass of any deferred rows included) and the verify.
+
+    Invariant: :meth:`holds_back` depends only on timings and earlier verification outcomes."""
+
+    drafted: dict[int, _Rate] = field(default_factory=dict)
+    plain: dict[int, _Rate] = field(default_factory=dict)
+
+    @staticmethod
+    def bucket(requests: int) -> int:
+        return requests.bit_length()
+
+    def add(self, drafted: bool, requests: int, tokens: int, seconds: float) -> None:
+        rates = self.drafted if drafted else self.plain
+        rates.setdefault(self.bucket(requests), _Rate()).add(tokens, seconds)
+
+    def holds_back(self, requests: int, plain_seconds: float) -> bool:
+        """Whether cycles that drafted, at this many requests, measurably produced fewer tokens per second than
+        cycles that did not (measured ones, else ``requests`` tokens in ``plain_seconds``, the verify model's
+        cost of a cycle without drafts)."""
+        key = self.bucket(requests)
+        drafted = self.drafted.get(key)
+        if drafted is None or drafted.cycles < GUARD_MIN_CYCLES:
+            return False
+        plain = self.plain.get(key)
+        if plain is not None and plain.cycles >= GUARD_MIN_CYCLES:
+            baseline = plain.per_second
+        else:
+            baseline = requests / plain_seconds if plain_seconds > 0 else 0.0
+        return drafted.per_second < baseline
+
+    def table(self) -> list[dict[str, float]]:
+        """Per bucket: its requests range and both kinds' tokens per second and cycles."""
+        rows = []
+        for key in sorted(set(self.drafted) | set(self.plain)):
+            row: dict[str, float] = {"requests_from": 1 << (key - 1), "requests_to": (1 << key) - 1}
+            for kind, rates in (("drafted", self.drafted), ("plain", self.plain)):
+                rate = rates.get(key)
+                row[f"{kind}_tokens_per_second"] = rate.per_second if rate else 0.0
+                row[f"{kind}_cycles"] = rate.cycles if rate else 0
+            rows.append(row)
+        return rows
 
 
 class SpeculationController:
@@ -111,6 +196,8 @@ class SpeculationController:
         self._explore = random.Random(0)  # independent of every verification: choices stay lossless
         self._predicted: dict[str, float] = {}  # request -> model chances of the nodes it verifies this step
         self._predicted_sum = self._realised_sum = 1.0  # decayed sums behind realised_over_predicted
+        self.guard = OutcomeGuard()
+        self._cycle: _Cycle | None = None
 
     @property
     def realised_over_predicted(self) -> float:
@@ -132,10 +219,13 @@ class SpeculationController:
         plan = choose_depth(expected, self.max_depth, self.max_nodes, self.cost.verify_seconds,
                             draft_seconds) if req_ids else DepthPlan(1, 0)
         depth = plan.depth
-        if req_ids and plan.nodes == 0 and self._explore.random() * EXPLORE_EVERY >= 1:
+        held_back = plan.nodes > 0 and self.guard.holds_back(len(req_ids), self.cost.verify_seconds(len(req_ids)))
+        if req_ids and (plan.nodes == 0 or held_back) and self._explore.random() * EXPLORE_EVERY >= 1:
             depth = 0
             self.stats.steps_without_drafting += 1
+            self.stats.steps_held_back += held_back
         self.stats.depth_per_step[depth] += 1
+        self._cycle = _Cycle(drafted=depth > 0)
         self.stats.controller_seconds += time.perf_counter() - started
         return depth
 
@@ -197,6 +287,8 @@ class SpeculationController:
             rates[j] += DEPTH_SMOOTHING * (reached - rates[j])
             self.global_depth_rates[j] += GLOBAL_DEPTH_SMOOTHING * (reached - self.global_depth_rates[j])
         self.stats.realised_accepted += len(accepted)
+        if self._cycle is not None:
+            self._cycle.accepted += len(accepted)
         self.stats.controller_seconds += time.perf_counter() - started
 
     def forget(self, live: set[str]) -> None:
@@ -206,8 +298,19 @@ class SpeculationController:
             for req_id in [r for r in state if r not in live]:
                 del state[req_id]
 
-    def observe_verify(self, rows: int, seconds: float, masked_rows: int = 0) -> None:
+    def observe_drafting(self, seconds: float) -> None:
+        """The whole drafting stage of the step that :meth:`plan_depth` planned took ``seconds`` (deferring the
+        first pass, when nothing was drafted)."""
+        if self._cycle is not None:
+            self._cycle.seconds += seconds
+
+    def observe_verify(self, rows: int, seconds: float, masked_rows: int = 0, requests: int | None = None) -> None:
+        """A decode-only verify step of ``requests`` requests over ``rows`` rows took ``seconds``: it keeps the
+        cost model current and closes the decode cycle that the last :meth:`plan_depth` opened."""
         self.cost.observe_verify(rows, seconds, masked_rows)
+        cycle, self._cycle = self._cycle, None
+        if cycle is not None and requests:
+            self.guard.add(cycle.drafted, requests, requests + cycle.accepted, cycle.seconds + seconds)
 
     def observe_draft(self, levels: int, rows_per_level: int, seconds: float) -> None:
         self.cost.observe_draft(levels, rows_per_level, seconds)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+PARTS = ("verify", "draft", "first_pass")  # the parts of a step the model predicts and observes
 VERIFY_HISTORY = 64  # decode steps the verify fit reads
 PRIOR_WEIGHT = 0.05  # how strongly the fit is pulled towards scale 1 and no extra cost per row
 
@@ -83,6 +84,10 @@ class StepCostModel:
     draft_scale: float = 1.0
     first_pass_scale: float = 1.0
     observations: dict[str, int] = field(default_factory=lambda: {"verify": 0, "draft": 0, "first_pass": 0})
+    # Per part, the seconds the model predicted for each observed step (before learning from it) and the
+    # seconds the step took: their ratio is the model's one-step-ahead error.
+    predicted_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
+    observed_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
     _verify_steps: deque = field(default_factory=lambda: deque(maxlen=VERIFY_HISTORY))  # (rows, masked, s)
 
     def verify_seconds(self, rows: int, masked_rows: int = 0) -> float:
@@ -101,8 +106,8 @@ class StepCostModel:
         """An engine step's verify (target forward and sampling) over ``rows`` rows, ``masked_rows`` of them in
         trees that need masked attention, took ``seconds``."""
         if rows > 0 and seconds > 0:
+            self._count("verify", self.verify_seconds(rows, masked_rows), seconds)
             self._verify_steps.append((rows, masked_rows, seconds))
-            self.observations["verify"] += 1
             self._fit_verify()
 
     def _fit_verify(self) -> None:
@@ -136,15 +141,20 @@ class StepCostModel:
         """A drafting step's ``levels`` level forwards over ``rows_per_level`` rows took ``seconds``."""
         predicted = levels * self.draft_level(rows_per_level)
         if levels > 0 and predicted > 0 and seconds > 0:
+            self._count("draft", self.draft_scale * predicted, seconds)
             self.draft_scale = self._blend(self.draft_scale, seconds / predicted)
-            self.observations["draft"] += 1
 
     def observe_first_pass(self, rows: int, seconds: float) -> None:
         """A drafting step's first pass over ``rows`` rows took ``seconds``."""
         predicted = self.draft_level(rows)
         if rows > 0 and predicted > 0 and seconds > 0:
+            self._count("first_pass", self.first_pass_scale * predicted, seconds)
             self.first_pass_scale = self._blend(self.first_pass_scale, seconds / predicted)
-            self.observations["first_pass"] += 1
+
+    def _count(self, part: str, predicted: float, observed: float) -> None:
+        self.observations[part] += 1
+        self.predicted_seconds[part] += predicted
+        self.observed_seconds[part] += observed
 
     def _blend(self, scale: float, ratio: float) -> float:
         return (1 - self.smoothing) * scale + self.smoothing * ratio

@@ -69,8 +69,12 @@ def read_controller_stats(worker) -> dict[str, Any] | None:
         "draft_level_curve": {"rows": list(cost.draft_level.rows), "seconds": list(cost.draft_level.seconds),
                               "scale": cost.draft_scale},
         "cost_observations": dict(cost.observations),
+        # one-step-ahead: what the model predicted for each observed step, and what the steps took
+        "cost_predicted_seconds": dict(cost.predicted_seconds),
+        "cost_observed_seconds": dict(cost.observed_seconds),
         "calibration_conditional": controller.acceptance.conditional.table(),
         "calibration_path": controller.acceptance.path.table(),
+        "outcome_guard": controller.guard.table(),
     }
 
 

@@ -149,7 +149,18 @@ class TreeDrafting:
         return self.proposer.easyspec_runner.tree_verifier
 
     def propose(self, **arguments) -> torch.Tensor:
-        """vLLM's ``propose`` arguments in, ``[B, N]`` node tokens out (module docstring)."""
+        """vLLM's ``propose`` arguments in, ``[B, N]`` node tokens out (module docstring). With
+        ``easyspec.tree.auto`` the controller learns what the whole drafting stage took (host time; work still
+        queued on a device lands in the next verify, which the controller times too)."""
+        controller = self.verifier.controller
+        if controller is None:
+            return self._propose(**arguments)
+        started = time.perf_counter()
+        drafts = self._propose(**arguments)
+        controller.observe_drafting(time.perf_counter() - started)
+        return drafts
+
+    def _propose(self, **arguments) -> torch.Tensor:
         proposer = self.proposer
         cad = arguments["common_attn_metadata"]
         batch_size = cad.batch_size()
