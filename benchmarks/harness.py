@@ -160,20 +160,8 @@ def run_setups(
 ) -> list[dict[str, Any]]:
     """Run every setup in ``repeats`` interleaved engine processes; one row per setup (see the module
     docstring for the medians, ranges and identity verdicts). Prints identity failures and near-ties."""
-    names = [s.name for s in setups]
-    if len(set(names)) != len(names):
-        raise ValueError(f"setup names must be unique, got {names}")
-    by_name = {s.name: s for s in setups}
-    raw: list[dict[str, Any]] = []
-    schedule = interleaved_order(names, repeats)
-    bar = tqdm(schedule, desc="runs", unit="run", disable=not progress)
-    for round_index, name in bar:
-        bar.set_postfix_str(f"{name} (round {round_index + 1}/{repeats})")
-        record_top_logits = name == VANILLA and round_index == 0
-        raw.append(
-            _run_in_child(by_name[name], workload, round_index, record_top_logits) | {"round": round_index}
-        )
-    rows = finalize_rows(raw, order=names)
+    raw = _run_interleaved(setups, workload, repeats, progress)
+    rows = finalize_rows(raw, order=[s.name for s in setups])
     report_identity(rows)
     return rows
 
@@ -188,21 +176,37 @@ def run_matrix(
 
     ``runs_file`` (JSON lines) keeps every finished run; a run already there is not run again, so an
     interrupted matrix resumes where it stopped."""
+    if max(cell.batch_size for cell in cells) > workload.batch_size:
+        raise ValueError(f"workload.batch_size {workload.batch_size} is below a cell's batch")
+    names = [s.name for s in setups]
+    raw = _run_interleaved(setups, workload, repeats, progress, cells, runs_file)
+    rows_by_cell = {}
+    for cell in cells:
+        rows = finalize_rows([run["cells"][cell.name] | {"round": run["round"]} for run in raw], order=names)
+        print(f"-- {cell.name}")
+        report_identity(rows)
+        rows_by_cell[cell.name] = rows
+    return rows_by_cell
+
+
+def _run_interleaved(
+    setups: list[Setup], workload: Workload, repeats: int, progress: bool, cells: list[Cell] | None = None,
+    runs_file: Path | None = None,
+) -> list[dict[str, Any]]:
+    """Every setup's runs in ``interleaved_order``, each in its own engine process, with its ``round``; runs
+    that ``runs_file`` already holds (for the same cells) are read, not run, and new ones are appended to it."""
     names = [s.name for s in setups]
     if len(set(names)) != len(names):
         raise ValueError(f"setup names must be unique, got {names}")
-    if max(cell.batch_size for cell in cells) > workload.batch_size:
-        raise ValueError(f"workload.batch_size {workload.batch_size} is below a cell's batch")
     by_name = {s.name: s for s in setups}
     done: dict[tuple[int, str], dict[str, Any]] = {}
     if runs_file is not None and runs_file.exists():
         for line in runs_file.read_text().splitlines():
             run = json.loads(line)
-            if run["setup"] in by_name and set(run["cells"]) >= {cell.name for cell in cells}:
+            if run["setup"] in by_name and set(run.get("cells", ())) >= {cell.name for cell in cells or ()}:
                 done[(run["round"], run["setup"])] = run
-    schedule = interleaved_order(names, repeats)
-    bar = tqdm(schedule, desc="runs", unit="run", disable=not progress)
-    raw = []
+    raw: list[dict[str, Any]] = []
+    bar = tqdm(interleaved_order(names, repeats), desc="runs", unit="run", disable=not progress)
     for round_index, name in bar:
         bar.set_postfix_str(f"{name} (round {round_index + 1}/{repeats})")
         run = done.get((round_index, name))
@@ -214,13 +218,7 @@ def run_matrix(
                 with runs_file.open("a") as out:
                     out.write(json.dumps(run) + "\n")
         raw.append(run)
-    rows_by_cell = {}
-    for cell in cells:
-        rows = finalize_rows([run["cells"][cell.name] | {"round": run["round"]} for run in raw], order=names)
-        print(f"-- {cell.name}")
-        report_identity(rows)
-        rows_by_cell[cell.name] = rows
-    return rows_by_cell
+    return raw
 
 
 def spread(values: list[float]) -> tuple[float, float, float]:
@@ -480,17 +478,21 @@ def _child_main(request_path: Path, result_path: Path) -> None:
     setup = Setup(**request["setup"])
     workload = Workload(**request["workload"])
     record_top_logits = bool(request.get("record_top_logits"))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(workload.target)
     llm, engine_start = _start_engine(setup, workload)
     cells = [Cell(**cell) for cell in request.get("cells") or []]
     if not cells:
-        result = _measure(llm, setup, workload, Cell("", workload.prompts, workload.batch_size, workload.max_tokens),
+        result = _measure(llm, tokenizer, setup, workload,
+                          Cell("", workload.prompts, workload.batch_size, workload.max_tokens),
                           record_top_logits, limit_in_flight=False)
         result["engine_start_seconds"] = engine_start
     else:
         result = {"setup": setup.name, "cells": {}}
         for cell in cells:
             llm.reset_prefix_cache()  # every cell starts as the first would, whatever ran before it
-            measured = _measure(llm, setup, workload, cell, record_top_logits, limit_in_flight=True)
+            measured = _measure(llm, tokenizer, setup, workload, cell, record_top_logits, limit_in_flight=True)
             result["cells"][cell.name] = measured | {"engine_start_seconds": engine_start}
     result_path.write_text(json.dumps(result))
 
@@ -528,19 +530,17 @@ def _start_engine(setup: Setup, workload: Workload) -> tuple[Any, float]:
     return llm, engine_start
 
 
-def _measure(llm, setup: Setup, workload: Workload, cell: Cell, record_top_logits: bool,
+def _measure(llm, tokenizer, setup: Setup, workload: Workload, cell: Cell, record_top_logits: bool,
              limit_in_flight: bool) -> dict[str, Any]:
     """Warm up, then time one generate over ``cell``'s prompts (at most ``cell.batch_size`` in flight when
     ``limit_in_flight``, else as many as the engine's ``max_num_seqs``); counters are differences of
     snapshots around the timed call."""
-    from transformers import AutoTokenizer
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from vllm_easyspec.instruments.metrics import read_spec_decode_counters
     from vllm_easyspec.models import prompt_token_ids
 
-    tokenizer = AutoTokenizer.from_pretrained(workload.target)
     prompts = [TokensPrompt(prompt_token_ids=prompt_token_ids(tokenizer, text)) for text in cell.prompts]
     in_flight = cell.batch_size if limit_in_flight else None
     params = SamplingParams(temperature=workload.temperature, max_tokens=cell.max_tokens, seed=0)
@@ -652,6 +652,10 @@ def _generate(llm, prompts: list[Any], params: Any, in_flight: int | None) -> li
     return [outputs[i] for i in range(len(prompts))]
 
 
+# Numbers in the controller's stats that are states, not counters: reported as they stand.
+NON_COUNTERS = ("realised_over_predicted",)
+
+
 def counter_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
     """``after`` with every number (and every number inside a flat dict of numbers) replaced by its increase
     since ``before``; other values (curves, tables, scales) as they stand in ``after``."""
@@ -673,9 +677,6 @@ def counter_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -
             delta[key] = value
     return delta
 
-
-# Numbers in the controller's stats that are states, not counters: reported as they stand.
-NON_COUNTERS = ("realised_over_predicted",)
 
 
 def _top_logits_per_position(logprobs) -> list[list[list[float]]]:
