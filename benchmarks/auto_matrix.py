@@ -2,15 +2,15 @@
 batch size, with both drafters of the default target, side by side in one run.
 
     python -m benchmarks.auto_matrix [--batches 1 2 4 8 16] [--classes chat heldout edit mixed]
-        [--pairs eagle draft] [--max-tokens 32] [--repeats 2] [--only REGEX] [--stem auto_matrix]
+        [--pairs eagle draft] [--max-tokens 32] [--rounds 2] [--repeats 2] [--only REGEX] [--stem auto_matrix]
 
 Setups (``SETUPS``): vanilla; vLLM's ``eagle3`` chains with the committed head at k = 2 and 3; the plugin's
 fixed merged EAGLE-2 trees (4 and 8 head nodes + 4 prompt-lookup nodes); the 4-node one with the README's
 ``budget_by_batch`` table; the controller on a 16 + 4-node candidate; and with SmolLM2-135M drafting across
 vocabularies: vLLM's ``draft_model`` chain at k = 1 (its fastest k), the bridged tree of 4 root children + 4
 lookup nodes, that tree with a table that stops speculating from batch 4, and the controller on a 12 + 4-node
-candidate. A cell is one prompt class at one batch size: ``2 x batch`` prompts (at least 4) served ``batch``
-at a time, a finished request replaced by the next prompt, ``--max-tokens`` each. Every engine process times
+candidate. A cell is one prompt class at one batch size: ``rounds x batch`` prompts (at least 4) served
+``batch`` at a time, a finished request replaced by the next prompt, ``--max-tokens`` each. Every engine process times
 every cell in turn (``harness.run_matrix``); each setup runs in ``--repeats`` interleaved processes.
 
 Results: ``benchmarks/results/{stem}.{json,md}``, ``{stem}_speed.png`` (speed against batch per class),
@@ -77,14 +77,14 @@ def setups(pairs: list[str]) -> list[Setup]:
     return chosen
 
 
-def cells(classes: list[str], batches: list[int], max_tokens: int) -> list[Cell]:
-    """Every class at every batch size: ``2 x batch`` prompts (at least 4), the class's prompts repeated in
+def cells(classes: list[str], batches: list[int], max_tokens: int, rounds: int = 2) -> list[Cell]:
+    """Every class at every batch size: ``rounds x batch`` prompts (at least 4), the class's prompts repeated in
     order when it has fewer."""
     out = []
     for prompt_class in classes:
         pool = _prompts(prompt_class, 48)
         for batch in batches:
-            count = max(2 * batch, 4)
+            count = max(rounds * batch, 4)
             out.append(Cell(f"{prompt_class}-b{batch}", list(islice(cycle(pool), count)), batch, max_tokens))
     return out
 
@@ -335,6 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--classes", nargs="+", default=list(CLASSES), choices=CLASSES)
     parser.add_argument("--pairs", nargs="+", default=["eagle", "draft"], choices=("eagle", "draft"))
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2, help="prompts per cell: rounds x batch (at least 4)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--only", default=None, help="only the setups whose name matches this regex (and vanilla)")
     parser.add_argument("--stem", default="auto_matrix")
@@ -342,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
     command = "python -m benchmarks.auto_matrix " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     chosen = select_setups(setups(args.pairs), args.only)
     names = [s.name for s in chosen]
-    matrix = cells(args.classes, args.batches, args.max_tokens)
+    matrix = cells(args.classes, args.batches, args.max_tokens, args.rounds)
     workload = Workload(target=str(fetch_model(QWEN)), prompts=[], batch_size=max(args.batches))
     runs_file = RESULTS_DIR / "logs" / f"{args.stem}.runs.jsonl"
     runs_file.parent.mkdir(parents=True, exist_ok=True)

@@ -270,3 +270,77 @@ def test_the_guard_trusts_measured_cycles_without_drafts_over_the_model():
         guard.add(False, 9, tokens=8, seconds=0.08)  # the same bucket (8-15 requests), measured: 100 tok/s
     assert not guard.holds_back(8, plain_seconds=0.05)  # measured cycles win over the model
     assert not OutcomeGuard().holds_back(8, plain_seconds=0.05)  # nothing measured: the models decide
+
+
+# ---- exploring where drafting does not pay ----
+
+
+def _explore(draft_level_seconds: tuple[float, float], steps: int = 800) -> SpeculationController:
+    """A batch of 16 whose drafts do not pay (8 ms a verify row) and are never accepted, its first passes deferred while it drafts nothing: a step
+    that explores catches up 16 rows per step since the last one that drafted (at most 32 per request: requests
+    of 32 tokens come and go). Checks that each exploring step verifies every request's best node, and that
+    exploring is predicted to cost at most its share of the verify time of the steps that drafted nothing."""
+    from vllm_easyspec.control.controller import EXPLORE_SHARE
+
+    cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.05 + 63 * 0.008]),
+                         CostCurve.from_measurements([1, 4096], list(draft_level_seconds)))
+    controller = SpeculationController(cost, max_depth=2, max_nodes=3, level_width=2)
+    batch = [f"r{i}" for i in range(16)]
+    kept, plain_seconds, exploring_seconds = 0, 0.0, 0.0
+    for _ in range(steps):
+        budget, explored = controller._explore_budget, controller.stats.exploring_drafts
+        depth = controller.plan_depth(batch, first_pass_rows=kept + 16)
+        controller.observe_drafting(1e-4)
+        rows = 16
+        if depth:
+            kept = 0
+            trees = [RequestTree(req_id, [5, 6, 7], [-1, -1, 0], [_features(1, -2.0), _features(1, -3.0), _features(2, -2.0)],
+                                 keeps_order=False)
+                     for req_id in batch]
+            choices = controller.choose(trees)
+            if controller.stats.exploring_drafts > explored:
+                exploring_seconds += budget - controller._explore_budget
+                assert [choice.count for choice in choices] == [2] * 16  # every request's best level_width nodes
+            rows += sum(choice.count for choice in choices)
+            for req_id, choice in zip(batch, choices, strict=True):
+                controller.observe(req_id, choice.features[: choice.count], choice.parents[: choice.count], set())
+        else:
+            kept = min(kept + 16, 16 * 32)
+        seconds = cost.verify_seconds(rows)
+        plain_seconds += 0.0 if depth else seconds
+        controller.observe_verify(rows, seconds, requests=16)
+    assert 0 < exploring_seconds <= EXPLORE_SHARE * plain_seconds
+    return controller
+
+
+def test_exploring_costs_at_most_its_share_and_a_dear_catch_up_makes_it_rare():
+    cheap = _explore((0.001, 0.01))  # a catch-up of 512 rows costs 2 ms
+    dear = _explore((0.02, 4.0))  # ... 500 ms (a 30-layer draft model on a CPU, deferred prompts included)
+    assert cheap.stats.exploring_drafts > 2 * dear.stats.exploring_drafts > 0
+    assert cheap.stats.exploring_drafts + cheap.stats.steps_without_drafting == 800  # the models never draft
+
+
+def test_realised_over_predicted_is_kept_per_batch_size():
+    cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.05 + 63 * 0.0005]),
+                         CostCurve.from_measurements([1, 64], [0.001, 0.002]))
+    controller = SpeculationController(cost, max_depth=1, max_nodes=1, level_width=1)
+    batch = [f"r{i}" for i in range(16)]
+    for _ in range(50):  # at batch 16 the chosen nodes are accepted far less often than predicted
+        trees = [RequestTree(req_id, [5], [-1], [_features(1, -0.1)], keeps_order=False) for req_id in batch]
+        for req_id, choice in zip(batch, controller.choose(trees), strict=True):
+            controller.observe(req_id, choice.features[: choice.count], choice.parents[: choice.count], set())
+    assert controller.ratio_at(16) < 0.5 and controller.ratio_at(31) == controller.ratio_at(16)
+    assert controller.ratio_at(1) == 1.0  # a lone request's chances are not scaled by what batch 16 saw
+    (alone,) = controller.choose([RequestTree("solo", [5], [-1], [_features(1, -0.1)], keeps_order=False)])
+    assert alone.chances[0] == pytest.approx(controller.acceptance.path_chances("solo", alone.features, [-1])[0])
+
+
+def test_a_prompt_lookup_path_counts_at_its_depth_without_paying_for_levels():
+    verify = _linear(0.001, 0.05)
+    draft = lambda depth: 0.02 + (depth - 1) * 0.02  # noqa: E731  # a 20 ms first pass, 20 ms a level
+    # a lone request whose tree is accepted deep, mostly through its lookup path: drafting one level offers the
+    # path's depths too, which repays the first pass; without the path one level's node alone does not
+    rates = [[0.35, 0.3, 0.28, 0.25]]
+    assert choose_depth(rates, 1, 8, verify, draft).nodes == 0
+    with_lookup = choose_depth(rates, 1, 8, verify, draft, free_depth=4)
+    assert with_lookup.depth == 1 and with_lookup.nodes == 4

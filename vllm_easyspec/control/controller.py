@@ -5,16 +5,28 @@ One step in :data:`EXPLORE_EVERY` verifies a random number of the batch's best n
 twice the choice): the verify cost is learnt from steps with different row counts, which a batch of constant
 size and acceptance would otherwise never show. The random draw is independent of every verification.
 
+Where the controller decides not to draft, it still drafts now and then, so that acceptance that has become good
+is seen. Where the models say no node pays, an exploring step drafts one level and verifies each request's best
+``level_width`` nodes (as many as a level drafts, so what it sees of depth 1 is what a drafting step sees); where the outcome guard (below) holds back drafting the models advise, it drafts and verifies what they
+advise. Exploring is paid from a budget that grows by :data:`EXPLORE_SHARE` of the verify time of every step
+that drafts nothing; a step explores when the budget covers what exploring is predicted to cost (the first pass
+over every deferred row, which makes it dear after many steps without drafting, the levels, and the verify's
+extra rows). So exploring takes at most that share of the time of steps that speculate nothing, however dear
+a catch-up is.
+
 One step, as the drafter and the runner call it:
 
 1. :meth:`SpeculationController.plan_depth` before drafting: the depth with the best predicted rate, from each
-   request's recent acceptance by depth (:func:`~vllm_easyspec.control.planning.choose_depth`), or none at all
+   request's recent acceptance by depth (:func:`~vllm_easyspec.control.planning.choose_depth`; a merged
+   prompt-lookup path reaches its depths without level forwards, so even one drafted level offers them), or none at all
    when no node is expected to repay the drafting, first pass included (the drafter then skips the step, its
-   first pass deferred);
+   first pass deferred), unless the step explores;
 2. :meth:`SpeculationController.choose` after drafting (sources merged in): each request's nodes with their
    chances (:class:`~vllm_easyspec.control.acceptance.AcceptanceModel`, times the recent ratio of realised to
-   predicted accepted nodes, at most 1), best first, and how many of them it verifies
-   (:func:`~vllm_easyspec.control.planning.choose_nodes`);
+   predicted accepted nodes at this batch size, at most 1), best first, and how many of them it verifies
+   (:func:`~vllm_easyspec.control.planning.choose_nodes`). The ratio is kept per batch-size bucket because the
+   error is not the same everywhere: where rows are dear only the nodes whose chances were overestimated most
+   clear the bar (the winner's curse), so the chosen nodes' realised share falls as the batch grows;
 3. :meth:`SpeculationController.observe` after verification: what was accepted, which calibrates the
    acceptance model; :meth:`observe_verify` / :meth:`observe_first_pass` / :meth:`observe_draft` with the engine's step
    timings, which keep the cost model current.
@@ -24,8 +36,8 @@ controller also keeps the outcome itself, tokens per second of whole decode cycl
 that follows it), per batch-size bucket, for cycles that drafted and cycles that did not
 (:class:`OutcomeGuard`). Where cycles that drafted have measurably produced fewer tokens per second than
 cycles that did not (or, before any such cycle, than the verify model says a cycle without drafts costs), the
-step drafts nothing even when the models say it would pay; one step in :data:`EXPLORE_EVERY` drafts anyway,
-so a batch whose drafts become good is seen.
+step drafts nothing even when the models say it would pay; it explores as above, so a batch whose drafts become
+good is seen.
 
 Trees whose children are i.i.d. draws from the draft (``draw: sample``) keep their template order and are
 handed over without their draft probabilities: choosing among i.i.d. draws, or how many to verify, by what was
@@ -61,6 +73,7 @@ DEPTH_SMOOTHING = 0.2  # weight of a step's outcome in a request's acceptance-by
 GLOBAL_DEPTH_SMOOTHING = 0.1  # ... in the batch-wide acceptance-by-depth that new requests start from
 FIRST_DEPTH_RATE = 0.6  # before anything is observed: reaching depth j has chance FIRST_DEPTH_RATE ** j
 EXPLORE_EVERY = 16  # one step in this many verifies a random number of the best nodes (cost at other rows)
+EXPLORE_SHARE = 0.02  # share of decode verify time that exploring steps (drafting the models advise against) get
 RATIO_MEMORY = 0.98  # decay per verified request of the sums behind realised / predicted accepted nodes
 GUARD_MEMORY = 0.9  # decay per decode cycle of the sums behind a bucket's tokens per second
 GUARD_MIN_CYCLES = 8  # cycles of a kind a bucket needs before its measured rate is trusted
@@ -101,6 +114,7 @@ class ControllerStats:
     realised_accepted: int = 0
     controller_seconds: float = 0.0
     exploring_steps: int = 0
+    exploring_drafts: int = 0  # steps that drafted only to explore (paid from the exploration budget)
     steps_without_drafting: int = 0  # plan_depth expected no node to pay: no drafting, the first pass deferred
     steps_held_back: int = 0  # the models said drafting pays, the measured outcome said it does not
     nodes_per_request: Counter = field(default_factory=Counter)  # chosen nodes -> requests
@@ -130,6 +144,7 @@ class _Cycle:
     """One decode cycle in progress: the drafting that ``plan_depth`` opened, then the verify that closes it."""
 
     drafted: bool
+    weighed: bool = True  # False: a step that drafted only to explore acceptance, not what the guard compares
     seconds: float = 0.0
     accepted: int = 0
 
@@ -182,32 +197,47 @@ class OutcomeGuard:
 
 
 class SpeculationController:
-    def __init__(self, cost: StepCostModel, max_depth: int, max_nodes: int, level_width: int) -> None:
-        """``max_depth``: the candidate tree's depth; ``max_nodes``: the most nodes a request verifies;
-        ``level_width``: draft rows per request in one level forward."""
+    def __init__(self, cost: StepCostModel, max_depth: int, max_nodes: int, level_width: int,
+                 lookup_depth: int = 0) -> None:
+        """``max_depth``: the candidate tree's drafted depth; ``max_nodes``: the most nodes a request verifies;
+        ``level_width``: draft rows per request in one level forward; ``lookup_depth``: how deep the merged
+        prompt-lookup path may reach without any level forward (its nodes; 0 without that source)."""
         self.cost = cost
         self.max_depth = max_depth
         self.max_nodes = max_nodes
         self.level_width = level_width
+        self.lookup_depth = lookup_depth
         self.acceptance = AcceptanceModel()
         self.depth_rates: dict[str, list[float]] = {}  # per request: P(accept >= j + 1 | offered depth > j)
-        self.global_depth_rates = [FIRST_DEPTH_RATE ** (j + 1) for j in range(max_depth)]
+        self.global_depth_rates = [FIRST_DEPTH_RATE ** (j + 1) for j in range(max(max_depth, lookup_depth))]
         self.stats = ControllerStats()
         self._explore = random.Random(0)  # independent of every verification: choices stay lossless
-        self._predicted: dict[str, float] = {}  # request -> model chances of the nodes it verifies this step
-        self._predicted_sum = self._realised_sum = 1.0  # decayed sums behind realised_over_predicted
+        # request -> (model chances of the nodes it verifies this step, batch-size bucket of the step)
+        self._predicted: dict[str, tuple[float, int]] = {}
+        self._ratio_sums: dict[int, list[float]] = {}  # bucket -> decayed [realised, predicted] accepted nodes
         self.guard = OutcomeGuard()
         self._cycle: _Cycle | None = None
+        self._explore_budget = 0.0  # seconds exploring steps may still spend
+        self._exploring_draft = False  # this step drafts only to explore
 
     @property
     def realised_over_predicted(self) -> float:
-        return self._realised_sum / self._predicted_sum
+        """Realised over predicted accepted nodes, over every batch size."""
+        realised = sum(sums[0] for sums in self._ratio_sums.values())
+        predicted = sum(sums[1] for sums in self._ratio_sums.values())
+        return realised / predicted if predicted > 0 else 1.0
+
+    def ratio_at(self, requests: int) -> float:
+        """Realised over predicted accepted nodes at this many requests' batch-size bucket (1 before any)."""
+        realised, predicted = self._ratio_sums.get(OutcomeGuard.bucket(requests), (1.0, 1.0))
+        return realised / predicted
 
     # ------------------------------------------------------------------------------------------ before drafting
     def plan_depth(self, req_ids: list[str], first_pass_rows: int) -> int:
         """How deep to draft this step; 0 when no node is expected to repay drafting, so the step drafts nothing
-        (its first pass, over ``first_pass_rows`` rows, is deferred). One such step in :data:`EXPLORE_EVERY`
-        drafts anyway, so the acceptance of requests that speculate nothing keeps being observed."""
+        (its first pass, over ``first_pass_rows`` rows, is deferred). Such a step drafts one level anyway when
+        the exploration budget covers it (module docstring), so the acceptance of requests that speculate nothing
+        keeps being observed."""
         started = time.perf_counter()
         expected = [self.depth_rates.get(req_id, self.global_depth_rates) for req_id in req_ids]
         level_rows = len(req_ids) * self.level_width
@@ -217,15 +247,29 @@ class SpeculationController:
             return first_pass + self.cost.draft_seconds(depth - 1, level_rows)
 
         plan = choose_depth(expected, self.max_depth, self.max_nodes, self.cost.verify_seconds,
-                            draft_seconds) if req_ids else DepthPlan(1, 0)
+                            draft_seconds, free_depth=self.lookup_depth) if req_ids else DepthPlan(1, 0)
         depth = plan.depth
         held_back = plan.nodes > 0 and self.guard.holds_back(len(req_ids), self.cost.verify_seconds(len(req_ids)))
-        if req_ids and (plan.nodes == 0 or held_back) and self._explore.random() * EXPLORE_EVERY >= 1:
-            depth = 0
-            self.stats.steps_without_drafting += 1
-            self.stats.steps_held_back += held_back
+        self._exploring_draft = False
+        if req_ids and (plan.nodes == 0 or held_back):
+            batch = len(req_ids)
+            if held_back:  # explore what the models advise: their depth and nodes, seen by the guard
+                explore_depth, explore_rows = depth, plan.nodes
+            else:  # explore acceptance: one level, each request's best nodes, not a cycle the guard weighs
+                explore_depth, explore_rows = 1, batch * self.level_width
+            exploring = (draft_seconds(explore_depth) + self.cost.verify_seconds(batch + explore_rows)
+                         - self.cost.verify_seconds(batch))
+            if self._explore_budget >= exploring:
+                self._explore_budget -= exploring
+                self._exploring_draft = not held_back
+                self.stats.exploring_drafts += 1
+                depth = explore_depth
+            else:
+                depth = 0
+                self.stats.steps_without_drafting += 1
+                self.stats.steps_held_back += held_back
         self.stats.depth_per_step[depth] += 1
-        self._cycle = _Cycle(drafted=depth > 0)
+        self._cycle = _Cycle(drafted=depth > 0, weighed=not self._exploring_draft)
         self.stats.controller_seconds += time.perf_counter() - started
         return depth
 
@@ -233,7 +277,8 @@ class SpeculationController:
     def choose(self, trees: list[RequestTree]) -> list[Choice]:
         started = time.perf_counter()
         ordered: list[tuple[list[int], list[int], list[NodeFeatures], list[float]]] = []
-        ratio = self.realised_over_predicted
+        bucket = OutcomeGuard.bucket(len(trees))
+        ratio = self.ratio_at(len(trees))
         for tree in trees:
             model_chances = self.acceptance.path_chances(tree.req_id, tree.features, tree.parents)
             chances = [min(ratio * chance, 1.0) for chance in model_chances]
@@ -250,13 +295,16 @@ class SpeculationController:
             ))
         candidates = [Candidates(chances, self.max_nodes, path_length(parents)) for _, parents, _, chances in ordered]
         counts = choose_nodes(candidates, self.cost.verify_seconds, other_seconds=0.0)
-        if self._explore.random() * EXPLORE_EVERY < 1:
+        if self._exploring_draft:  # drafted only to explore: each request's best level_width nodes are verified
+            counts = [max(count, min(self.level_width, len(candidate.chances), self.max_nodes))
+                      for count, candidate in zip(counts, candidates, strict=True)]
+        elif self._explore.random() * EXPLORE_EVERY < 1:
             counts = best_nodes(candidates, self._explore.randint(0, 2 * sum(counts) + 1))
             self.stats.exploring_steps += 1
         choices = [Choice(tokens, parents, features, chances, count)
                    for (tokens, parents, features, chances), count in zip(ordered, counts, strict=True)]
         for tree, choice in zip(trees, choices, strict=True):
-            self._predicted[tree.req_id] = sum(choice.chances[: choice.count]) / ratio
+            self._predicted[tree.req_id] = (sum(choice.chances[: choice.count]) / ratio, bucket)
         stats = self.stats
         stats.steps += 1
         stats.requests += len(choices)
@@ -276,13 +324,15 @@ class SpeculationController:
         self.acceptance.observe(req_id, features, parents, accepted)
         predicted = self._predicted.pop(req_id, None)
         if predicted is not None:
-            self._predicted_sum = RATIO_MEMORY * self._predicted_sum + predicted
-            self._realised_sum = RATIO_MEMORY * self._realised_sum + len(accepted)
+            chances, bucket = predicted
+            sums = self._ratio_sums.setdefault(bucket, [1.0, 1.0])
+            sums[0] = RATIO_MEMORY * sums[0] + len(accepted)
+            sums[1] = RATIO_MEMORY * sums[1] + chances
         depths = node_depths(parents)
         depth_offered = max(depths, default=0)
         accepted_length = max((depths[i] for i in accepted), default=0)
         rates = self.depth_rates.setdefault(req_id, list(self.global_depth_rates))
-        for j in range(min(depth_offered, self.max_depth)):
+        for j in range(min(depth_offered, len(rates))):
             reached = float(accepted_length > j)
             rates[j] += DEPTH_SMOOTHING * (reached - rates[j])
             self.global_depth_rates[j] += GLOBAL_DEPTH_SMOOTHING * (reached - self.global_depth_rates[j])
@@ -309,7 +359,9 @@ class SpeculationController:
         cost model current and closes the decode cycle that the last :meth:`plan_depth` opened."""
         self.cost.observe_verify(rows, seconds, masked_rows)
         cycle, self._cycle = self._cycle, None
-        if cycle is not None and requests:
+        if cycle is not None and not cycle.drafted:  # steps that speculate nothing fund exploration
+            self._explore_budget += EXPLORE_SHARE * seconds
+        if cycle is not None and cycle.weighed and requests:
             self.guard.add(cycle.drafted, requests, requests + cycle.accepted, cycle.seconds + seconds)
 
     def observe_draft(self, levels: int, rows_per_level: int, seconds: float) -> None:

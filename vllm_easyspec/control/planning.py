@@ -130,7 +130,8 @@ class DepthPlan:
 
 
 def choose_depth(expected_by_depth: Sequence[Sequence[float]], max_depth: int, cap: int,
-                 verify_seconds: VerifySeconds, draft_seconds: Callable[[int], float]) -> DepthPlan:
+                 verify_seconds: VerifySeconds, draft_seconds: Callable[[int], float],
+                 free_depth: int = 0) -> DepthPlan:
     """The drafting depth in ``1..max_depth`` with the best predicted rate, or ``nodes == 0`` (at depth 1) when
     no depth beats drafting nothing. ``expected_by_depth[i][j]``: request ``i``'s chance to accept at least
     ``j + 1`` tokens when offered that depth; ``cap``: the most nodes a request verifies;
@@ -140,11 +141,13 @@ def choose_depth(expected_by_depth: Sequence[Sequence[float]], max_depth: int, c
     A depth is judged by the nodes it would verify, each request's candidates taken as the chain of its chances,
     against a step that drafts nothing and verifies ``B`` rows: drafting is paid only when nodes are verified, so
     a level whose nodes would not be verified (they cost more rows than they gain, as at a large batch) is not
-    drafted, and neither is a first pass whose nodes do not repay it."""
+    drafted, and neither is a first pass whose nodes do not repay it. ``free_depth``: how deep a tree reaches
+    without level forwards (prompt-lookup paths are merged in whatever the drafted depth), so drafting ``depth``
+    levels offers the chances of ``max(depth, free_depth)`` depths."""
     batch = len(expected_by_depth)
     best, best_rate = DepthPlan(1, 0), batch / verify_seconds(batch, 0)
     for depth in range(1, max_depth + 1):
-        candidates = [Candidates(running_minimum(rates[:depth]), cap) for rates in expected_by_depth]
+        candidates = [Candidates(running_minimum(rates[: max(depth, free_depth)]), cap) for rates in expected_by_depth]
         count, rate = _best_total(candidates, verify_seconds, draft_seconds(depth))
         if count and rate > best_rate * (1 + 1e-9):
             best, best_rate = DepthPlan(depth, count), rate

@@ -12,7 +12,7 @@ front end removes its engine's file when it exits. With several API server proce
 vLLM serves ``/metrics`` from its multiprocess registry, which does not include these.
 
 Metrics (label ``model_name`` as vLLM's own): counters ``vllm:easyspec_auto_{steps, request_steps,
-nodes_offered, nodes_chosen, requests_without_nodes, exploring_steps, steps_without_drafting, steps_held_back,
+nodes_offered, nodes_chosen, requests_without_nodes, exploring_steps, exploring_drafts, steps_without_drafting, steps_held_back,
 predicted_accepted, realised_accepted, controller_seconds}_total``; histograms ``vllm:easyspec_auto_nodes_per_request`` (chosen nodes per request per
 step) and ``vllm:easyspec_auto_draft_depth`` (drafted depth per step); gauges
 ``vllm:easyspec_auto_realised_over_predicted``, ``vllm:easyspec_auto_verify_seconds{rows}`` and
@@ -40,7 +40,7 @@ logger = plugin_logger(__name__)
 LOG_INTERVAL_SECONDS = 10.0  # as vLLM's own periodic stats line
 PREFIX = "vllm:easyspec_auto_"
 COUNTERS = ("steps", "requests", "nodes_offered", "nodes_chosen", "requests_without_nodes", "exploring_steps",
-            "steps_without_drafting", "steps_held_back", "predicted_accepted", "realised_accepted",
+            "exploring_drafts", "steps_without_drafting", "steps_held_back", "predicted_accepted", "realised_accepted",
             "controller_seconds")
 COUNTER_NAMES = {"requests": "request_steps"}  # a request verified in one step
 

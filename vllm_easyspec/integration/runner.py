@@ -230,7 +230,9 @@ class TreeRunnerMixin:
         )
         logger.info("easyspec.tree.auto: step cost measured in %.1f s: %s", time.perf_counter() - started,
                     cost.describe())
-        return SpeculationController(cost, max_depth=tree.max_depth, max_nodes=max_nodes, level_width=level_width)
+        lookup = None if tree.sources is None else tree.sources.prompt_lookup
+        return SpeculationController(cost, max_depth=tree.max_depth, max_nodes=max_nodes, level_width=level_width,
+                                     lookup_depth=0 if lookup is None else lookup.nodes)
 
     def _forward_seconds(self, rows: int, draft: bool, repeats: int = 3) -> float:
         """The fastest of ``repeats`` timed forwards (after one untimed) of the target, or of the drafter's
