@@ -344,3 +344,15 @@ def test_a_prompt_lookup_path_counts_at_its_depth_without_paying_for_levels():
     assert choose_depth(rates, 1, 8, verify, draft).nodes == 0
     with_lookup = choose_depth(rates, 1, 8, verify, draft, free_depth=4)
     assert with_lookup.depth == 1 and with_lookup.nodes == 4
+
+
+def test_a_catch_up_first_pass_is_spread_over_the_steps_the_requests_can_still_run():
+    # a lone request: verify 50 ms (+1 ms a row); its first pass 20 ms a row-pair, 0.7 ms a row beyond
+    cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.05 + 63 * 0.001]),
+                         CostCurve.from_measurements([1, 2, 512], [0.02, 0.02, 0.02 + 510 * 0.0007]))
+    controller = SpeculationController(cost, max_depth=1, max_nodes=4, level_width=4, lookup_depth=4)
+    controller.depth_rates["a"] = [0.8, 0.5, 0.4, 0.3]
+    assert controller.plan_depth(["a"], first_pass_rows=2) == 1  # drafting every step pays
+    # its 500-row prompt still to catch up: 350 ms at once never pays in one step, spread over 40 steps it does
+    assert controller.plan_depth(["a"], first_pass_rows=500) == 0
+    assert controller.plan_depth(["a"], first_pass_rows=500, horizon_steps=40) == 1

@@ -11,7 +11,7 @@ is seen. Where the models say no node pays, an exploring step drafts one level a
 advise. Exploring is paid from a budget that grows by :data:`EXPLORE_SHARE` of the verify time of every step
 that drafts nothing; a step explores when the budget covers what exploring is predicted to cost (the first pass
 over every deferred row, which makes it dear after many steps without drafting, the levels, and the verify's
-extra rows). So exploring takes at most that share of the time of steps that speculate nothing, however dear
+extra rows; the catch-up counted whole, not spread as for a plan). So exploring takes at most that share of the time of steps that speculate nothing, however dear
 a catch-up is.
 
 One step, as the drafter and the runner call it:
@@ -233,15 +233,24 @@ class SpeculationController:
         return realised / predicted
 
     # ------------------------------------------------------------------------------------------ before drafting
-    def plan_depth(self, req_ids: list[str], first_pass_rows: int) -> int:
+    def plan_depth(self, req_ids: list[str], first_pass_rows: int, horizon_steps: float = 1.0) -> int:
         """How deep to draft this step; 0 when no node is expected to repay drafting, so the step drafts nothing
         (its first pass, over ``first_pass_rows`` rows, is deferred). Such a step drafts one level anyway when
         the exploration budget covers it (module docstring), so the acceptance of requests that speculate nothing
-        keeps being observed."""
+        keeps being observed.
+
+        The first pass of a step that drafts every step covers about two rows per request (the bonus token and
+        an accepted one); rows beyond that (a prompt, rows deferred while the batch drafted nothing) are paid once,
+        and then repaid by every later step that drafts: the plan charges them spread over ``horizon_steps``, the
+        steps the batch's requests can still run. A prompt's first pass alone never stops a request that would
+        draft at every step from drafting."""
         started = time.perf_counter()
         expected = [self.depth_rates.get(req_id, self.global_depth_rates) for req_id in req_ids]
         level_rows = len(req_ids) * self.level_width
-        first_pass = self.cost.first_pass_seconds(first_pass_rows)
+        steady_rows = min(first_pass_rows, 2 * len(req_ids))
+        steady = self.cost.first_pass_seconds(steady_rows)
+        catch_up = self.cost.first_pass_seconds(first_pass_rows) - steady
+        first_pass = steady + catch_up / max(horizon_steps, 1.0)
 
         def draft_seconds(depth: int) -> float:
             return first_pass + self.cost.draft_seconds(depth - 1, level_rows)
@@ -257,8 +266,8 @@ class SpeculationController:
                 explore_depth, explore_rows = depth, plan.nodes
             else:  # explore acceptance: one level, each request's best nodes, not a cycle the guard weighs
                 explore_depth, explore_rows = 1, batch * self.level_width
-            exploring = (draft_seconds(explore_depth) + self.cost.verify_seconds(batch + explore_rows)
-                         - self.cost.verify_seconds(batch))
+            exploring = (steady + catch_up + self.cost.draft_seconds(explore_depth - 1, level_rows)
+                         + self.cost.verify_seconds(batch + explore_rows) - self.cost.verify_seconds(batch))
             if self._explore_budget >= exploring:
                 self._explore_budget -= exploring
                 self._exploring_draft = not held_back

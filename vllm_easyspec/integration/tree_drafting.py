@@ -45,6 +45,7 @@ tokens it lacks reach it through :func:`~vllm_easyspec.tree.retokenizing.approxi
 from __future__ import annotations
 
 import functools
+import statistics
 import time
 from collections.abc import Callable
 
@@ -67,6 +68,7 @@ from vllm_easyspec.tree.retokenizing import TreeRetokenizer, approximate_target_
 logger = plugin_logger(__name__)
 
 SAMPLING_EPS = 1e-5  # vLLM's greedy threshold on temperature
+HORIZON_STEPS = 64  # the most steps over which easyspec.tree.auto spreads a catch-up first pass
 
 
 class TreeDrafting:
@@ -171,7 +173,8 @@ class TreeDrafting:
         depth = None
         controller = self.verifier.controller
         if not budget.chain and budget.nodes and controller is not None:  # easyspec.tree.auto: as deep as pays
-            depth = controller.plan_depth(req_ids, cad.num_actual_tokens + self.deferred.kept_rows(req_ids))
+            depth = controller.plan_depth(req_ids, cad.num_actual_tokens + self.deferred.kept_rows(req_ids),
+                                          self._horizon_steps(req_ids))
         if not budget.chain and (budget.nodes == 0 or depth == 0):  # nothing to draft: the first pass waits
             self.deferred.keep(arguments, req_ids, set(self.verifier.requests))
             return self._hand_over(None, batch_size, arguments["next_token_ids"], 0)
@@ -180,6 +183,21 @@ class TreeDrafting:
             chains = self.draft_chain(**(arguments | {"num_speculative_tokens": budget.nodes}))
             return self._hand_over_chains(chains, batch_size)
         return self._propose_trees(budget.nodes, depth, **arguments)
+
+    def _horizon_steps(self, req_ids: list[str]) -> float:
+        """Decode steps the batch's requests can still run, for spreading a catch-up first pass: the median of
+        their remaining tokens (``max_tokens`` less what they produced), two tokens a step, at most
+        :data:`HORIZON_STEPS`."""
+        requests = self.proposer.easyspec_runner.requests
+        remaining = []
+        for req_id in req_ids:
+            state = requests.get(req_id)
+            params = None if state is None else state.sampling_params
+            if params is None or params.max_tokens is None:
+                remaining.append(2 * HORIZON_STEPS)
+            else:
+                remaining.append(max(params.max_tokens - len(state.output_token_ids), 0))
+        return min(statistics.median(remaining) / 2, HORIZON_STEPS) if remaining else 1.0
 
     def _first_pass_room(self, cad) -> int:
         """Rows the first pass's buffers hold beyond this step's own (and the slots a draft model adds)."""
