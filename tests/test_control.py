@@ -337,13 +337,15 @@ def test_realised_over_predicted_is_kept_per_batch_size():
 
 def test_a_prompt_lookup_path_counts_at_its_depth_without_paying_for_levels():
     verify = _linear(0.001, 0.05)
-    draft = lambda depth: 0.02 + (depth - 1) * 0.02  # noqa: E731  # a 20 ms first pass, 20 ms a level
-    # a lone request whose tree is accepted deep, mostly through its lookup path: drafting one level offers the
-    # path's depths too, which repays the first pass; without the path one level's node alone does not
-    rates = [[0.35, 0.3, 0.28, 0.25]]
-    assert choose_depth(rates, 1, 8, verify, draft).nodes == 0
-    with_lookup = choose_depth(rates, 1, 8, verify, draft, free_depth=4)
+    draft = lambda depth: 0.02 + (depth - 1) * 0.002  # noqa: E731  # a 20 ms first pass, 2 ms a level
+    # a lone request whose drafted nodes are weak and whose lookup path is accepted deep: one drafted level offers
+    # the path's depths too, which repays the first pass; without the path one level's node alone does not
+    weak = [[0.35, 0.1, 0.05, 0.02]]
+    assert choose_depth(weak, 4, 8, verify, draft).nodes == 0
+    with_lookup = choose_depth(weak, 4, 8, verify, draft, [[0.3, 0.3, 0.28, 0.25]])
     assert with_lookup.depth == 1 and with_lookup.nodes == 4
+    # where the drafted nodes are good deep, the lookup path does not make the drafted levels look worthless
+    assert choose_depth([[0.9, 0.8, 0.7, 0.6]], 4, 8, verify, draft, [[0.3, 0.3, 0.28, 0.25]]).depth == 4
 
 
 def test_a_catch_up_first_pass_is_spread_over_the_steps_the_requests_can_still_run():
@@ -351,8 +353,23 @@ def test_a_catch_up_first_pass_is_spread_over_the_steps_the_requests_can_still_r
     cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.05 + 63 * 0.001]),
                          CostCurve.from_measurements([1, 2, 512], [0.02, 0.02, 0.02 + 510 * 0.0007]))
     controller = SpeculationController(cost, max_depth=1, max_nodes=4, level_width=4, lookup_depth=4)
-    controller.depth_rates["a"] = [0.8, 0.5, 0.4, 0.3]
+    controller.depth_rates["a"] = [0.8]
+    controller.lookup_rates["a"] = [0.6, 0.5, 0.4, 0.3]
     assert controller.plan_depth(["a"], first_pass_rows=2) == 1  # drafting every step pays
     # its 500-row prompt still to catch up: 350 ms at once never pays in one step, spread over 40 steps it does
     assert controller.plan_depth(["a"], first_pass_rows=500) == 0
     assert controller.plan_depth(["a"], first_pass_rows=500, horizon_steps=40) == 1
+
+
+def test_acceptance_by_depth_is_learnt_apart_for_drafted_nodes_and_the_lookup_path():
+    cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.08]),
+                         CostCurve.from_measurements([1, 64], [0.001, 0.002]))
+    controller = SpeculationController(cost, max_depth=2, max_nodes=5, level_width=2, lookup_depth=3)
+    # drafted: 0 (depth 1) -> 1 (depth 2); the lookup path: 2 -> 3 -> 4 (depths 1-3); the path is accepted whole
+    features = [_features(1), _features(2), _features(1, None, True), _features(2, None, True), _features(3, None, True)]
+    parents = [-1, 0, -1, 2, 3]
+    for _ in range(20):
+        controller.observe("a", features, parents, accepted={2, 3, 4})
+    assert all(rate < 0.05 for rate in controller.depth_rates["a"])
+    assert all(rate > 0.95 for rate in controller.lookup_rates["a"])
+    assert len(controller.depth_rates["a"]) == 2 and len(controller.lookup_rates["a"]) == 3

@@ -17,8 +17,8 @@ a catch-up is.
 One step, as the drafter and the runner call it:
 
 1. :meth:`SpeculationController.plan_depth` before drafting: the depth with the best predicted rate, from each
-   request's recent acceptance by depth (:func:`~vllm_easyspec.control.planning.choose_depth`; a merged
-   prompt-lookup path reaches its depths without level forwards, so even one drafted level offers them), or none at all
+   request's recent acceptance by depth along its drafted nodes and along its merged prompt-lookup path, which
+   reaches its depths without level forwards (:func:`~vllm_easyspec.control.planning.choose_depth`), or none at all
    when no node is expected to repay the drafting, first pass included (the drafter then skips the step, its
    first pass deferred), unless the step explores;
 2. :meth:`SpeculationController.choose` after drafting (sources merged in): each request's nodes with their
@@ -208,8 +208,11 @@ class SpeculationController:
         self.level_width = level_width
         self.lookup_depth = lookup_depth
         self.acceptance = AcceptanceModel()
-        self.depth_rates: dict[str, list[float]] = {}  # per request: P(accept >= j + 1 | offered depth > j)
-        self.global_depth_rates = [FIRST_DEPTH_RATE ** (j + 1) for j in range(max(max_depth, lookup_depth))]
+        # per request, along its drafted nodes: P(accept >= j + 1 | offered depth > j); and along its lookup path
+        self.depth_rates: dict[str, list[float]] = {}
+        self.lookup_rates: dict[str, list[float]] = {}
+        self.global_depth_rates = [FIRST_DEPTH_RATE ** (j + 1) for j in range(max_depth)]
+        self.global_lookup_rates = [FIRST_DEPTH_RATE ** (j + 1) for j in range(lookup_depth)]
         self.stats = ControllerStats()
         self._explore = random.Random(0)  # independent of every verification: choices stay lossless
         # request -> (model chances of the nodes it verifies this step, batch-size bucket of the step)
@@ -246,6 +249,7 @@ class SpeculationController:
         draft at every step from drafting."""
         started = time.perf_counter()
         expected = [self.depth_rates.get(req_id, self.global_depth_rates) for req_id in req_ids]
+        lookup = [self.lookup_rates.get(req_id, self.global_lookup_rates) for req_id in req_ids]
         level_rows = len(req_ids) * self.level_width
         steady_rows = min(first_pass_rows, 2 * len(req_ids))
         steady = self.cost.first_pass_seconds(steady_rows)
@@ -256,7 +260,7 @@ class SpeculationController:
             return first_pass + self.cost.draft_seconds(depth - 1, level_rows)
 
         plan = choose_depth(expected, self.max_depth, self.max_nodes, self.cost.verify_seconds,
-                            draft_seconds, free_depth=self.lookup_depth) if req_ids else DepthPlan(1, 0)
+                            draft_seconds, lookup) if req_ids else DepthPlan(1, 0)
         depth = plan.depth
         held_back = plan.nodes > 0 and self.guard.holds_back(len(req_ids), self.cost.verify_seconds(len(req_ids)))
         self._exploring_draft = False
@@ -338,13 +342,16 @@ class SpeculationController:
             sums[0] = RATIO_MEMORY * sums[0] + len(accepted)
             sums[1] = RATIO_MEMORY * sums[1] + chances
         depths = node_depths(parents)
-        depth_offered = max(depths, default=0)
-        accepted_length = max((depths[i] for i in accepted), default=0)
-        rates = self.depth_rates.setdefault(req_id, list(self.global_depth_rates))
-        for j in range(min(depth_offered, len(rates))):
-            reached = float(accepted_length > j)
-            rates[j] += DEPTH_SMOOTHING * (reached - rates[j])
-            self.global_depth_rates[j] += GLOBAL_DEPTH_SMOOTHING * (reached - self.global_depth_rates[j])
+        for from_lookup, per_request, everyone in ((False, self.depth_rates, self.global_depth_rates),
+                                                   (True, self.lookup_rates, self.global_lookup_rates)):
+            nodes = [i for i, feature in enumerate(features) if feature.from_lookup == from_lookup]
+            depth_offered = max((depths[i] for i in nodes), default=0)
+            accepted_length = max((depths[i] for i in nodes if i in accepted), default=0)
+            rates = per_request.setdefault(req_id, list(everyone))
+            for j in range(min(depth_offered, len(rates))):
+                reached = float(accepted_length > j)
+                rates[j] += DEPTH_SMOOTHING * (reached - rates[j])
+                everyone[j] += GLOBAL_DEPTH_SMOOTHING * (reached - everyone[j])
         self.stats.realised_accepted += len(accepted)
         if self._cycle is not None:
             self._cycle.accepted += len(accepted)
@@ -353,7 +360,7 @@ class SpeculationController:
     def forget(self, live: set[str]) -> None:
         """Drop the state of requests that are no longer running."""
         self.acceptance.forget(live)
-        for state in (self.depth_rates, self._predicted):
+        for state in (self.depth_rates, self.lookup_rates, self._predicted):
             for req_id in [r for r in state if r not in live]:
                 del state[req_id]
 
@@ -366,12 +373,14 @@ class SpeculationController:
     def observe_verify(self, rows: int, seconds: float, masked_rows: int = 0, requests: int | None = None) -> None:
         """A decode-only verify step of ``requests`` requests over ``rows`` rows took ``seconds``: it keeps the
         cost model current and closes the decode cycle that the last :meth:`plan_depth` opened."""
+        started = time.perf_counter()
         self.cost.observe_verify(rows, seconds, masked_rows)
         cycle, self._cycle = self._cycle, None
         if cycle is not None and not cycle.drafted:  # steps that speculate nothing fund exploration
             self._explore_budget += EXPLORE_SHARE * seconds
         if cycle is not None and cycle.weighed and requests:
             self.guard.add(cycle.drafted, requests, requests + cycle.accepted, cycle.seconds + seconds)
+        self.stats.controller_seconds += time.perf_counter() - started
 
     def observe_draft(self, levels: int, rows_per_level: int, seconds: float) -> None:
         self.cost.observe_draft(levels, rows_per_level, seconds)

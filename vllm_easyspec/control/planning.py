@@ -129,9 +129,15 @@ class DepthPlan:
     nodes: int
 
 
+def _with_lookup(drafted: Sequence[float], lookup: Sequence[float]) -> list[float]:
+    """Per depth, the better of the drafted chain's and the lookup path's chance (0 beyond either's depth)."""
+    return [max(drafted[j] if j < len(drafted) else 0.0, lookup[j] if j < len(lookup) else 0.0)
+            for j in range(max(len(drafted), len(lookup)))]
+
+
 def choose_depth(expected_by_depth: Sequence[Sequence[float]], max_depth: int, cap: int,
                  verify_seconds: VerifySeconds, draft_seconds: Callable[[int], float],
-                 free_depth: int = 0) -> DepthPlan:
+                 lookup_by_depth: Sequence[Sequence[float]] | None = None) -> DepthPlan:
     """The drafting depth in ``1..max_depth`` with the best predicted rate, or ``nodes == 0`` (at depth 1) when
     no depth beats drafting nothing. ``expected_by_depth[i][j]``: request ``i``'s chance to accept at least
     ``j + 1`` tokens when offered that depth; ``cap``: the most nodes a request verifies;
@@ -141,13 +147,15 @@ def choose_depth(expected_by_depth: Sequence[Sequence[float]], max_depth: int, c
     A depth is judged by the nodes it would verify, each request's candidates taken as the chain of its chances,
     against a step that drafts nothing and verifies ``B`` rows: drafting is paid only when nodes are verified, so
     a level whose nodes would not be verified (they cost more rows than they gain, as at a large batch) is not
-    drafted, and neither is a first pass whose nodes do not repay it. ``free_depth``: how deep a tree reaches
-    without level forwards (prompt-lookup paths are merged in whatever the drafted depth), so drafting ``depth``
-    levels offers the chances of ``max(depth, free_depth)`` depths."""
+    drafted, and neither is a first pass whose nodes do not repay it. ``lookup_by_depth[i][j]``: request ``i``'s
+    chance that its merged prompt-lookup path is accepted beyond depth ``j``; that path needs no level forward,
+    so drafting ``depth`` levels offers at each depth the better of the drafted and the lookup chance (a lower
+    bound on the tree's)."""
     batch = len(expected_by_depth)
     best, best_rate = DepthPlan(1, 0), batch / verify_seconds(batch, 0)
     for depth in range(1, max_depth + 1):
-        candidates = [Candidates(running_minimum(rates[: max(depth, free_depth)]), cap) for rates in expected_by_depth]
+        candidates = [Candidates(running_minimum(_with_lookup(rates[:depth], lookup)), cap)
+                      for rates, lookup in zip(expected_by_depth, lookup_by_depth or [()] * batch, strict=True)]
         count, rate = _best_total(candidates, verify_seconds, draft_seconds(depth))
         if count and rate > best_rate * (1 + 1e-9):
             best, best_rate = DepthPlan(depth, count), rate
