@@ -7,12 +7,15 @@ size and acceptance would otherwise never show. The random draw is independent o
 
 Where the controller decides not to draft, it still drafts now and then, so that acceptance that has become good
 is seen. Where the models say no node pays, an exploring step drafts one level and verifies each request's best
-``level_width`` nodes (as many as a level drafts, so what it sees of depth 1 is what a drafting step sees); where the outcome guard (below) holds back drafting the models advise, it drafts and verifies what they
-advise. Exploring is paid from a budget that grows by :data:`EXPLORE_SHARE` of the verify time of every step
-that drafts nothing; a step explores when the budget covers what exploring is predicted to cost (the first pass
-over every deferred row, which makes it dear after many steps without drafting, the levels, and the verify's
-extra rows; the catch-up counted whole, not spread as for a plan). So exploring takes at most that share of the time of steps that speculate nothing, however dear
-a catch-up is.
+``level_width`` nodes (as many as a level drafts, so what it sees of depth 1 is what a drafting step sees);
+where the outcome guard (below) holds back drafting the models advise, it drafts and verifies what they advise.
+Where the plan drafts less deep than the candidate tree, one step in :data:`EXPLORE_EVERY` drafts the whole depth
+(acceptance deeper is seen only where nodes are drafted there). Exploring is paid from a budget that grows by
+:data:`EXPLORE_SHARE` of every decode step's verify time and holds at most :data:`EXPLORE_MOST_STEPS` steps' time;
+a step explores when the budget covers what exploring is predicted to cost (for a step that would draft nothing:
+the first pass over every deferred row, which makes it dear after many steps without drafting, the levels, and
+the verify's extra rows; for a deeper step: its extra levels). So exploring takes at most that share of the
+time, and an exploration dearer than a few steps is never taken.
 
 One step, as the drafter and the runner call it:
 
@@ -73,7 +76,8 @@ DEPTH_SMOOTHING = 0.2  # weight of a step's outcome in a request's acceptance-by
 GLOBAL_DEPTH_SMOOTHING = 0.1  # ... in the batch-wide acceptance-by-depth that new requests start from
 FIRST_DEPTH_RATE = 0.6  # before anything is observed: reaching depth j has chance FIRST_DEPTH_RATE ** j
 EXPLORE_EVERY = 16  # one step in this many verifies a random number of the best nodes (cost at other rows)
-EXPLORE_SHARE = 0.02  # share of decode verify time that exploring steps (drafting the models advise against) get
+EXPLORE_SHARE = 0.02  # share of decode verify time that exploring steps get
+EXPLORE_MOST_STEPS = 4  # the exploration budget holds at most this many verify steps' time
 RATIO_MEMORY = 0.98  # decay per verified request of the sums behind realised / predicted accepted nodes
 GUARD_MEMORY = 0.9  # decay per decode cycle of the sums behind a bucket's tokens per second
 GUARD_MIN_CYCLES = 8  # cycles of a kind a bucket needs before its measured rate is trusted
@@ -281,6 +285,12 @@ class SpeculationController:
                 depth = 0
                 self.stats.steps_without_drafting += 1
                 self.stats.steps_held_back += held_back
+        elif req_ids and depth < self.max_depth and self._explore.random() * EXPLORE_EVERY < 1:
+            deeper = self.cost.draft_seconds(self.max_depth - depth, level_rows)  # the levels the plan left out
+            if self._explore_budget >= deeper:  # explore depth: what is accepted deeper is seen only if drafted
+                self._explore_budget -= deeper
+                self.stats.exploring_drafts += 1
+                depth = self.max_depth
         self.stats.depth_per_step[depth] += 1
         self._cycle = _Cycle(drafted=depth > 0, weighed=not self._exploring_draft)
         self.stats.controller_seconds += time.perf_counter() - started
@@ -376,8 +386,7 @@ class SpeculationController:
         started = time.perf_counter()
         self.cost.observe_verify(rows, seconds, masked_rows)
         cycle, self._cycle = self._cycle, None
-        if cycle is not None and not cycle.drafted:  # steps that speculate nothing fund exploration
-            self._explore_budget += EXPLORE_SHARE * seconds
+        self._explore_budget = min(self._explore_budget + EXPLORE_SHARE * seconds, EXPLORE_MOST_STEPS * seconds)
         if cycle is not None and cycle.weighed and requests:
             self.guard.add(cycle.drafted, requests, requests + cycle.accepted, cycle.seconds + seconds)
         self.stats.controller_seconds += time.perf_counter() - started
