@@ -342,7 +342,7 @@ def test_a_prompt_lookup_path_counts_at_its_depth_without_paying_for_levels():
     draft = lambda depth: 0.02 + (depth - 1) * 0.002  # noqa: E731  # a 20 ms first pass, 2 ms a level
     # a lone request whose drafted nodes are weak and whose lookup path is accepted deep: one drafted level offers
     # the path's depths too, which repays the first pass; without the path one level's node alone does not
-    weak = [[0.35, 0.1, 0.05, 0.02]]
+    weak = [[0.35, 0.02, 0.01, 0.01]]
     assert choose_depth(weak, 4, 8, verify, draft).nodes == 0
     with_lookup = choose_depth(weak, 4, 8, verify, draft, [[0.3, 0.3, 0.28, 0.25]])
     assert with_lookup.depth == 1 and with_lookup.nodes == 4

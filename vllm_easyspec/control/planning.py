@@ -130,8 +130,9 @@ class DepthPlan:
 
 
 def _with_lookup(drafted: Sequence[float], lookup: Sequence[float]) -> list[float]:
-    """Per depth, the better of the drafted chain's and the lookup path's chance (0 beyond either's depth)."""
-    return [max(drafted[j] if j < len(drafted) else 0.0, lookup[j] if j < len(lookup) else 0.0)
+    """Per depth, the chance that the drafted chain or the lookup path is accepted beyond it, taken as
+    independent (0 beyond either's depth)."""
+    return [1.0 - (1.0 - (drafted[j] if j < len(drafted) else 0.0)) * (1.0 - (lookup[j] if j < len(lookup) else 0.0))
             for j in range(max(len(drafted), len(lookup)))]
 
 
@@ -149,8 +150,7 @@ def choose_depth(expected_by_depth: Sequence[Sequence[float]], max_depth: int, c
     a level whose nodes would not be verified (they cost more rows than they gain, as at a large batch) is not
     drafted, and neither is a first pass whose nodes do not repay it. ``lookup_by_depth[i][j]``: request ``i``'s
     chance that its merged prompt-lookup path is accepted beyond depth ``j``; that path needs no level forward,
-    so drafting ``depth`` levels offers at each depth the better of the drafted and the lookup chance (a lower
-    bound on the tree's)."""
+    so drafting ``depth`` levels offers at each depth the chance that either is accepted beyond it."""
     batch = len(expected_by_depth)
     best, best_rate = DepthPlan(1, 0), batch / verify_seconds(batch, 0)
     for depth in range(1, max_depth + 1):
