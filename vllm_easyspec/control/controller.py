@@ -118,7 +118,7 @@ class ControllerStats:
     realised_accepted: int = 0
     controller_seconds: float = 0.0
     exploring_steps: int = 0
-    exploring_drafts: int = 0  # steps that drafted only to explore (paid from the exploration budget)
+    exploring_drafts: int = 0  # steps that drafted, or drafted deeper, only to explore (the exploration budget)
     steps_without_drafting: int = 0  # plan_depth expected no node to pay: no drafting, the first pass deferred
     steps_held_back: int = 0  # the models said drafting pays, the measured outcome said it does not
     nodes_per_request: Counter = field(default_factory=Counter)  # chosen nodes -> requests
@@ -210,7 +210,6 @@ class SpeculationController:
         self.max_depth = max_depth
         self.max_nodes = max_nodes
         self.level_width = level_width
-        self.lookup_depth = lookup_depth
         self.acceptance = AcceptanceModel()
         # per request, along its drafted nodes: P(accept >= j + 1 | offered depth > j); and along its lookup path
         self.depth_rates: dict[str, list[float]] = {}
@@ -225,7 +224,7 @@ class SpeculationController:
         self.guard = OutcomeGuard()
         self._cycle: _Cycle | None = None
         self._explore_budget = 0.0  # seconds exploring steps may still spend
-        self._exploring_draft = False  # this step drafts only to explore
+        self._exploring_draft = False  # this step drafts only to explore acceptance: choose verifies best nodes
 
     @property
     def realised_over_predicted(self) -> float:
@@ -249,8 +248,7 @@ class SpeculationController:
         The first pass of a step that drafts every step covers about two rows per request (the bonus token and
         an accepted one); rows beyond that (a prompt, rows deferred while the batch drafted nothing) are paid once,
         and then repaid by every later step that drafts: the plan charges them spread over ``horizon_steps``, the
-        steps the batch's requests can still run. A prompt's first pass alone never stops a request that would
-        draft at every step from drafting."""
+        steps the batch's requests can still run."""
         started = time.perf_counter()
         expected = [self.depth_rates.get(req_id, self.global_depth_rates) for req_id in req_ids]
         lookup = [self.lookup_rates.get(req_id, self.global_lookup_rates) for req_id in req_ids]
