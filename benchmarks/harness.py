@@ -7,10 +7,15 @@ Invariants:
   setup runs in ``repeats`` processes, interleaved: round r runs every setup once before round r+1 starts,
   and the order within round r is the setup list rotated by r (``interleaved_order``), so no setup always
   runs first. Machine drift then spreads over all setups instead of landing on one.
-- Per setup a row reports the median decode tok/s over its runs, with the min, the max and every run's
-  value; ``speedup_vs_vanilla`` is median(setup) / median(vanilla) and the range ``speedup_min`` /
-  ``speedup_max`` is min(setup) / median(vanilla) and max(setup) / median(vanilla). Per-step times
-  (drafting, verify, whole step) are medians over the runs too.
+- Per setup a row reports the median speed over its runs, with the min, the max and every run's value;
+  ``speedup_vs_vanilla`` is median(setup) / median(vanilla) and the range ``speedup_min`` / ``speedup_max``
+  is min(setup) / median(vanilla) and max(setup) / median(vanilla). Per-step times (drafting, verify, whole
+  step) are medians over the runs too. The speed of a run that serves its prompts at once is its decode
+  tok/s (``decode_tok_per_s``: tokens after the first over the span from the first first token to the last
+  token). The speed of a matrix cell, where a finished request is replaced by the next prompt so prefills
+  fall all through the cell, is its throughput (``throughput_tok_per_s``: every output token over the whole
+  timed call): there the span's start is the first prefill step that completes a prompt, which depends on how
+  the scheduler splits the first round's prompts, and moved a setup's decode tok/s by up to 25% at batch 16.
 - A warm-up request runs before timing; acceptance counters and step timers are read as the difference of
   two snapshots around the timed ``generate`` call, so only steps after the warm-up count. Counters of
   greedy runs are deterministic, so the first run's are reported; ``repeats_agree`` says whether every run
@@ -55,7 +60,8 @@ ROW_FIELDS = (
     "setup", "description", "target", "draft", "method", "num_speculative_tokens", "batch_size",
     "tensor_parallel_size", "dtype", "temperature", "num_prompts", "max_tokens", "output_tokens", "repeats",
     "generate_seconds", "decode_seconds", "decode_tok_per_s", "decode_tok_per_s_min", "decode_tok_per_s_max",
-    "decode_tok_per_s_runs", "speedup_vs_vanilla", "speedup_min", "speedup_max",
+    "decode_tok_per_s_runs", "throughput_tok_per_s", "throughput_tok_per_s_min", "throughput_tok_per_s_max",
+    "throughput_tok_per_s_runs", "speedup_vs_vanilla", "speedup_min", "speedup_max",
     "mean_acceptance_length", "acceptance_rate", "per_position_acceptance", "num_drafts",
     "outputs_identical_to_vanilla", "identity", "divergences", "repeats_agree",
     "drafting_seconds_per_step", "drafting_share_of_decode", "engine_steps", "step_seconds_per_step",
@@ -132,6 +138,7 @@ def engine_env(tensor_parallel_size: int) -> dict[str, str]:
 
 
 VANILLA = "vanilla"  # the baseline setup every ratio and identity check refers to
+MATRIX_SPEED = "throughput_tok_per_s"  # what a matrix cell's speed is (module docstring)
 TOP_LOGITS_RECORDED = 5  # vanilla's choices recorded per output position for the identity check
 DEFAULT_REPEATS = 3
 
@@ -175,14 +182,15 @@ def run_matrix(
     batch. Returns one list of rows per cell, each aggregated exactly as ``run_setups`` aggregates its runs.
 
     ``runs_file`` (JSON lines) keeps every finished run; a run already there is not run again, so an
-    interrupted matrix resumes where it stopped."""
+    interrupted matrix resumes where it stopped. Rows are of ``MATRIX_SPEED`` (module docstring)."""
     if max(cell.batch_size for cell in cells) > workload.batch_size:
         raise ValueError(f"workload.batch_size {workload.batch_size} is below a cell's batch")
     names = [s.name for s in setups]
     raw = _run_interleaved(setups, workload, repeats, progress, cells, runs_file)
     rows_by_cell = {}
     for cell in cells:
-        rows = finalize_rows([run["cells"][cell.name] | {"round": run["round"]} for run in raw], order=names)
+        rows = finalize_rows([run["cells"][cell.name] | {"round": run["round"]} for run in raw], order=names,
+                             speed=MATRIX_SPEED)
         print(f"-- {cell.name}")
         report_identity(rows)
         rows_by_cell[cell.name] = rows
@@ -233,13 +241,23 @@ def _median_or_none(values: list[Any]) -> float | None:
     return statistics.median(present) if present else None
 
 
-def finalize_rows(raw: list[dict[str, Any]], order: list[str] | None = None) -> list[dict[str, Any]]:
-    """Group the runs by setup (rows in ``order``, else first appearance) and aggregate them."""
+def _speed(run: dict[str, Any], speed: str) -> float | None:
+    """A run's ``speed`` figure; a run recorded before ``throughput_tok_per_s`` existed gets it from its output
+    tokens and generate seconds."""
+    if speed == "throughput_tok_per_s" and speed not in run:
+        return run["output_tokens"] / run["generate_seconds"]
+    return run[speed]
+
+
+def finalize_rows(raw: list[dict[str, Any]], order: list[str] | None = None,
+                  speed: str = "decode_tok_per_s") -> list[dict[str, Any]]:
+    """Group the runs by setup (rows in ``order``, else first appearance) and aggregate them; ``speed``
+    (``decode_tok_per_s`` or ``throughput_tok_per_s``) is the figure the medians, ranges and speedups are of."""
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in order or []}
     for result in raw:
         runs.setdefault(result["setup"], []).append(result)
     reference = _vanilla_reference(runs.get(VANILLA, []))
-    vanilla_speeds = [r["decode_tok_per_s"] for r in runs.get(VANILLA, [])]
+    vanilla_speeds = [_speed(r, speed) for r in runs.get(VANILLA, [])]
     baseline = statistics.median(vanilla_speeds) if vanilla_speeds and all(vanilla_speeds) else None
     rows = []
     for name, results in runs.items():
@@ -250,14 +268,14 @@ def finalize_rows(raw: list[dict[str, Any]], order: list[str] | None = None) -> 
         row["repeats"] = len(results)
         for key in MEDIAN_FIELDS:
             row[key] = _median_or_none([r.get(key) for r in results])
-        speeds = [r["decode_tok_per_s"] for r in results]
-        row["decode_tok_per_s_runs"] = speeds
+        speeds = [_speed(r, speed) for r in results]
+        row[f"{speed}_runs"] = speeds
         if all(s is not None for s in speeds):
-            row["decode_tok_per_s"], row["decode_tok_per_s_min"], row["decode_tok_per_s_max"] = spread(speeds)
+            row[speed], row[f"{speed}_min"], row[f"{speed}_max"] = spread(speeds)
             if baseline:
-                row["speedup_vs_vanilla"] = row["decode_tok_per_s"] / baseline
-                row["speedup_min"] = row["decode_tok_per_s_min"] / baseline
-                row["speedup_max"] = row["decode_tok_per_s_max"] / baseline
+                row["speedup_vs_vanilla"] = row[speed] / baseline
+                row["speedup_min"] = row[f"{speed}_min"] / baseline
+                row["speedup_max"] = row[f"{speed}_max"] / baseline
         row["repeats_agree"] = all(r["token_ids"] == first["token_ids"] for r in results)
         if reference is not None:
             row |= _identity_over_runs(name, results, reference)
@@ -588,6 +606,7 @@ def _measure(llm, tokenizer, setup: Setup, workload: Workload, cell: Cell, recor
         "generate_seconds": generate_seconds,
         "decode_seconds": decode_seconds,
         "decode_tok_per_s": decode_tokens / decode_seconds if decode_seconds else None,
+        "throughput_tok_per_s": output_tokens / generate_seconds,
         "mean_acceptance_length": counters.mean_acceptance_length,
         "acceptance_rate": counters.acceptance_rate,
         "per_position_acceptance": counters.per_position_acceptance,

@@ -222,8 +222,9 @@ def test_a_matrix_aggregates_each_cell_and_resumes_from_its_runs_file(tmp_path, 
         called.append((round_index, setup.name))
         assert [c.name for c in cells_asked] == ["chat-b1", "chat-b4"] and workload.batch_size == 4
         factor = 1.0 + 0.1 * round_index
-        return {"setup": setup.name, "cells": {c.name: _raw(setup.name, factor * speeds[setup.name, c.name],
-                                                             [[1, 2]]) for c in cells_asked}}
+        return {"setup": setup.name, "cells": {
+            c.name: _raw(setup.name, 1.0, [[1, 2]], throughput_tok_per_s=factor * speeds[setup.name, c.name])
+            for c in cells_asked}}
 
     monkeypatch.setattr(harness, "_run_in_child", fake_child)
     runs = tmp_path / "runs.jsonl"
@@ -233,7 +234,7 @@ def test_a_matrix_aggregates_each_cell_and_resumes_from_its_runs_file(tmp_path, 
     assert called == [(0, "vanilla"), (0, "spec"), (1, "spec"), (1, "vanilla")]
     assert len(runs.read_text().splitlines()) == 4
     spec_b1 = first["chat-b1"][1]
-    assert spec_b1["repeats"] == 2 and spec_b1["decode_tok_per_s_runs"] == [20.0, 22.0]
+    assert spec_b1["repeats"] == 2 and spec_b1["throughput_tok_per_s_runs"] == [20.0, 22.0]
     assert spec_b1["speedup_vs_vanilla"] == pytest.approx(21.0 / 10.5)
     assert first["chat-b4"][1]["speedup_vs_vanilla"] == pytest.approx(28.35 / 31.5)
     called.clear()
@@ -242,3 +243,11 @@ def test_a_matrix_aggregates_each_cell_and_resumes_from_its_runs_file(tmp_path, 
     assert again["chat-b1"][1]["repeats"] == 3
     with pytest.raises(ValueError, match="below a cell's batch"):
         run_matrix(setups, Workload(target="t", prompts=[], batch_size=2), cells, runs_file=None, progress=False)
+
+
+def test_a_matrix_cell_is_measured_by_throughput_and_older_runs_get_it_from_their_totals():
+    runs = [_raw("vanilla", 99.0, [[1]], output_tokens=64, generate_seconds=4.0, throughput_tok_per_s=16.0),
+            _raw("spec", 10.0, [[1]], output_tokens=64, generate_seconds=2.0)]  # recorded without the field
+    vanilla, spec = finalize_rows(runs, speed="throughput_tok_per_s")
+    assert vanilla["throughput_tok_per_s"] == 16.0 and spec["throughput_tok_per_s"] == 32.0
+    assert spec["speedup_vs_vanilla"] == 2.0  # not the decode tok/s (10 against 99)
