@@ -75,7 +75,7 @@ from vllm_easyspec.control.planning import (
 DEPTH_SMOOTHING = 0.2  # weight of a step's outcome in a request's acceptance-by-depth
 GLOBAL_DEPTH_SMOOTHING = 0.1  # ... in the batch-wide acceptance-by-depth that new requests start from
 FIRST_DEPTH_RATE = 0.6  # before anything is observed: reaching depth j has chance FIRST_DEPTH_RATE ** j
-EXPLORE_EVERY = 16  # one step in this many verifies a random number of the best nodes (cost at other rows)
+EXPLORE_EVERY = 16  # one step in this many verifies a random number of the best nodes, or drafts the whole depth
 EXPLORE_SHARE = 0.02  # share of decode verify time that exploring steps get
 EXPLORE_MOST_STEPS = 4  # the exploration budget holds at most this many verify steps' time
 RATIO_MEMORY = 0.98  # decay per verified request of the sums behind realised / predicted accepted nodes
