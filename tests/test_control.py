@@ -8,7 +8,7 @@ import random
 import pytest
 
 from vllm_easyspec.control.acceptance import AcceptanceModel, NodeFeatures
-from vllm_easyspec.control.controller import RequestTree, SpeculationController
+from vllm_easyspec.control.controller import OutcomeGuard, RequestTree, SpeculationController
 from vllm_easyspec.control.cost import CostCurve, StepCostModel
 from vllm_easyspec.control.planning import (
     Candidates,
@@ -238,7 +238,7 @@ def _cycle(controller: SpeculationController, req_ids: list[str], accepted: int,
     depth = controller.plan_depth(req_ids, first_pass_rows=len(req_ids))
     controller.observe_drafting(draft_seconds if depth else 1e-4)
     if depth:
-        controller.observe(req_ids[0], [NodeFeatures(False, 1, -0.1)] * accepted, [-1] + list(range(accepted - 1)),
+        controller.observe(req_ids[0], [NodeFeatures(False, 1, -0.1)] * accepted, list(range(-1, accepted - 1)),
                            set(range(accepted)))
     controller.observe_verify(len(req_ids) * 2, verify_seconds, requests=len(req_ids))
     return depth
@@ -270,6 +270,49 @@ def test_the_guard_trusts_measured_cycles_without_drafts_over_the_model():
         guard.add(False, 9, tokens=8, seconds=0.08)  # the same bucket (8-15 requests), measured: 100 tok/s
     assert not guard.holds_back(8, plain_seconds=0.05)  # measured cycles win over the model
     assert not OutcomeGuard().holds_back(8, plain_seconds=0.05)  # nothing measured: the models decide
+
+
+def _held_back_share(batch: int, accept_chance: float, tokens_when_accepted: int, drafted_seconds: float,
+                     plain_seconds: float, cycles: int = 2000) -> float:
+    """Share of cycles after which the guard holds back, for drafted cycles whose requests each accept
+    ``tokens_when_accepted`` drafts with ``accept_chance`` (else none)."""
+    from vllm_easyspec.control.controller import OutcomeGuard
+
+    rng, guard, held = random.Random(1), OutcomeGuard(), 0
+    for _ in range(cycles):
+        accepted = sum(tokens_when_accepted for _ in range(batch) if rng.random() < accept_chance)
+        guard.add(True, batch, batch + accepted, drafted_seconds)
+        held += guard.holds_back(batch, plain_seconds)
+    return held / cycles
+
+
+def test_the_guard_weighs_a_lone_requests_all_or_nothing_cycles_by_their_spread(monkeypatch):
+    import vllm_easyspec.control.controller as controller_module
+
+    # a lone request: 1 + 3 tokens one cycle in 5, else 1, in 61.6 ms: 30% more tokens a second than plain
+    # 50 ms cycles; a batch of 16: 5% fewer. Only the second should be held back.
+    lone, batch = (1, 0.2, 3, 0.0616, 0.05), (16, 0.3, 1, 0.0897, 0.0655)
+    assert _held_back_share(*lone) < 0.05 and _held_back_share(*batch) > 0.9
+    monkeypatch.setattr(controller_module, "GUARD_STANDARD_ERRORS", 0.0)  # no allowance for the spread
+    assert _held_back_share(*lone) > 0.08
+
+
+def test_the_guard_forgets_the_cycles_of_requests_that_finished():
+    controller = _cheap_drafting_controller()
+    for _ in range(40):  # request a's drafts never pay: held back
+        _cycle(controller, ["a"], accepted=0, draft_seconds=0.05, verify_seconds=0.05)
+    assert controller.guard.holds_back(1, controller.cost.verify_seconds(1))
+    controller.forget({"b"})  # a finished; b, alone, starts afresh
+    assert not controller.guard.holds_back(1, controller.cost.verify_seconds(1))
+    assert _cycle(controller, ["b"], accepted=2, draft_seconds=0.005, verify_seconds=0.05)
+    # in a batch of 4 (b finished), one finishing keeps three quarters of what was seen
+    controller.forget({"c", "d", "e", "f"})
+    for _ in range(40):
+        _cycle(controller, ["c", "d", "e", "f"], accepted=0, draft_seconds=0.05, verify_seconds=0.05)
+    bucket = controller.guard.drafted[OutcomeGuard.bucket(4)]
+    before = bucket.tokens
+    controller.forget({"c", "d", "e"})
+    assert bucket.tokens == pytest.approx(0.75 * before)
 
 
 # ---- exploring where drafting does not pay ----
@@ -375,6 +418,46 @@ def test_acceptance_by_depth_is_learnt_apart_for_drafted_nodes_and_the_lookup_pa
     assert all(rate < 0.05 for rate in controller.depth_rates["a"])
     assert all(rate > 0.95 for rate in controller.lookup_rates["a"])
     assert len(controller.depth_rates["a"]) == 2 and len(controller.lookup_rates["a"]) == 3
+
+
+def test_a_lookup_that_found_nothing_counts_as_reaching_no_depth_and_an_unchosen_path_as_unknown():
+    cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.08]),
+                         CostCurve.from_measurements([1, 64], [0.001, 0.002]))
+    controller = SpeculationController(cost, max_depth=1, max_nodes=3, level_width=1, lookup_depth=2)
+    drafted_only = RequestTree("a", [7], [-1], [_features(1)], keeps_order=False)
+    with_path = RequestTree("b", [7, 8, 9], [-1, 0, 1], [_features(1), _features(2, None, True),
+                                                          _features(3, None, True)], keeps_order=False)
+    started_from = None
+    for _ in range(20):
+        controller.choose([drafted_only, with_path])
+        controller.observe("a", [_features(1)], [-1], accepted={0})  # no lookup path offered: none reached
+        controller.observe("b", [_features(1)], [-1], accepted={0})  # its path offered, not verified: unknown
+        started_from = started_from or list(controller.lookup_rates["b"])
+    assert all(rate < 0.05 for rate in controller.lookup_rates["a"])
+    assert controller.lookup_rates["b"] == started_from and min(started_from) > 0.3
+    assert controller.depth_rates["a"][0] > 0.95  # the drafted node's own rate is learnt as before
+
+
+def test_the_guard_charges_a_catch_up_first_pass_at_the_share_the_plan_charges_it():
+    # first pass: 20 ms up to 2 rows, 0.7 ms a row beyond; verify rows cheap, acceptance high: the plan drafts
+    cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.05 + 63 * 0.0001]),
+                         CostCurve.from_measurements([1, 2, 512], [0.02, 0.02, 0.02 + 510 * 0.0007]))
+    controller = SpeculationController(cost, max_depth=2, max_nodes=4, level_width=2)
+    batch = ["a", "b"]
+    for req_id in batch:
+        controller.depth_rates[req_id] = [0.95, 0.9]
+    # a 400-row catch-up that took 1 s, spread over 50 steps: the cycle pays the steady rows' share of it
+    # (4 of 400 rows, 21.4 of 298.6 ms predicted) and 1/50 of the rest, as the plan charged it
+    assert controller.plan_depth(batch, first_pass_rows=400, horizon_steps=50) == 2
+    controller.observe_first_pass(400, 1.0)
+    controller.observe_drafting(1.01)
+    for req_id in batch:
+        controller.observe(req_id, [_features(1), _features(2)], [-1, 0], {0, 1})
+    controller.observe_verify(6, 0.05, requests=2)
+    steady, whole = 0.02 + 2 * 0.0007, 0.02 + 398 * 0.0007
+    share = (steady + (whole - steady) / 50) / whole
+    assert share < 0.1
+    assert controller.guard.drafted[OutcomeGuard.bucket(2)].seconds == pytest.approx(0.01 + share + 0.05)
 
 
 def test_where_the_plan_drafts_shallow_some_steps_draft_the_whole_depth_within_the_budget():

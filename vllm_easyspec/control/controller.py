@@ -81,6 +81,7 @@ EXPLORE_MOST_STEPS = 4  # the exploration budget holds at most this many verify 
 RATIO_MEMORY = 0.98  # decay per verified request of the sums behind realised / predicted accepted nodes
 GUARD_MEMORY = 0.9  # decay per decode cycle of the sums behind a bucket's tokens per second
 GUARD_MIN_CYCLES = 8  # cycles of a kind a bucket needs before its measured rate is trusted
+GUARD_STANDARD_ERRORS = 1.0  # how far below cycles without drafts drafted ones must be for the guard to hold back
 
 
 @dataclass
@@ -127,20 +128,48 @@ class ControllerStats:
 
 @dataclass
 class _Rate:
-    """Decayed sums of tokens and seconds over decode cycles of one kind."""
+    """Decayed sums of tokens and seconds over decode cycles of one kind, and their standard error."""
 
     tokens: float = 0.0
     seconds: float = 0.0
     cycles: int = 0
+    # decayed sums of squared weights times tokens^2, tokens * seconds, seconds^2 (weights decay by GUARD_MEMORY)
+    tokens_squared: float = 0.0
+    tokens_seconds: float = 0.0
+    seconds_squared: float = 0.0
 
     def add(self, tokens: int, seconds: float) -> None:
         self.tokens = GUARD_MEMORY * self.tokens + tokens
         self.seconds = GUARD_MEMORY * self.seconds + seconds
         self.cycles += 1
+        memory_squared = GUARD_MEMORY**2
+        self.tokens_squared = memory_squared * self.tokens_squared + tokens * tokens
+        self.tokens_seconds = memory_squared * self.tokens_seconds + tokens * seconds
+        self.seconds_squared = memory_squared * self.seconds_squared + seconds * seconds
+
+    def keep(self, share: float) -> None:
+        """Keep only ``share`` of what was observed (weights scaled; the cycle count too, rounded down)."""
+        self.tokens *= share
+        self.seconds *= share
+        self.cycles = int(self.cycles * share)
+        self.tokens_squared *= share * share
+        self.tokens_seconds *= share * share
+        self.seconds_squared *= share * share
 
     @property
     def per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def standard_error(self) -> float:
+        """Of :attr:`per_second`, a ratio of weighted sums: ``sqrt(sum w^2 (t - R s)^2) / sum w s``, the
+        linearised ratio estimator's, whose residuals are what one cycle's tokens differ from its seconds' worth
+        at rate ``R``."""
+        if self.seconds <= 0:
+            return 0.0
+        rate = self.per_second
+        residual = self.tokens_squared - 2 * rate * self.tokens_seconds + rate * rate * self.seconds_squared
+        return max(residual, 0.0) ** 0.5 / self.seconds
 
 
 @dataclass
@@ -148,16 +177,26 @@ class _Cycle:
     """One decode cycle in progress: the drafting that ``plan_depth`` opened, then the verify that closes it."""
 
     drafted: bool
+    requests: set[str] = field(default_factory=set)
     weighed: bool = True  # False: a step that drafted only to explore acceptance, not what the guard compares
+    first_pass_share: float = 1.0  # of its first pass, the share this cycle pays (the rest: later cycles')
     seconds: float = 0.0
+    first_pass_seconds: float = 0.0
     accepted: int = 0
+
+    def charged_seconds(self, verify_seconds: float) -> float:
+        """What the cycle costs the guard: its drafting and verify, less the share of a catch-up first pass
+        that the steps after it repay (as :meth:`SpeculationController.plan_depth` charges it)."""
+        return self.seconds + verify_seconds - (1.0 - self.first_pass_share) * self.first_pass_seconds
 
 
 @dataclass
 class OutcomeGuard:
     """Tokens per second of whole decode cycles (drafting + verify), by batch-size bucket (powers of two), for
     cycles that drafted and cycles that did not. A cycle's tokens are its verify step's requests plus the drafts
-    they accepted; its seconds are the drafting (the first pass of any deferred rows included) and the verify.
+    they accepted; its seconds are the drafting and the verify, a catch-up first pass (a prompt's, or rows
+    deferred while nothing was drafted) charged at the share :meth:`SpeculationController.plan_depth` charges it,
+    spread over the steps the batch's requests can still run.
 
     Invariant: :meth:`holds_back` depends only on timings and earlier verification outcomes."""
 
@@ -172,20 +211,30 @@ class OutcomeGuard:
         rates = self.drafted if drafted else self.plain
         rates.setdefault(self.bucket(requests), _Rate()).add(tokens, seconds)
 
+    def forget_requests(self, share: float) -> None:
+        """``share`` of the requests behind the drafted cycles have finished: their acceptance no longer
+        says anything about the running ones, so that share of every drafted rate is dropped (cycles without
+        drafts produce one token per request, whoever runs). A lone request's successor starts afresh."""
+        for rate in self.drafted.values():
+            rate.keep(1.0 - share)
+
     def holds_back(self, requests: int, plain_seconds: float) -> bool:
         """Whether cycles that drafted, at this many requests, measurably produced fewer tokens per second than
         cycles that did not (measured ones, else ``requests`` tokens in ``plain_seconds``, the verify model's
-        cost of a cycle without drafts)."""
+        cost of a cycle without drafts): by more than :data:`GUARD_STANDARD_ERRORS` standard errors of the
+        difference. A lone request's cycles vary much (each accepts all or nothing of its drafts), so a run of
+        failures alone does not stop its drafting; a large batch's vary little, so a small loss does."""
         key = self.bucket(requests)
         drafted = self.drafted.get(key)
         if drafted is None or drafted.cycles < GUARD_MIN_CYCLES:
             return False
         plain = self.plain.get(key)
         if plain is not None and plain.cycles >= GUARD_MIN_CYCLES:
-            baseline = plain.per_second
+            baseline, baseline_error = plain.per_second, plain.standard_error
         else:
-            baseline = requests / plain_seconds if plain_seconds > 0 else 0.0
-        return drafted.per_second < baseline
+            baseline, baseline_error = (requests / plain_seconds if plain_seconds > 0 else 0.0), 0.0
+        error = (drafted.standard_error**2 + baseline_error**2) ** 0.5
+        return drafted.per_second + GUARD_STANDARD_ERRORS * error < baseline
 
     def table(self) -> list[dict[str, float]]:
         """Per bucket: its requests range and both kinds' tokens per second and cycles."""
@@ -211,7 +260,8 @@ class SpeculationController:
         self.max_nodes = max_nodes
         self.level_width = level_width
         self.acceptance = AcceptanceModel()
-        # per request, along its drafted nodes: P(accept >= j + 1 | offered depth > j); and along its lookup path
+        # per request, along its drafted nodes: P(accept >= j + 1 | offered depth > j); along its lookup path
+        # the same, a step whose lookup found nothing counting as offered every depth and reaching none
         self.depth_rates: dict[str, list[float]] = {}
         self.lookup_rates: dict[str, list[float]] = {}
         self.global_depth_rates = [FIRST_DEPTH_RATE ** (j + 1) for j in range(max_depth)]
@@ -220,8 +270,10 @@ class SpeculationController:
         self._explore = random.Random(0)  # independent of every verification: choices stay lossless
         # request -> (model chances of the nodes it verifies this step, batch-size bucket of the step)
         self._predicted: dict[str, tuple[float, int]] = {}
+        self._lookup_offered: dict[str, bool] = {}  # request -> its tree this step had prompt-lookup nodes
         self._ratio_sums: dict[int, list[float]] = {}  # bucket -> decayed [realised, predicted] accepted nodes
         self.guard = OutcomeGuard()
+        self._guard_requests: set[str] = set()  # the running requests whose cycles the guard has weighed
         self._cycle: _Cycle | None = None
         self._explore_budget = 0.0  # seconds exploring steps may still spend
         self._exploring_draft = False  # this step drafts only to explore acceptance: choose verifies best nodes
@@ -290,7 +342,9 @@ class SpeculationController:
                 self.stats.exploring_drafts += 1
                 depth = self.max_depth
         self.stats.depth_per_step[depth] += 1
-        self._cycle = _Cycle(drafted=depth > 0, weighed=not self._exploring_draft)
+        full_first_pass = steady + catch_up
+        self._cycle = _Cycle(drafted=depth > 0, requests=set(req_ids), weighed=not self._exploring_draft,
+                             first_pass_share=first_pass / full_first_pass if full_first_pass > 0 else 1.0)
         self.stats.controller_seconds += time.perf_counter() - started
         return depth
 
@@ -301,6 +355,7 @@ class SpeculationController:
         bucket = OutcomeGuard.bucket(len(trees))
         ratio = self.ratio_at(len(trees))
         for tree in trees:
+            self._lookup_offered[tree.req_id] = any(feature.from_lookup for feature in tree.features)
             model_chances = self.acceptance.path_chances(tree.req_id, tree.features, tree.parents)
             chances = [min(ratio * chance, 1.0) for chance in model_chances]
             if tree.keeps_order:
@@ -350,10 +405,13 @@ class SpeculationController:
             sums[0] = RATIO_MEMORY * sums[0] + len(accepted)
             sums[1] = RATIO_MEMORY * sums[1] + chances
         depths = node_depths(parents)
+        lookup_found_nothing = not self._lookup_offered.pop(req_id, True)
         for from_lookup, per_request, everyone in ((False, self.depth_rates, self.global_depth_rates),
                                                    (True, self.lookup_rates, self.global_lookup_rates)):
             nodes = [i for i, feature in enumerate(features) if feature.from_lookup == from_lookup]
             depth_offered = max((depths[i] for i in nodes), default=0)
+            if from_lookup and lookup_found_nothing:  # the lookup path reached no depth: a fact, not a choice
+                depth_offered = len(everyone)
             accepted_length = max((depths[i] for i in nodes if i in accepted), default=0)
             rates = per_request.setdefault(req_id, list(everyone))
             for j in range(min(depth_offered, len(rates))):
@@ -368,7 +426,12 @@ class SpeculationController:
     def forget(self, live: set[str]) -> None:
         """Drop the state of requests that are no longer running."""
         self.acceptance.forget(live)
-        for state in (self.depth_rates, self.lookup_rates, self._predicted):
+        if self._guard_requests:
+            finished = len(self._guard_requests - live)
+            if finished:
+                self.guard.forget_requests(finished / len(self._guard_requests))
+                self._guard_requests &= live
+        for state in (self.depth_rates, self.lookup_rates, self._predicted, self._lookup_offered):
             for req_id in [r for r in state if r not in live]:
                 del state[req_id]
 
@@ -386,7 +449,8 @@ class SpeculationController:
         cycle, self._cycle = self._cycle, None
         self._explore_budget = min(self._explore_budget + EXPLORE_SHARE * seconds, EXPLORE_MOST_STEPS * seconds)
         if cycle is not None and cycle.weighed and requests:
-            self.guard.add(cycle.drafted, requests, requests + cycle.accepted, cycle.seconds + seconds)
+            self._guard_requests |= cycle.requests
+            self.guard.add(cycle.drafted, requests, requests + cycle.accepted, cycle.charged_seconds(seconds))
         self.stats.controller_seconds += time.perf_counter() - started
 
     def observe_draft(self, levels: int, rows_per_level: int, seconds: float) -> None:
@@ -394,3 +458,5 @@ class SpeculationController:
 
     def observe_first_pass(self, rows: int, seconds: float) -> None:
         self.cost.observe_first_pass(rows, seconds)
+        if self._cycle is not None:
+            self._cycle.first_pass_seconds += seconds
