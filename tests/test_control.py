@@ -99,8 +99,35 @@ def test_nodes_are_best_first_and_parents_come_first():
     assert running_minimum([0.5, 0.7, 0.2, 0.4]) == [0.5, 0.5, 0.2, 0.2]
 
 
-def _linear(per_row: float, fixed: float = 0.05, per_masked_row: float = 0.0):
-    return lambda rows, masked_rows: fixed + per_row * rows + per_masked_row * masked_rows
+def _linear(per_row: float, fixed: float = 0.05, per_masked_row: float = 0.0, per_masked_request: float = 0.0):
+    return lambda rows, masked_rows, masked_requests: (fixed + per_row * rows + per_masked_row * masked_rows
+                                                       + per_masked_request * masked_requests)
+
+
+def test_the_cost_model_learns_apart_what_a_branching_tree_costs_per_row_and_per_request():
+    curve = CostCurve.from_measurements([1, 8, 64], [0.01, 0.02, 0.05])
+    model = StepCostModel(curve, CostCurve.from_measurements([1], [0.005]))
+    rng = random.Random(2)
+    for _ in range(64):  # batches of 1-4 whose trees branch or not: 0.2 ms per masked row, 3 ms per masked tree
+        batch = rng.randint(1, 4)
+        sizes = [rng.randint(1, 8) for _ in range(batch)]
+        branching = [size for size in sizes if size > 1 and rng.random() < 0.5]
+        rows, masked_rows = batch + sum(sizes), sum(1 + size for size in branching)
+        model.observe_verify(rows, curve(rows) + 0.0002 * masked_rows + 0.003 * len(branching), masked_rows,
+                             len(branching))
+    # what branching adds to a lone request's small tree and to its large one (the prior pulls the fit a little)
+    assert model.verify_seconds(3, 3, 1) - model.verify_seconds(3) == pytest.approx(0.0036, rel=0.15)
+    assert model.verify_seconds(9, 9, 1) - model.verify_seconds(9) == pytest.approx(0.0048, rel=0.15)
+    assert model.extra_per_masked_request > 0.002 and type(model.extra_per_masked_request) is float
+
+
+def test_a_fixed_cost_per_branching_tree_buys_a_branch_only_with_enough_chance_behind_it():
+    parents = [-1, 0, -1, 1, 2, 0]  # the top path (0, 1), then a sibling of node 0 and more nodes
+    tree = Candidates([0.9, 0.6, 0.4, 0.3, 0.3, 0.3], cap=6, path_length=path_length(parents))
+    # 3 ms per branching tree, rows nearly free: the first branch (0.4) does not pay on its own, all four do
+    assert choose_nodes([tree], _linear(0.0001, per_masked_request=0.003), 0.0) == [6]
+    assert choose_nodes([Candidates([0.9, 0.6, 0.04, 0.01], cap=4, path_length=2)],
+                        _linear(0.0001, per_masked_request=0.003), 0.0) == [2]
 
 
 def test_a_branch_is_chosen_only_when_its_chance_pays_for_masked_attention_over_every_row_of_its_tree():

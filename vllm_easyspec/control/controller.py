@@ -441,11 +441,13 @@ class SpeculationController:
         if self._cycle is not None:
             self._cycle.seconds += seconds
 
-    def observe_verify(self, rows: int, seconds: float, masked_rows: int = 0, requests: int | None = None) -> None:
-        """A decode-only verify step of ``requests`` requests over ``rows`` rows took ``seconds``: it keeps the
-        cost model current and closes the decode cycle that the last :meth:`plan_depth` opened."""
+    def observe_verify(self, rows: int, seconds: float, masked_rows: int = 0, requests: int | None = None,
+                       masked_requests: int = 0) -> None:
+        """A decode-only verify step of ``requests`` requests over ``rows`` rows (``masked_rows`` of them in the
+        branching trees of ``masked_requests`` requests) took ``seconds``: it keeps the cost model current and
+        closes the decode cycle that the last :meth:`plan_depth` opened."""
         started = time.perf_counter()
-        self.cost.observe_verify(rows, seconds, masked_rows)
+        self.cost.observe_verify(rows, seconds, masked_rows, masked_requests)
         cycle, self._cycle = self._cycle, None
         self._explore_budget = min(self._explore_budget + EXPLORE_SHARE * seconds, EXPLORE_MOST_STEPS * seconds)
         if cycle is not None and cycle.weighed and requests:

@@ -2,12 +2,14 @@
 they run, kept current by the engine's own step timings.
 
 The start-up measurement times bare forwards (attention without context, no sampling); a real verify step
-also pays, per row, attention over the context and the sampler, and per row of a tree that branches, masked tree
-attention (a path's rows go to vLLM's own kernel). So the verify prediction is
-``scale * curve(rows) + extra_per_row * rows + extra_per_masked_row * masked_rows``, all three fitted (least
-squares over the last decode steps, pulled towards scale 1 and no extra) to what the engine's steps took; steps
-with different row counts (batches that change, and the controller's occasional exploration) and steps with and
-without branching trees separate them.
+also pays, per row, attention over the context and the sampler, and for a tree that branches, masked tree
+attention (a path's rows go to vLLM's own kernel), which costs per row and, more, per request whose tree
+branches (its context is gathered and attended apart, in every layer). So the verify prediction is
+``scale * curve(rows) + extra_per_row * rows + extra_per_masked_row * masked_rows + extra_per_masked_request *
+masked_requests``, all four fitted (least squares over the last decode steps, pulled towards scale 1 and no
+extra) to what the engine's steps took; steps with different row counts (batches that change, and the
+controller's occasional exploration) and steps with and without branching trees of different sizes separate
+them.
 
 Drafting costs the drafter's first pass (one forward over the tokens the last step verified, plus any rows
 deferred from steps that drafted nothing) and one forward per further level; both are predicted from the
@@ -15,7 +17,7 @@ start-up curve of one draft forward, each with its own scale. A step that drafts
 so the first pass is a cost of speculating at all, not a constant of the step.
 
 Invariants: a :class:`CostCurve` is non-decreasing in its rows (measured points are made monotone) and
-extrapolates linearly past its last point; the fitted scale is positive and neither extra cost is negative (an
+extrapolates linearly past its last point; the fitted scale is positive and no extra cost is negative (an
 extra the fit would make negative is left out of it); each drafting prediction (first pass, level) is the draft
 curve times a scale, an exponential moving average of observed over predicted seconds.
 """
@@ -81,6 +83,7 @@ class StepCostModel:
     verify_scale: float = 1.0
     extra_per_row: float = 0.0  # verify seconds per row that the bare forwards do not show
     extra_per_masked_row: float = 0.0  # ... and per row of a tree that needs masked attention (not a path)
+    extra_per_masked_request: float = 0.0  # ... and per request whose tree needs it
     draft_scale: float = 1.0
     first_pass_scale: float = 1.0
     observations: dict[str, int] = field(default_factory=lambda: {"verify": 0, "draft": 0, "first_pass": 0})
@@ -88,12 +91,14 @@ class StepCostModel:
     # seconds the step took: their ratio is the model's one-step-ahead error.
     predicted_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
     observed_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
-    _verify_steps: deque = field(default_factory=lambda: deque(maxlen=VERIFY_HISTORY))  # (rows, masked, s)
+    # (rows, masked rows, masked requests, seconds)
+    _verify_steps: deque = field(default_factory=lambda: deque(maxlen=VERIFY_HISTORY))
 
-    def verify_seconds(self, rows: int, masked_rows: int = 0) -> float:
-        """The verify of ``rows`` rows, ``masked_rows`` of them in trees that need masked attention."""
+    def verify_seconds(self, rows: int, masked_rows: int = 0, masked_requests: int = 0) -> float:
+        """The verify of ``rows`` rows, ``masked_rows`` of them in the trees of ``masked_requests`` requests
+        that need masked attention."""
         return (self.verify_scale * self.verify(rows) + self.extra_per_row * rows
-                + self.extra_per_masked_row * masked_rows)
+                + self.extra_per_masked_row * masked_rows + self.extra_per_masked_request * masked_requests)
 
     def draft_seconds(self, levels: int, rows_per_level: int) -> float:
         return self.draft_scale * levels * self.draft_level(rows_per_level) if levels > 0 else 0.0
@@ -102,40 +107,43 @@ class StepCostModel:
         """The drafter's first pass over ``rows`` rows (the verified tokens and any deferred ones)."""
         return self.first_pass_scale * self.draft_level(rows) if rows > 0 else 0.0
 
-    def observe_verify(self, rows: int, seconds: float, masked_rows: int = 0) -> None:
+    def observe_verify(self, rows: int, seconds: float, masked_rows: int = 0, masked_requests: int = 0) -> None:
         """An engine step's verify (target forward and sampling) over ``rows`` rows, ``masked_rows`` of them in
-        trees that need masked attention, took ``seconds``."""
+        the trees of ``masked_requests`` requests that need masked attention, took ``seconds``."""
         if rows > 0 and seconds > 0:
-            self._count("verify", self.verify_seconds(rows, masked_rows), seconds)
-            self._verify_steps.append((rows, masked_rows, seconds))
+            self._count("verify", self.verify_seconds(rows, masked_rows, masked_requests), seconds)
+            self._verify_steps.append((rows, masked_rows, masked_requests, seconds))
             self._fit_verify()
 
     def _fit_verify(self) -> None:
-        """``scale``, ``extra_per_row`` and ``extra_per_masked_row`` by least squares over the recent steps, each
-        weakly pulled towards (1, 0, 0), which keeps them determined when every step had the same rows; of the
-        fits whose extras are not negative (some extras left out), the one closest to the steps. The fits are
-        nested, so a feasible fit with both extras is that one and the others are not computed."""
-        design = np.array([(self.verify(rows), rows, masked) for rows, masked, _ in self._verify_steps], dtype=float)
+        """``scale`` and the three extras by least squares over the recent steps, each weakly pulled towards
+        (1, 0, 0, 0), which keeps them determined when every step had the same rows; of the fits whose extras
+        are not negative (some extras left out), the one closest to the steps. The fits are nested, so a
+        feasible fit with every extra is that one and the others are not computed."""
+        design = np.array([(self.verify(rows), rows, masked, requests)
+                           for rows, masked, requests, _ in self._verify_steps], dtype=float)
         seconds = np.array([s for *_, s in self._verify_steps], dtype=float)
-        prior = np.array([1.0, 0.0, 0.0])
+        prior = np.array([1.0, 0.0, 0.0, 0.0])
         weight = np.sqrt(PRIOR_WEIGHT * (design**2).sum(axis=0))
         best: tuple[float, np.ndarray] | None = None
-        for extras in itertools.chain.from_iterable(itertools.combinations((1, 2), k) for k in (2, 1, 0)):
+        for extras in itertools.chain.from_iterable(itertools.combinations((1, 2, 3), k) for k in (3, 2, 1, 0)):
             free = [0, *extras]
             a = np.vstack([design[:, free], np.diag(weight[free])])
             b = np.concatenate([seconds, weight[free] * prior[free]])
             solution = np.linalg.lstsq(a, b, rcond=None)[0]
             if (solution[1:] < 0).any():
                 continue
-            coefficients = np.zeros(3)
+            coefficients = np.zeros(4)
             coefficients[free] = solution
             loss = float(((design @ coefficients - seconds) ** 2).sum() + ((weight * (coefficients - prior)) ** 2).sum())
             if best is None or loss < best[0]:
                 best = (loss, coefficients)
-            if len(extras) == 2:  # the unrestricted fit is feasible: no restriction of it fits closer
+            if len(extras) == 3:  # the unrestricted fit is feasible: no restriction of it fits closer
                 break
-        scale, per_row, per_masked_row = (float(x) for x in best[1])  # the scale-only fit always qualifies
-        self.verify_scale, self.extra_per_row, self.extra_per_masked_row = max(scale, 0.05), per_row, per_masked_row
+        scale, per_row, per_masked_row, per_masked_request = (float(x) for x in best[1])  # scale-only qualifies
+        self.verify_scale = max(scale, 0.05)
+        self.extra_per_row, self.extra_per_masked_row = per_row, per_masked_row
+        self.extra_per_masked_request = per_masked_request
 
     def observe_draft(self, levels: int, rows_per_level: int, seconds: float) -> None:
         """A drafting step's ``levels`` level forwards over ``rows_per_level`` rows took ``seconds``."""
@@ -163,6 +171,6 @@ class StepCostModel:
         """One log line: the current verify and draft-level curves in ms by rows."""
         return (f"verify ms by rows {{{self.verify.describe()}}} x{self.verify_scale:.2f} "
                 f"+ {self.extra_per_row * 1e3:.2f} ms per row + {self.extra_per_masked_row * 1e3:.2f} ms per "
-                "masked tree row; "
+                f"masked tree row + {self.extra_per_masked_request * 1e3:.2f} ms per masked tree; "
                 f"draft level ms by rows {{{self.draft_level.describe()}}} x{self.draft_scale:.2f} "
                 f"(first pass x{self.first_pass_scale:.2f})")

@@ -1,8 +1,8 @@
 """Choosing how much each request speculates in one step, to maximise the batch's expected tokens per second.
 
 A step emits, per request, its accepted nodes plus one token; it costs the target's verify over every row of
-the batch (one per request plus one per chosen node; the rows of a request whose chosen nodes branch need masked
-tree attention, a path's rows do not) and, when it drafts, the drafter's first pass and level forwards. So for
+the batch (one per request plus one per chosen node; a request whose chosen nodes branch needs masked tree
+attention over its rows, a path does not) and, when it drafts, the drafter's first pass and level forwards. So for
 chosen nodes ``S`` the step's rate is ``(B + sum of P(v accepted) over S) / (verify(B + |S|, masked rows) + draft)``.
 
 * :func:`choose_depth` runs before drafting: how deep to draft (``depth`` ``d`` costs the first pass and
@@ -88,22 +88,26 @@ def best_nodes(candidates: Sequence[Candidates], total: int) -> list[int]:
     return chosen
 
 
-VerifySeconds = Callable[[int, int], float]  # (rows, rows needing masked tree attention) -> seconds
+# (rows, rows needing masked tree attention, requests whose trees need it) -> seconds
+VerifySeconds = Callable[[int, int, int], float]
 
 
 def _best_total(candidates: Sequence[Candidates], verify_seconds: VerifySeconds,
                 other_seconds: float) -> tuple[int, float]:
     """(count, rate): the number of the batch's most likely nodes, at least one, with the best predicted rate
-    ``(B + gain) / (verify(B + count, masked rows) + other_seconds)``; (0, 0.0) when no node is offered."""
+    ``(B + gain) / (verify(B + count, masked rows, masked requests) + other_seconds)``; (0, 0.0) when no node
+    is offered."""
     batch = len(candidates)
     chosen = [0] * batch
-    best_count, best_rate, gain, masked = 0, 0.0, 0.0, 0
+    best_count, best_rate, gain, masked, masked_requests = 0, 0.0, 0.0, 0, 0
     for count, (chance, request, _) in enumerate(_offered(candidates), start=1):
         gain += chance
         c = candidates[request]
-        masked += c.masked_rows(chosen[request] + 1) - c.masked_rows(chosen[request])
+        before, after = c.masked_rows(chosen[request]), c.masked_rows(chosen[request] + 1)
+        masked += after - before
+        masked_requests += (after > 0) - (before > 0)
         chosen[request] += 1
-        rate = (batch + gain) / (verify_seconds(batch + count, masked) + other_seconds)
+        rate = (batch + gain) / (verify_seconds(batch + count, masked, masked_requests) + other_seconds)
         if rate > best_rate:
             best_count, best_rate = count, rate
     return best_count, best_rate
@@ -111,12 +115,13 @@ def _best_total(candidates: Sequence[Candidates], verify_seconds: VerifySeconds,
 
 def choose_nodes(candidates: Sequence[Candidates], verify_seconds: VerifySeconds,
                  other_seconds: float) -> list[int]:
-    """How many of its candidates each request verifies (module docstring). ``verify_seconds(rows, masked)``:
-    the target's verify over ``rows`` rows, ``masked`` of them in branching trees; ``other_seconds``: the rest
-    of the step, whatever is chosen (drafting already spent)."""
+    """How many of its candidates each request verifies (module docstring). ``verify_seconds(rows, masked,
+    masked_requests)``: the target's verify over ``rows`` rows, ``masked`` of them in the branching trees of
+    ``masked_requests`` requests; ``other_seconds``: the rest of the step, whatever is chosen (drafting
+    already spent)."""
     batch = len(candidates)
     count, rate = _best_total(candidates, verify_seconds, other_seconds)
-    if rate <= batch / (verify_seconds(batch, 0) + other_seconds):
+    if rate <= batch / (verify_seconds(batch, 0, 0) + other_seconds):
         count = 0
     return best_nodes(candidates, count)
 
@@ -142,8 +147,8 @@ def choose_depth(expected_by_depth: Sequence[Sequence[float]], max_depth: int, c
     """The drafting depth in ``1..max_depth`` with the best predicted rate, or ``nodes == 0`` (at depth 1) when
     no depth beats drafting nothing. ``expected_by_depth[i][j]``: request ``i``'s chance to accept at least
     ``j + 1`` tokens when offered that depth; ``cap``: the most nodes a request verifies;
-    ``verify_seconds(rows, masked)``: the target's verify; ``draft_seconds(depth)``: drafting that deep (first
-    pass included).
+    ``verify_seconds(rows, masked, masked_requests)``: the target's verify; ``draft_seconds(depth)``: drafting
+    that deep (first pass included).
 
     A depth is judged by the nodes it would verify, each request's candidates taken as the chain of its chances,
     against a step that drafts nothing and verifies ``B`` rows: drafting is paid only when nodes are verified, so
@@ -152,7 +157,7 @@ def choose_depth(expected_by_depth: Sequence[Sequence[float]], max_depth: int, c
     chance that its merged prompt-lookup path is accepted beyond depth ``j``; that path needs no level forward,
     so drafting ``depth`` levels offers at each depth the chance that either is accepted beyond it."""
     batch = len(expected_by_depth)
-    best, best_rate = DepthPlan(1, 0), batch / verify_seconds(batch, 0)
+    best, best_rate = DepthPlan(1, 0), batch / verify_seconds(batch, 0, 0)
     for depth in range(1, max_depth + 1):
         candidates = [Candidates(running_minimum(_with_lookup(rates[:depth], lookup)), cap)
                       for rates, lookup in zip(expected_by_depth, lookup_by_depth or [()] * batch, strict=True)]

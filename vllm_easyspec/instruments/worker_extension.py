@@ -65,7 +65,8 @@ def read_controller_stats(worker) -> dict[str, Any] | None:
     return stats | {
         "verify_curve": {"rows": list(cost.verify.rows), "seconds": list(cost.verify.seconds),
                          "scale": cost.verify_scale, "extra_per_row": cost.extra_per_row,
-                         "extra_per_masked_row": cost.extra_per_masked_row},
+                         "extra_per_masked_row": cost.extra_per_masked_row,
+                         "extra_per_masked_request": cost.extra_per_masked_request},
         "draft_level_curve": {"rows": list(cost.draft_level.rows), "seconds": list(cost.draft_level.seconds),
                               "scale": cost.draft_scale},
         "cost_observations": dict(cost.observations),

@@ -90,9 +90,12 @@ class TreeRunnerMixin:
                 count == 1 + len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
                 for req_id, count in scheduler_output.num_scheduled_tokens.items())
             forward = self.tree_verifier.forward
-            masked_rows = 0 if forward is None or forward.masked is None else int(forward.masked.num_queries.sum())
+            masked = None if forward is None else forward.masked
+            masked_rows = 0 if masked is None else int(masked.num_queries.sum())
+            masked_requests = 0 if masked is None else len(masked.requests)
             self._step_clock = ((started, scheduler_output.total_num_scheduled_tokens, masked_rows,
-                                 len(scheduler_output.num_scheduled_tokens)) if decode_only else None)
+                                 len(scheduler_output.num_scheduled_tokens), masked_requests)
+                                if decode_only else None)
         return result
 
     # Extends GPUModelRunner._build_attention_metadata: tree requests get tree-attention metadata.
@@ -122,10 +125,11 @@ class TreeRunnerMixin:
             self._commit(forward, verdict)
             output = verdict.sampler_output
         if self._step_clock is not None and verifier.controller is not None:  # auto: keep the cost model current
-            started, rows, masked_rows, requests = self._step_clock
+            started, rows, masked_rows, requests, masked_requests = self._step_clock
             if output.sampled_token_ids.is_cuda:
                 torch.cuda.synchronize(output.sampled_token_ids.device)
-            verifier.controller.observe_verify(rows, time.perf_counter() - started, masked_rows, requests)
+            verifier.controller.observe_verify(rows, time.perf_counter() - started, masked_rows, requests,
+                                               masked_requests)
             self._step_clock = None
         return output
 
