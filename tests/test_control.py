@@ -332,14 +332,18 @@ def test_the_guard_forgets_the_cycles_of_requests_that_finished():
     controller.forget({"b"})  # a finished; b, alone, starts afresh
     assert not controller.guard.holds_back(1, controller.cost.verify_seconds(1))
     assert _cycle(controller, ["b"], accepted=2, draft_seconds=0.005, verify_seconds=0.05)
-    # in a batch of 4 (b finished), one finishing keeps three quarters of what was seen
+    # a batch of 4 kept full: a request finishing and another joining keeps what was seen (forgetting a share each
+    # time would keep the guard below its minimum of cycles, and drafting would switch on and off)
     controller.forget({"c", "d", "e", "f"})
     for _ in range(40):
         _cycle(controller, ["c", "d", "e", "f"], accepted=0, draft_seconds=0.05, verify_seconds=0.05)
     bucket = controller.guard.drafted[OutcomeGuard.bucket(4)]
-    before = bucket.tokens
-    controller.forget({"c", "d", "e"})
-    assert bucket.tokens == pytest.approx(0.75 * before)
+    before = (bucket.tokens, bucket.cycles)
+    controller.forget({"c", "d", "e", "g"})
+    assert (bucket.tokens, bucket.cycles) == before
+    assert controller.guard.holds_back(4, controller.cost.verify_seconds(4))
+    controller.forget({"h", "i", "j", "k"})  # every request it weighed has finished
+    assert not controller.guard.drafted
 
 
 # ---- exploring where drafting does not pay ----

@@ -147,15 +147,6 @@ class _Rate:
         self.tokens_seconds = memory_squared * self.tokens_seconds + tokens * seconds
         self.seconds_squared = memory_squared * self.seconds_squared + seconds * seconds
 
-    def keep(self, share: float) -> None:
-        """Keep only ``share`` of what was observed (weights scaled; the cycle count too, rounded down)."""
-        self.tokens *= share
-        self.seconds *= share
-        self.cycles = int(self.cycles * share)
-        self.tokens_squared *= share * share
-        self.tokens_seconds *= share * share
-        self.seconds_squared *= share * share
-
     @property
     def per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
@@ -211,12 +202,13 @@ class OutcomeGuard:
         rates = self.drafted if drafted else self.plain
         rates.setdefault(self.bucket(requests), _Rate()).add(tokens, seconds)
 
-    def forget_requests(self, share: float) -> None:
-        """``share`` of the requests behind the drafted cycles have finished: their acceptance no longer
-        says anything about the running ones, so that share of every drafted rate is dropped (cycles without
-        drafts produce one token per request, whoever runs). A lone request's successor starts afresh."""
-        for rate in self.drafted.values():
-            rate.keep(1.0 - share)
+    def forget_drafted(self) -> None:
+        """Every request behind the drafted cycles has finished: their acceptance says nothing about the
+        running ones (a lone request's successor starts afresh). Cycles without drafts produce one token per
+        request, whoever runs, and are kept. Where requests come and go one by one (a batch kept full), the
+        drafted rates are kept: forgetting a finished request's share each time would keep the guard below
+        its minimum of cycles, and drafting would switch on and off, each switch paying a catch-up."""
+        self.drafted.clear()
 
     def holds_back(self, requests: int, plain_seconds: float) -> bool:
         """Whether cycles that drafted, at this many requests, measurably produced fewer tokens per second than
@@ -426,11 +418,10 @@ class SpeculationController:
     def forget(self, live: set[str]) -> None:
         """Drop the state of requests that are no longer running."""
         self.acceptance.forget(live)
-        if self._guard_requests:
-            finished = len(self._guard_requests - live)
-            if finished:
-                self.guard.forget_requests(finished / len(self._guard_requests))
-                self._guard_requests &= live
+        if self._guard_requests and not self._guard_requests & live:  # all of them finished
+            self.guard.forget_drafted()
+            self._guard_requests.clear()
+        self._guard_requests &= live
         for state in (self.depth_rates, self.lookup_rates, self._predicted, self._lookup_offered):
             for req_id in [r for r in state if r not in live]:
                 del state[req_id]
