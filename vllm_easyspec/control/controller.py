@@ -420,7 +420,6 @@ class SpeculationController:
         self.acceptance.forget(live)
         if self._guard_requests and not self._guard_requests & live:  # all of them finished
             self.guard.forget_drafted()
-            self._guard_requests.clear()
         self._guard_requests &= live
         for state in (self.depth_rates, self.lookup_rates, self._predicted, self._lookup_offered):
             for req_id in [r for r in state if r not in live]:
