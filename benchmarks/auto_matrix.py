@@ -38,6 +38,7 @@ from benchmarks.harness import (
     Cell,
     Setup,
     Workload,
+    cpu_native_dtype,
     run_matrix,
     select_setups,
 )
@@ -349,12 +350,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--only", default=None, help="only the setups whose name matches this regex (and vanilla)")
     parser.add_argument("--stem", default="auto_matrix")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                        help="default: bfloat16 where the CPU computes it natively (AVX-512 BF16, AMX), else float32")
     args = parser.parse_args(argv)
+    args.dtype = args.dtype or cpu_native_dtype()
     command = "python -m benchmarks.auto_matrix " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     chosen = select_setups(setups(args.pairs), args.only)
     names = [s.name for s in chosen]
     matrix = cells(args.classes, args.batches, args.max_tokens, args.rounds)
-    workload = Workload(target=str(fetch_model(QWEN)), prompts=[], batch_size=max(args.batches))
+    workload = Workload(target=str(fetch_model(QWEN)), prompts=[], batch_size=max(args.batches), dtype=args.dtype)
     runs_file = RESULTS_DIR / "logs" / f"{args.stem}.runs.jsonl"
     runs_file.parent.mkdir(parents=True, exist_ok=True)
     rows_by_cell = run_matrix(chosen, workload, matrix, repeats=args.repeats, runs_file=runs_file)
@@ -363,7 +367,7 @@ def main(argv: list[str] | None = None) -> None:
     described = ", ".join(f"`{s.name}`: {s.description}" for s in chosen)
     md = (f"# The controller against fixed setups, by prompt class and batch\n\nCommand: `{command}`\n\n"
           f"Setups: {described}.\n\nCells: {args.rounds} x batch prompts (at least 4) served batch at a time, "
-          f"{args.max_tokens} tokens each, bf16, greedy. Ratios: median throughput (output tokens / "
+          f"{args.max_tokens} tokens each, {args.dtype}, greedy. Ratios: median throughput (output tokens / "
           f"wall time of the cell, prefills included) / vanilla's median "
           f"[min–max over {args.repeats} interleaved engine processes].\n\n{table}\n\n"
           f"Goals (auto >= vanilla beyond the spread, >= 0.97x the best fixed setup of its pair):\n\n"

@@ -35,6 +35,7 @@ from benchmarks.harness import (
     VANILLA,
     Setup,
     Workload,
+    cpu_native_dtype,
     load_prompts,
     markdown_table,
     run_setups,
@@ -205,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=3, help="draft_model chain length")
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                        help="default: bfloat16 where the CPU computes it natively (AVX-512 BF16, AMX), else float32")
     parser.add_argument(
         "--stem", help=f"file name stem under benchmarks/results/ (default {DEFAULT_STEM}, {FULL_STEM} with --full)"
     )  # fmt: skip
@@ -214,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         help="engine processes per setup, run interleaved; speeds are medians with their min-max",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    args.dtype = args.dtype or cpu_native_dtype()
 
     with_eagle = eagle_head_available(target_is_default=args.target == DEFAULT_TARGET)
     all_setups = main_setups(model_folder(args.draft), args.num_speculative_tokens, with_eagle)
