@@ -8,6 +8,8 @@ Run from the repository root: ``python -m benchmarks.main_job`` (the README's fi
   prompt lookup, and the plugin's speculation controller (``easyspec.tree.auto``) on a larger merged EAGLE
   tree. The draft-model setups are left out: each engine process costs about a minute on that machine, so
   three more setups would add about 10 minutes.
+- The dtype is bf16 where the CPU computes it natively (AVX-512 BF16 or AMX), else float32 (``--dtype``
+  overrides); the times above are bf16 on an AVX-512 machine.
 - ``--full`` (about 25 minutes): all seven setups, adding vLLM's built-in ``draft_model``, the plugin's
   EasySpec chain drafter and its token tree with the same draft.
 - A ``--target`` without the committed EAGLE head (any target but the default) compares the draft-model
