@@ -45,6 +45,10 @@ from vllm_easyspec.tree.verify_step import TreeRequest, TreeVerifyStep
 
 logger = plugin_logger(__name__)
 
+# easyspec.tree.auto's start-up measurement of the step's cost (TreeRunnerMixin._curve_seconds)
+CALIBRATION_REPEATS = 3  # timed forwards per row count, the fastest kept
+CALIBRATION_SECONDS_PER_POINT = 0.5  # timed forwards of a row count stop once they took this long
+
 
 class TreeRunnerMixin:
     """The runner-side changes (module docstring); vLLM's runner unless ``easyspec`` options are set."""
@@ -229,8 +233,8 @@ class TreeRunnerMixin:
         verify_rows = _calibration_rows(min(batch * (1 + max_nodes), self.max_num_tokens))
         level_rows = _calibration_rows(min(batch * level_width, self.max_num_tokens))
         cost = StepCostModel(
-            verify=CostCurve.from_measurements(verify_rows, [self._forward_seconds(r, draft=False) for r in verify_rows]),
-            draft_level=CostCurve.from_measurements(level_rows, [self._forward_seconds(r, draft=True) for r in level_rows]),
+            verify=CostCurve.from_measurements(verify_rows, self._curve_seconds(verify_rows, draft=False)),
+            draft_level=CostCurve.from_measurements(level_rows, self._curve_seconds(level_rows, draft=True)),
         )
         logger.info("easyspec.tree.auto: step cost measured in %.1f s: %s", time.perf_counter() - started,
                     cost.describe())
@@ -238,10 +242,24 @@ class TreeRunnerMixin:
         return SpeculationController(cost, max_depth=tree.max_depth, max_nodes=max_nodes, level_width=level_width,
                                      lookup_depth=0 if lookup is None else lookup.nodes)
 
-    def _forward_seconds(self, rows: int, draft: bool, repeats: int = 3) -> float:
-        """The fastest of ``repeats`` timed forwards (after one untimed) of the target, or of the drafter's
-        model, over ``rows`` rows with their logits; attention runs without metadata (no context), as in
-        vLLM's profiling runs."""
+    def _curve_seconds(self, rows: list[int], draft: bool) -> list[float]:
+        """Seconds of one forward at each row count (ascending). Each is the fastest of up to
+        :data:`CALIBRATION_REPEATS` timed forwards after an untimed one, the timed ones stopping once they have
+        taken :data:`CALIBRATION_SECONDS_PER_POINT`; once a row count's forward takes that long, the larger ones
+        are timed once without the untimed forward (a long forward's timing varies little, and a slow machine's
+        calibration stays short)."""
+        seconds: list[float] = []
+        for count in rows:
+            slow = bool(seconds) and seconds[-1] >= CALIBRATION_SECONDS_PER_POINT
+            seconds.append(self._forward_seconds(count, draft, repeats=1 if slow else CALIBRATION_REPEATS,
+                                                 warm_up=not slow))
+        return seconds
+
+    def _forward_seconds(self, rows: int, draft: bool, repeats: int, warm_up: bool) -> float:
+        """The fastest of ``repeats`` timed forwards (after one untimed with ``warm_up``, and stopping early once
+        the timed ones took :data:`CALIBRATION_SECONDS_PER_POINT`) of the target, or of the drafter's model, over
+        ``rows`` rows with their logits; attention runs without metadata (no context), as in vLLM's profiling
+        runs."""
         from vllm.forward_context import set_forward_context
 
         model = self.drafter.model if draft else self.model
@@ -249,8 +267,8 @@ class TreeRunnerMixin:
         if draft and self.drafter.pass_hidden_states_to_model:  # an EAGLE head reads a hidden state per row
             inputs["hidden_states"] = torch.zeros(rows, self.drafter.hidden_size, dtype=self.dtype,
                                                   device=self.device)
-        times = []
-        for _ in range(repeats + 1):
+        times: list[float] = []
+        for attempt in range(repeats + warm_up):
             started = time.perf_counter()
             with torch.inference_mode(), set_forward_context(None, self.vllm_config, num_tokens=rows):
                 output = model(**inputs)
@@ -258,8 +276,11 @@ class TreeRunnerMixin:
                 model.compute_logits(hidden[:rows])
             if hidden.is_cuda:
                 torch.cuda.synchronize(hidden.device)
-            times.append(time.perf_counter() - started)
-        return min(times[1:])
+            if attempt or not warm_up:
+                times.append(time.perf_counter() - started)
+                if sum(times) >= CALIBRATION_SECONDS_PER_POINT:
+                    break
+        return min(times)
 
     def _commit(self, forward: TreeVerifyForward, verdict: TreeVerdict) -> None:
         """The accepted branch moves to ``P + 1 .. P + a`` in the target's cache and in the runner's input ids
