@@ -256,10 +256,9 @@ class TreeRunnerMixin:
         return seconds
 
     def _forward_seconds(self, rows: int, draft: bool, repeats: int, warm_up: bool) -> float:
-        """The fastest of ``repeats`` timed forwards (after one untimed with ``warm_up``, and stopping early once
-        the timed ones took :data:`CALIBRATION_SECONDS_PER_POINT`) of the target, or of the drafter's model, over
-        ``rows`` rows with their logits; attention runs without metadata (no context), as in vLLM's profiling
-        runs."""
+        """One row count's time (:meth:`_curve_seconds` says how it is timed): forwards of the target, or of the
+        drafter's model, over ``rows`` rows with their logits; attention runs without metadata (no context), as
+        in vLLM's profiling runs."""
         from vllm.forward_context import set_forward_context
 
         model = self.drafter.model if draft else self.model
