@@ -14,9 +14,10 @@ def drafting_costs_nothing(worker) -> bool:
     controller = worker.model_runner.tree_verifier.controller
     cost = controller.cost
     cost.draft_level = CostCurve.from_measurements([1], [1e-5])
+    cost.draft_forward = None
     cost.draft_scale = cost.first_pass_scale = 1.0
     controller.observe_draft = lambda levels, rows_per_level, seconds: None
-    controller.observe_first_pass = lambda rows, seconds: None
+    controller.observe_first_pass = lambda *arguments, **keywords: None
     controller.guard.holds_back = lambda requests, plain_seconds: False
     return True
 

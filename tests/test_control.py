@@ -9,7 +9,13 @@ import pytest
 
 from vllm_easyspec.control.acceptance import AcceptanceModel, NodeFeatures
 from vllm_easyspec.control.controller import OutcomeGuard, RequestTree, SpeculationController
-from vllm_easyspec.control.cost import CostCurve, StepCostModel
+from vllm_easyspec.control.cost import (
+    CALIBRATION_REPEATS,
+    CALIBRATION_SECONDS_PER_POINT,
+    CostCurve,
+    StepCostModel,
+    time_forwards,
+)
 from vllm_easyspec.control.planning import (
     Candidates,
     best_first_order,
@@ -208,6 +214,38 @@ def test_the_first_pass_cost_follows_what_it_took():
     assert cost.first_pass_seconds(16) == pytest.approx(3 * cost.draft_level(16), rel=0.02)
     assert cost.draft_seconds(1, 16) == pytest.approx(cost.draft_level(16))  # the levels keep their own scale
     assert cost.observations["first_pass"] == 60
+
+
+def test_a_first_pass_costs_the_forward_over_its_rows_and_the_logits_of_its_roots():
+    level = CostCurve.from_measurements([1, 64], [0.002, 0.010])  # forward and logits of every row
+    forward = CostCurve.from_measurements([1, 64], [0.001, 0.004])  # the forward alone
+    cost = StepCostModel(CostCurve.from_measurements([1, 8], [0.01, 0.02]), level, draft_forward=forward)
+    # 200 rows (a prompt) with 4 roots: the forward over 200 rows, the logits over 4 (level less forward at 4)
+    assert cost.first_pass_seconds(200, 4) == pytest.approx(forward(200) + level(4) - forward(4))
+    assert cost.first_pass_seconds(200, 4) < level(200) / 2
+    for _ in range(60):  # the scale follows what first passes take, whatever their rows and roots
+        cost.observe_first_pass(16, 2 * (forward(16) + level(8) - forward(8)), 8)
+    assert cost.first_pass_seconds(300, 8) == pytest.approx(2 * (forward(300) + level(8) - forward(8)), rel=0.01)
+    assert cost.draft_seconds(1, 16) == pytest.approx(level(16))
+
+
+def test_start_up_timing_keeps_the_fastest_and_stops_at_the_first_slow_row_count():
+    calls: list[int] = []
+    slowdown = iter([3.0] + [1.0] * 100)  # the very first forward is slow (one-off costs): it is never timed
+
+    def forward(rows: int) -> tuple[float, float]:  # 0.1 s per 8 rows, a quarter of it the logits
+        calls.append(rows)
+        seconds = next(slowdown) * 0.1 * rows / 8
+        return seconds, 0.75 * seconds
+
+    assert CALIBRATION_SECONDS_PER_POINT == 0.5 and CALIBRATION_REPEATS == 3
+    timings = time_forwards([1, 2, 4, 8, 16, 32, 64, 128, 256], forward)
+    # 64 rows took 0.8 s: the last row count timed; the curve extrapolates past it
+    assert timings.rows == [1, 2, 4, 8, 16, 32, 64] and 128 not in calls
+    assert timings.with_logits == pytest.approx([0.1 * rows / 8 for rows in timings.rows])
+    assert timings.without_logits == pytest.approx([0.075 * rows / 8 for rows in timings.rows])
+    # an untimed forward, then 3 timed ones, fewer once they add up to 0.5 s: 0.4 s twice, 0.8 s once
+    assert [calls.count(rows) for rows in timings.rows] == [4, 4, 4, 4, 4, 3, 2]
 
 
 def test_the_cost_model_records_what_it_predicted_before_each_observation():

@@ -298,8 +298,8 @@ class SpeculationController:
         lookup = [self.lookup_rates.get(req_id, self.global_lookup_rates) for req_id in req_ids]
         level_rows = len(req_ids) * self.level_width
         steady_rows = min(first_pass_rows, 2 * len(req_ids))
-        steady = self.cost.first_pass_seconds(steady_rows)
-        catch_up = self.cost.first_pass_seconds(first_pass_rows) - steady
+        steady = self.cost.first_pass_seconds(steady_rows, len(req_ids))
+        catch_up = self.cost.first_pass_seconds(first_pass_rows, len(req_ids)) - steady
         first_pass = steady + catch_up / max(horizon_steps, 1.0)
 
         def draft_seconds(depth: int) -> float:
@@ -448,7 +448,8 @@ class SpeculationController:
     def observe_draft(self, levels: int, rows_per_level: int, seconds: float) -> None:
         self.cost.observe_draft(levels, rows_per_level, seconds)
 
-    def observe_first_pass(self, rows: int, seconds: float) -> None:
-        self.cost.observe_first_pass(rows, seconds)
+    def observe_first_pass(self, rows: int, seconds: float, requests: int = 0) -> None:
+        """The drafter's first pass over ``rows`` rows, with the logits of ``requests`` roots, took ``seconds``."""
+        self.cost.observe_first_pass(rows, seconds, requests)
         if self._cycle is not None:
             self._cycle.first_pass_seconds += seconds

@@ -12,8 +12,9 @@ controller's occasional exploration) and steps with and without branching trees 
 them.
 
 Drafting costs the drafter's first pass (one forward over the tokens the last step verified, plus any rows
-deferred from steps that drafted nothing) and one forward per further level; both are predicted from the
-start-up curve of one draft forward, each with its own scale. A step that drafts nothing skips the first pass,
+deferred from steps that drafted nothing, then the logits of each request's root) and one forward per further
+level, with the logits of every row; both are predicted from start-up curves of one draft forward (with and
+without the logits of its rows), each with its own scale. A step that drafts nothing skips the first pass,
 so the first pass is a cost of speculating at all, not a constant of the step.
 
 Invariants: a :class:`CostCurve` is non-decreasing in its rows (measured points are made monotone) and
@@ -27,7 +28,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,6 +36,9 @@ import numpy as np
 PARTS = ("verify", "draft", "first_pass")  # the parts of a step the model predicts and observes
 VERIFY_HISTORY = 64  # decode steps the verify fit reads
 PRIOR_WEIGHT = 0.05  # how strongly the fit is pulled towards scale 1 and no extra cost per row
+CALIBRATION_REPEATS = 3  # start-up: timed forwards per row count, the fastest kept
+CALIBRATION_SECONDS_PER_POINT = 0.5  # ... which stop once they took this long; row counts stop at the first
+# whose forward took this long
 
 
 @dataclass(frozen=True)
@@ -72,13 +76,47 @@ class CostCurve:
         return ", ".join(f"{r}: {s * unit:.1f}" for r, s in zip(self.rows, self.seconds, strict=True))
 
 
+@dataclass(frozen=True)
+class ForwardTimings:
+    """Start-up timings of one model's forward by rows (ascending): with the logits of every row, and without."""
+
+    rows: list[int]
+    with_logits: list[float]
+    without_logits: list[float]
+
+
+def time_forwards(rows: Sequence[int], forward: Callable[[int], tuple[float, float]]) -> ForwardTimings:
+    """Times ``forward(count)`` (one forward over ``count`` rows; returns its seconds with and without the
+    logits) at each row count of ``rows`` (ascending). A row count is timed by an untimed forward, then up to
+    :data:`CALIBRATION_REPEATS` timed ones that stop once they have taken :data:`CALIBRATION_SECONDS_PER_POINT`,
+    the fastest kept. The row counts stop at the first whose forward takes that long: past it a forward's cost
+    grows linearly with its rows, as a :class:`CostCurve` extrapolates, and a slow machine's start-up stays a
+    few seconds."""
+    timings = ForwardTimings([], [], [])
+    for count in rows:
+        forward(count)  # the first forward at a row count is not timed
+        fastest, timed = (float("inf"), float("inf")), 0.0
+        for _ in range(CALIBRATION_REPEATS):
+            seconds = forward(count)
+            fastest, timed = min(fastest, seconds), timed + seconds[0]
+            if timed >= CALIBRATION_SECONDS_PER_POINT:
+                break
+        timings.rows.append(count)
+        timings.with_logits.append(fastest[0])
+        timings.without_logits.append(fastest[1])
+        if fastest[0] >= CALIBRATION_SECONDS_PER_POINT:
+            break
+    return timings
+
+
 @dataclass
 class StepCostModel:
     """A decode step's cost: the target's verify forward over all rows of the batch, plus, when the step drafts,
     the drafter's first pass and its level forwards (each over ``rows`` rows)."""
 
     verify: CostCurve
-    draft_level: CostCurve
+    draft_level: CostCurve  # one draft forward with the logits of every row
+    draft_forward: CostCurve | None = None  # ... without logits (None: with them, as draft_level)
     smoothing: float = 0.1  # weight of the newest observation in the draft scale
     verify_scale: float = 1.0
     extra_per_row: float = 0.0  # verify seconds per row that the bare forwards do not show
@@ -103,9 +141,16 @@ class StepCostModel:
     def draft_seconds(self, levels: int, rows_per_level: int) -> float:
         return self.draft_scale * levels * self.draft_level(rows_per_level) if levels > 0 else 0.0
 
-    def first_pass_seconds(self, rows: int) -> float:
-        """The drafter's first pass over ``rows`` rows (the verified tokens and any deferred ones)."""
-        return self.first_pass_scale * self.draft_level(rows) if rows > 0 else 0.0
+    def first_pass_seconds(self, rows: int, requests: int = 0) -> float:
+        """The drafter's first pass over ``rows`` rows (the verified tokens and any deferred ones) and the logits
+        of ``requests`` roots."""
+        return self.first_pass_scale * self._first_pass_curve(rows, requests) if rows > 0 else 0.0
+
+    def _first_pass_curve(self, rows: int, requests: int) -> float:
+        if self.draft_forward is None:
+            return self.draft_level(rows)
+        logits = max(self.draft_level(requests) - self.draft_forward(requests), 0.0) if requests > 0 else 0.0
+        return self.draft_forward(rows) + logits
 
     def observe_verify(self, rows: int, seconds: float, masked_rows: int = 0, masked_requests: int = 0) -> None:
         """An engine step's verify (target forward and sampling) over ``rows`` rows, ``masked_rows`` of them in
@@ -152,9 +197,10 @@ class StepCostModel:
             self._count("draft", self.draft_scale * predicted, seconds)
             self.draft_scale = self._blend(self.draft_scale, seconds / predicted)
 
-    def observe_first_pass(self, rows: int, seconds: float) -> None:
-        """A drafting step's first pass over ``rows`` rows took ``seconds``."""
-        predicted = self.draft_level(rows)
+    def observe_first_pass(self, rows: int, seconds: float, requests: int = 0) -> None:
+        """A drafting step's first pass over ``rows`` rows, with the logits of ``requests`` roots, took
+        ``seconds``."""
+        predicted = self._first_pass_curve(rows, requests)
         if rows > 0 and predicted > 0 and seconds > 0:
             self._count("first_pass", self.first_pass_scale * predicted, seconds)
             self.first_pass_scale = self._blend(self.first_pass_scale, seconds / predicted)
@@ -172,5 +218,7 @@ class StepCostModel:
         return (f"verify ms by rows {{{self.verify.describe()}}} x{self.verify_scale:.2f} "
                 f"+ {self.extra_per_row * 1e3:.2f} ms per row + {self.extra_per_masked_row * 1e3:.2f} ms per "
                 f"masked tree row + {self.extra_per_masked_request * 1e3:.2f} ms per masked tree; "
-                f"draft level ms by rows {{{self.draft_level.describe()}}} x{self.draft_scale:.2f} "
-                f"(first pass x{self.first_pass_scale:.2f})")
+                f"draft level ms by rows {{{self.draft_level.describe()}}} x{self.draft_scale:.2f}"
+                + ("" if self.draft_forward is None else
+                   f", without logits {{{self.draft_forward.describe()}}}")
+                + f" (first pass x{self.first_pass_scale:.2f})")

@@ -69,6 +69,9 @@ def read_controller_stats(worker) -> dict[str, Any] | None:
                          "extra_per_masked_request": cost.extra_per_masked_request},
         "draft_level_curve": {"rows": list(cost.draft_level.rows), "seconds": list(cost.draft_level.seconds),
                               "scale": cost.draft_scale},
+        "draft_forward_curve": None if cost.draft_forward is None else {
+            "rows": list(cost.draft_forward.rows), "seconds": list(cost.draft_forward.seconds),
+            "scale": cost.first_pass_scale},
         "cost_observations": dict(cost.observations),
         # one-step-ahead: what the model predicted for each observed step, and what the steps took
         "cost_predicted_seconds": dict(cost.predicted_seconds),

@@ -30,7 +30,7 @@ import time
 import torch
 
 from vllm_easyspec.control.controller import SpeculationController
-from vllm_easyspec.control.cost import CostCurve, StepCostModel
+from vllm_easyspec.control.cost import CostCurve, ForwardTimings, StepCostModel, time_forwards
 from vllm_easyspec.instruments.step_trace import step_trace_path, trace_tree_step
 from vllm_easyspec.integration.compat import plugin_logger
 from vllm_easyspec.integration.metrics import ControllerPublisher
@@ -44,11 +44,6 @@ from vllm_easyspec.tree.config import TreeConfig
 from vllm_easyspec.tree.verify_step import TreeRequest, TreeVerifyStep
 
 logger = plugin_logger(__name__)
-
-# easyspec.tree.auto's start-up measurement of the step's cost (TreeRunnerMixin._curve_seconds)
-CALIBRATION_REPEATS = 3  # timed forwards per row count, the fastest kept
-CALIBRATION_SECONDS_PER_POINT = 0.5  # timed forwards of a row count stop once they took this long
-
 
 class TreeRunnerMixin:
     """The runner-side changes (module docstring); vLLM's runner unless ``easyspec`` options are set."""
@@ -224,17 +219,20 @@ class TreeRunnerMixin:
 
     def _start_controller(self, tree: TreeConfig) -> SpeculationController:
         """easyspec.tree.auto: the step's cost measured (the target's forward and logits over the rows a verify
-        can have, one draft forward over the rows a level can have), then the controller that uses it."""
+        can have, one draft forward with and without logits over the rows a level can have), then the controller
+        that uses it."""
         started = time.perf_counter()
         level_width = tree.top_k if not tree.is_static else max(
             len(level) for level in tree.template().expansion_levels())
         max_nodes = tree.num_nodes if tree.auto.max_nodes is None else tree.auto.max_nodes
         batch = self.scheduler_config.max_num_seqs
-        verify_rows = _calibration_rows(min(batch * (1 + max_nodes), self.max_num_tokens))
-        level_rows = _calibration_rows(min(batch * level_width, self.max_num_tokens))
+        verify = self._forward_timings(_calibration_rows(min(batch * (1 + max_nodes), self.max_num_tokens)),
+                                       draft=False)
+        level = self._forward_timings(_calibration_rows(min(batch * level_width, self.max_num_tokens)), draft=True)
         cost = StepCostModel(
-            verify=CostCurve.from_measurements(verify_rows, self._curve_seconds(verify_rows, draft=False)),
-            draft_level=CostCurve.from_measurements(level_rows, self._curve_seconds(level_rows, draft=True)),
+            verify=CostCurve.from_measurements(verify.rows, verify.with_logits),
+            draft_level=CostCurve.from_measurements(level.rows, level.with_logits),
+            draft_forward=CostCurve.from_measurements(level.rows, level.without_logits),
         )
         logger.info("easyspec.tree.auto: step cost measured in %.1f s: %s", time.perf_counter() - started,
                     cost.describe())
@@ -242,44 +240,31 @@ class TreeRunnerMixin:
         return SpeculationController(cost, max_depth=tree.max_depth, max_nodes=max_nodes, level_width=level_width,
                                      lookup_depth=0 if lookup is None else lookup.nodes)
 
-    def _curve_seconds(self, rows: list[int], draft: bool) -> list[float]:
-        """Seconds of one forward at each row count (ascending). Each is the fastest of up to
-        :data:`CALIBRATION_REPEATS` timed forwards after an untimed one, the timed ones stopping once they have
-        taken :data:`CALIBRATION_SECONDS_PER_POINT`; once a row count's forward takes that long, the larger ones
-        are timed once without the untimed forward (a long forward's timing varies little, and a slow machine's
-        calibration stays short)."""
-        seconds: list[float] = []
-        for count in rows:
-            slow = bool(seconds) and seconds[-1] >= CALIBRATION_SECONDS_PER_POINT
-            seconds.append(self._forward_seconds(count, draft, repeats=1 if slow else CALIBRATION_REPEATS,
-                                                 warm_up=not slow))
-        return seconds
-
-    def _forward_seconds(self, rows: int, draft: bool, repeats: int, warm_up: bool) -> float:
-        """One row count's time (:meth:`_curve_seconds` says how it is timed): forwards of the target, or of the
-        drafter's model, over ``rows`` rows with their logits; attention runs without metadata (no context), as
-        in vLLM's profiling runs."""
+    def _forward_timings(self, rows: list[int], draft: bool) -> ForwardTimings:
+        """Forwards of the target, or of the drafter's model, timed as :func:`time_forwards` says; attention runs
+        without metadata (no context), as in vLLM's profiling runs."""
         from vllm.forward_context import set_forward_context
 
         model = self.drafter.model if draft else self.model
-        inputs = {"input_ids": self.input_ids.gpu[:rows], "positions": self.positions[:rows]}
-        if draft and self.drafter.pass_hidden_states_to_model:  # an EAGLE head reads a hidden state per row
-            inputs["hidden_states"] = torch.zeros(rows, self.drafter.hidden_size, dtype=self.dtype,
-                                                  device=self.device)
-        times: list[float] = []
-        for attempt in range(repeats + warm_up):
+
+        def forward(count: int) -> tuple[float, float]:
+            inputs = {"input_ids": self.input_ids.gpu[:count], "positions": self.positions[:count]}
+            if draft and self.drafter.pass_hidden_states_to_model:  # an EAGLE head reads a hidden state per row
+                inputs["hidden_states"] = torch.zeros(count, self.drafter.hidden_size, dtype=self.dtype,
+                                                      device=self.device)
             started = time.perf_counter()
-            with torch.inference_mode(), set_forward_context(None, self.vllm_config, num_tokens=rows):
+            with torch.inference_mode(), set_forward_context(None, self.vllm_config, num_tokens=count):
                 output = model(**inputs)
                 hidden = output[0] if isinstance(output, tuple) else output
-                model.compute_logits(hidden[:rows])
+                if hidden.is_cuda:
+                    torch.cuda.synchronize(hidden.device)
+                forwarded = time.perf_counter()
+                model.compute_logits(hidden[:count])
             if hidden.is_cuda:
                 torch.cuda.synchronize(hidden.device)
-            if attempt or not warm_up:
-                times.append(time.perf_counter() - started)
-                if sum(times) >= CALIBRATION_SECONDS_PER_POINT:
-                    break
-        return min(times)
+            return time.perf_counter() - started, forwarded - started
+
+        return time_forwards(rows, forward)
 
     def _commit(self, forward: TreeVerifyForward, verdict: TreeVerdict) -> None:
         """The accepted branch moves to ``P + 1 .. P + a`` in the target's cache and in the runner's input ids

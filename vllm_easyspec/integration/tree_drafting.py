@@ -225,17 +225,17 @@ class TreeDrafting:
             target_token_ids, target_positions, target_hidden_states, next_token_ids,
             token_indices_to_sample, common_attn_metadata, mm_embed_inputs, num_rejected_tokens_gpu,
         )
-        if controller is not None:  # the first pass's cost keeps the controller's model current
+        root_logits = self._logits(root_hidden)
+        if controller is not None:  # the first pass's cost (the roots' logits too) keeps the controller's model current
             if root_hidden.is_cuda:
                 torch.cuda.synchronize(root_hidden.device)
             controller.observe_first_pass(common_attn_metadata.num_actual_tokens,
-                                          time.perf_counter() - first_pass_started)
+                                          time.perf_counter() - first_pass_started, batch_size)
         greedy, temperatures = _greedy_rows(sampling_metadata, batch_size)
         drafted = self.config.drafted_within(node_limit)
         if depth is not None:
             drafted = drafted.within_depth(depth)
-        draft = LevelwiseTreeDraft(drafted, self._logits(root_hidden), greedy, temperatures,
-                                   sampling_metadata.generators)
+        draft = LevelwiseTreeDraft(drafted, root_logits, greedy, temperatures, sampling_metadata.generators)
         state = DraftTreeAttention(
             prefix_lens=(root_positions + 1).long().cpu(),
             block_table=cad.block_table_tensor[:batch_size],
