@@ -100,6 +100,7 @@ def cells(classes: list[str], batches: list[int], max_tokens: int, rounds: int =
 
 
 PAIR_OF = {"eagle": "EAGLE-3 head", "smol": "SmolLM2-135M draft"}
+VANILLA_SPREAD_WARNING = 1.10  # vanilla's processes differing more than this flag a machine whose speed drifted
 
 
 def pair_of(name: str) -> str | None:
@@ -163,13 +164,14 @@ def _ratio(row: dict[str, Any] | None) -> str:
 
 def markdown(rows_by_cell: dict[str, list[dict[str, Any]]], names: list[str]) -> str:
     """One table of speed ratios (setups as columns), one of the controller against the best fixed setup."""
-    header = "| cell | vanilla tok/s | " + " | ".join(n for n in names if n != VANILLA) + " |"
+    header = "| cell | vanilla tok/s [min–max] | " + " | ".join(n for n in names if n != VANILLA) + " |"
     lines = [header, "|" + "---|" * (len(names) + 1)]
     for cell, rows in rows_by_cell.items():
         by_name = {row["setup"]: row for row in rows}
         vanilla = by_name[VANILLA]
         lines.append(
-            f"| {cell} | {vanilla[MATRIX_SPEED]:.1f} | "
+            f"| {cell} | {vanilla[MATRIX_SPEED]:.1f} [{vanilla[f'{MATRIX_SPEED}_min']:.1f}–"
+            f"{vanilla[f'{MATRIX_SPEED}_max']:.1f}] | "
             + " | ".join(_ratio(by_name.get(n)) for n in names if n != VANILLA) + " |"
         )
     lines += ["", "| cell | pair | best fixed | its ratio | auto vs vanilla | auto vs best fixed | "
@@ -232,7 +234,20 @@ def goals(rows_by_cell: dict[str, list[dict[str, Any]]]) -> str:
                      if cell.startswith("mixed-") and prefix in s]
             if mixed:
                 lines.append("  - mixed cells, auto against the best uniform setting (goal >= 1.05): " + ", ".join(mixed))
+    drifted = [f"{cell} ({vanilla_spread(rows):.2f}x)" for cell, rows in rows_by_cell.items()
+               if vanilla_spread(rows) > VANILLA_SPREAD_WARNING]
+    if drifted:
+        lines.append(f"- vanilla's fastest process ran more than {VANILLA_SPREAD_WARNING:.2f}x its slowest in "
+                     f"{', '.join(drifted)}: the machine's speed changed during the run, and these cells' ratios "
+                     "carry that; re-run them with more --repeats")
     return "\n".join(lines)
+
+
+def vanilla_spread(rows: list[dict[str, Any]]) -> float:
+    """Vanilla's fastest process over its slowest in a cell (1.0: identical processes)."""
+    vanilla = next(row for row in rows if row["setup"] == VANILLA)
+    low = vanilla[f"{MATRIX_SPEED}_min"]
+    return vanilla[f"{MATRIX_SPEED}_max"] / low if low else 1.0
 
 
 def batch1_over_classes(rows_by_cell: dict[str, list[dict[str, Any]]], prefix: str) -> dict[str, float]:
