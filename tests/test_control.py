@@ -323,6 +323,24 @@ def test_the_guard_holds_drafting_back_where_drafted_cycles_measurably_produce_l
     assert all(lone) and controller.guard.table()[0]["drafted_cycles"] == 40
 
 
+def test_the_guard_is_charged_a_catch_up_first_pass_in_full_spread_over_the_drafted_cycles_after_it():
+    controller = _cheap_drafting_controller()
+    charged: list[float] = []
+    controller.guard.add = lambda drafted, requests, tokens, seconds: charged.append(seconds)
+    batch = ["a", "b"]
+    assert controller.plan_depth(batch, first_pass_rows=2000, horizon_steps=10)  # a prompt's first pass
+    controller.observe_first_pass(2000, 1.0, len(batch))
+    controller.observe_drafting(1.01)
+    controller.observe_verify(4, 0.05, requests=len(batch))
+    assert 0.05 < charged[0] < 0.3  # its own share; the rest is left to the cycles after it
+    for _ in range(200):
+        assert controller.plan_depth(batch, first_pass_rows=len(batch), horizon_steps=10)
+        controller.observe_drafting(0.01)
+        controller.observe_verify(4, 0.05, requests=len(batch))
+    assert charged[1] > charged[2] > charged[-1] == pytest.approx(0.06)
+    assert sum(charged) == pytest.approx(1.01 + 0.05 + 200 * 0.06)  # every second of drafting, once
+
+
 def test_the_guard_trusts_measured_cycles_without_drafts_over_the_model():
     from vllm_easyspec.control.controller import GUARD_MIN_CYCLES, OutcomeGuard
 

@@ -171,14 +171,20 @@ class _Cycle:
     requests: set[str] = field(default_factory=set)
     weighed: bool = True  # False: a step that drafted only to explore acceptance, not what the guard compares
     first_pass_share: float = 1.0  # of its first pass, the share this cycle pays (the rest: later cycles')
+    horizon_steps: float = 1.0  # the steps over which plan_depth spread a catch-up first pass
     seconds: float = 0.0
     first_pass_seconds: float = 0.0
     accepted: int = 0
 
+    @property
+    def deferred_seconds(self) -> float:
+        """The share of its catch-up first pass that the cycle leaves to the drafted cycles after it."""
+        return (1.0 - self.first_pass_share) * self.first_pass_seconds
+
     def charged_seconds(self, verify_seconds: float) -> float:
-        """What the cycle costs the guard: its drafting and verify, less the share of a catch-up first pass
-        that the steps after it repay (as :meth:`SpeculationController.plan_depth` charges it)."""
-        return self.seconds + verify_seconds - (1.0 - self.first_pass_share) * self.first_pass_seconds
+        """What the cycle costs the guard before any earlier catch-up is repaid: its drafting and verify, less
+        what it leaves to later cycles (as :meth:`SpeculationController.plan_depth` charges it)."""
+        return self.seconds + verify_seconds - self.deferred_seconds
 
 
 @dataclass
@@ -187,7 +193,8 @@ class OutcomeGuard:
     cycles that drafted and cycles that did not. A cycle's tokens are its verify step's requests plus the drafts
     they accepted; its seconds are the drafting and the verify, a catch-up first pass (a prompt's, or rows
     deferred while nothing was drafted) charged at the share :meth:`SpeculationController.plan_depth` charges it,
-    spread over the steps the batch's requests can still run.
+    and the rest of it repaid by the drafted cycles after it (each one ``1 / horizon`` of what is outstanding),
+    so that drafting is charged every first pass it needs.
 
     Invariant: :meth:`holds_back` depends only on timings and earlier verification outcomes."""
 
@@ -267,6 +274,7 @@ class SpeculationController:
         self.guard = OutcomeGuard()
         self._guard_requests: set[str] = set()  # the running requests whose cycles the guard has weighed
         self._cycle: _Cycle | None = None
+        self._first_pass_debt = 0.0  # catch-up first-pass seconds that drafted cycles have yet to repay to the guard
         self._explore_budget = 0.0  # seconds exploring steps may still spend
         self._exploring_draft = False  # this step drafts only to explore acceptance: choose verifies best nodes
 
@@ -336,7 +344,8 @@ class SpeculationController:
         self.stats.depth_per_step[depth] += 1
         full_first_pass = steady + catch_up
         self._cycle = _Cycle(drafted=depth > 0, requests=set(req_ids), weighed=not self._exploring_draft,
-                             first_pass_share=first_pass / full_first_pass if full_first_pass > 0 else 1.0)
+                             first_pass_share=first_pass / full_first_pass if full_first_pass > 0 else 1.0,
+                             horizon_steps=max(horizon_steps, 1.0))
         self.stats.controller_seconds += time.perf_counter() - started
         return depth
 
@@ -420,6 +429,7 @@ class SpeculationController:
         self.acceptance.forget(live)
         if self._guard_requests and not self._guard_requests & live:  # all of them finished
             self.guard.forget_drafted()
+            self._first_pass_debt = 0.0
         self._guard_requests &= live
         for state in (self.depth_rates, self.lookup_rates, self._predicted, self._lookup_offered):
             for req_id in [r for r in state if r not in live]:
@@ -442,7 +452,12 @@ class SpeculationController:
         self._explore_budget = min(self._explore_budget + EXPLORE_SHARE * seconds, EXPLORE_MOST_STEPS * seconds)
         if cycle is not None and cycle.weighed and requests:
             self._guard_requests |= cycle.requests
-            self.guard.add(cycle.drafted, requests, requests + cycle.accepted, cycle.charged_seconds(seconds))
+            charged = cycle.charged_seconds(seconds)
+            if cycle.drafted:  # it repays a share of earlier catch-ups and leaves part of its own to later cycles
+                repaid = self._first_pass_debt / cycle.horizon_steps
+                self._first_pass_debt += cycle.deferred_seconds - repaid
+                charged += repaid
+            self.guard.add(cycle.drafted, requests, requests + cycle.accepted, charged)
         self.stats.controller_seconds += time.perf_counter() - started
 
     def observe_draft(self, levels: int, rows_per_level: int, seconds: float) -> None:
