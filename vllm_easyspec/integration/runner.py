@@ -45,6 +45,7 @@ from vllm_easyspec.tree.verify_step import TreeRequest, TreeVerifyStep
 
 logger = plugin_logger(__name__)
 
+
 class TreeRunnerMixin:
     """The runner-side changes (module docstring); vLLM's runner unless ``easyspec`` options are set."""
 
