@@ -19,6 +19,7 @@ Invariant: the chosen nodes of a request are closed under taking parents (chance
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -157,6 +158,7 @@ def choose_depth(expected_by_depth: Sequence[Sequence[float]], max_depth: int, c
     chance that its merged prompt-lookup path is accepted beyond depth ``j``; that path needs no level forward,
     so drafting ``depth`` levels offers at each depth the chance that either is accepted beyond it."""
     batch = len(expected_by_depth)
+    verify_seconds = functools.cache(verify_seconds)  # every depth prices the same row counts
     best, best_rate = DepthPlan(1, 0), batch / verify_seconds(batch, 0, 0)
     for depth in range(1, max_depth + 1):
         candidates = [Candidates(running_minimum(_with_lookup(rates[:depth], lookup)), cap)
