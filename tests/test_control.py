@@ -3,11 +3,12 @@ calibration, and the choice of depth and nodes."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
-from vllm_easyspec.control.acceptance import AcceptanceModel, NodeFeatures
+from vllm_easyspec.control.acceptance import LOOKUP_PRIOR, AcceptanceModel, NodeFeatures
 from vllm_easyspec.control.controller import OutcomeGuard, RequestTree, SpeculationController
 from vllm_easyspec.control.cost import (
     CALIBRATION_REPEATS,
@@ -94,6 +95,18 @@ def test_the_acceptance_model_learns_the_observed_rate_and_never_exceeds_a_paren
     predicted = sum(row["predicted"] * row["nodes"] for row in table) / tested
     observed = sum(row["observed"] * row["nodes"] for row in table) / tested
     assert predicted == pytest.approx(observed, abs=0.05)
+
+
+def test_a_bin_verification_has_not_reached_predicts_what_its_source_and_confidence_have_shown():
+    sure = math.log(0.98)  # a draft sure of itself, right 70% of the time
+    model = AcceptanceModel()
+    rng = random.Random(1)
+    for step in range(300):
+        model.observe(f"r{step % 4}", [NodeFeatures(False, 1, sure)], [-1], {0} if rng.random() < 0.7 else set())
+    unseen = NodeFeatures(False, 3, sure)  # never verified at depth 3, nor for a request without history
+    assert model.conditional_chance(unseen, model.recent_bin("new")) == pytest.approx(0.7, abs=0.06)
+    lookup = NodeFeatures(True, 3, None)  # another source keeps its own prior
+    assert model.conditional_chance(lookup, model.recent_bin("new")) == pytest.approx(LOOKUP_PRIOR)
 
 
 def test_nodes_are_best_first_and_parents_come_first():

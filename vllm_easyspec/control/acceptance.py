@@ -10,8 +10,11 @@ model predicts the conditional chance ``P(accepted | tested)`` of a node from wh
   for nodes re-encoded across vocabularies);
 * the request's recent acceptance: a moving average of its tested nodes' outcomes (binned; unknown at first).
 
-Each bin keeps Beta-smoothed counts around a prior (the draft's own probability for drafted nodes, a fixed rate
-for lookup nodes), so a bin predicts the prior until verification has spoken. A node's chance of being accepted
+Each bin keeps Beta-smoothed counts around its pooled bin's rate: the nodes of the same source and draft
+log-probability bin at every depth and recent acceptance, itself smoothed around a prior (the draft's own
+probability for drafted nodes, a fixed rate for lookup nodes). So a bin predicts the prior until verification has
+spoken, and a bin verification has not reached yet (a deeper node, a request whose recent acceptance moved)
+predicts what its source and draft confidence have shown so far, not the draft's own confidence again. A node's chance of being accepted
 is the product of the conditional chances along its path: it never exceeds its parent's.
 
 Invariant: predictions depend only on the node's features and on earlier verification outcomes, never on the
@@ -44,11 +47,16 @@ class NodeFeatures:
     draft_logprob: float | None  # log q(token | parent) under the draft; None for lookup and unknown
 
     def key(self, recent_bin: int) -> tuple[bool, int, int, int]:
+        return self.from_lookup, min(self.depth, MAX_DEPTH_BIN), self.logprob_bin(), recent_bin
+
+    def pooled_key(self) -> tuple[bool, int]:
+        """The bin of :meth:`key` pooled over depth and recent acceptance."""
+        return self.from_lookup, self.logprob_bin()
+
+    def logprob_bin(self) -> int:
         if self.from_lookup or self.draft_logprob is None:
-            lp_bin = len(LOGPROB_EDGES) + 1
-        else:
-            lp_bin = bisect.bisect_left(LOGPROB_EDGES, self.draft_logprob)
-        return self.from_lookup, min(self.depth, MAX_DEPTH_BIN), lp_bin, recent_bin
+            return len(LOGPROB_EDGES) + 1
+        return bisect.bisect_left(LOGPROB_EDGES, self.draft_logprob)
 
     def prior(self) -> float:
         if self.from_lookup:
@@ -92,6 +100,7 @@ class AcceptanceModel:
     """Conditional acceptance by feature bin, with each request's recent acceptance (module docstring)."""
 
     bins: dict[tuple, _Bin] = field(default_factory=dict)
+    pooled: dict[tuple, _Bin] = field(default_factory=dict)  # the same counts by NodeFeatures.pooled_key
     recent: dict[str, float] = field(default_factory=dict)  # request id -> moving acceptance of tested nodes
     conditional: Calibration = field(default_factory=Calibration)  # P(accepted | tested) predictions
     path: Calibration = field(default_factory=Calibration)  # P(accepted) predictions of every offered node
@@ -101,11 +110,11 @@ class AcceptanceModel:
         return len(RECENT_EDGES) + 1 if rate is None else bisect.bisect_right(RECENT_EDGES, rate)
 
     def conditional_chance(self, features: NodeFeatures, recent_bin: int) -> float:
-        counts = self.bins.get(features.key(recent_bin))
-        prior = features.prior()
-        if counts is None:
-            return prior
-        return (PRIOR_WEIGHT * prior + counts.accepted) / (PRIOR_WEIGHT + counts.tested)
+        chance = features.prior()
+        for counts in (self.pooled.get(features.pooled_key()), self.bins.get(features.key(recent_bin))):
+            if counts is not None:
+                chance = (PRIOR_WEIGHT * chance + counts.accepted) / (PRIOR_WEIGHT + counts.tested)
+        return chance
 
     def path_chances(self, req_id: str, nodes: list[NodeFeatures], parents: list[int]) -> list[float]:
         """``P(accepted)`` of each node of one request's tree (parents come first)."""
@@ -127,9 +136,10 @@ class AcceptanceModel:
             if parent >= 0 and parent not in accepted:
                 continue  # never tested: its parent was rejected
             self.conditional.add(self.conditional_chance(features, recent_bin), was_accepted)
-            counts = self.bins.setdefault(features.key(recent_bin), _Bin())
-            counts.tested += 1
-            counts.accepted += was_accepted
+            for counts in (self.bins.setdefault(features.key(recent_bin), _Bin()),
+                           self.pooled.setdefault(features.pooled_key(), _Bin())):
+                counts.tested += 1
+                counts.accepted += was_accepted
             tested += 1
             accepted_here += was_accepted
         if tested:
