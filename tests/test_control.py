@@ -97,16 +97,20 @@ def test_the_acceptance_model_learns_the_observed_rate_and_never_exceeds_a_paren
     assert predicted == pytest.approx(observed, abs=0.05)
 
 
-def test_a_bin_verification_has_not_reached_predicts_what_its_source_and_confidence_have_shown():
+def test_a_bin_verification_has_not_reached_predicts_what_nodes_like_it_have_shown():
     sure = math.log(0.98)  # a draft sure of itself, right 70% of the time
     model = AcceptanceModel()
     rng = random.Random(1)
-    for step in range(300):
-        model.observe(f"r{step % 4}", [NodeFeatures(False, 1, sure)], [-1], {0} if rng.random() < 0.7 else set())
-    unseen = NodeFeatures(False, 3, sure)  # never verified at depth 3, nor for a request without history
-    assert model.conditional_chance(unseen, model.recent_bin("new")) == pytest.approx(0.7, abs=0.06)
-    lookup = NodeFeatures(True, 3, None)  # another source keeps its own prior
-    assert model.conditional_chance(lookup, model.recent_bin("new")) == pytest.approx(LOOKUP_PRIOR)
+    for step in range(300):  # each request's first step: all in the bin of requests without history
+        model.observe(f"r{step}", [NodeFeatures(False, 1, sure)], [-1], {0} if rng.random() < 0.7 else set())
+    model.recent["lucky"] = 0.9  # a request whose recent acceptance is in a bin no verification reached
+    unseen = model.recent_bin("lucky")
+    assert not any(key[3] == unseen for key in model.bins)
+    assert model.conditional_chance(NodeFeatures(False, 1, sure), unseen) == pytest.approx(0.7, abs=0.06)
+    deeper = NodeFeatures(False, 2, sure)  # depth is learnt apart: a deeper node keeps the draft's confidence
+    assert model.conditional_chance(deeper, unseen) == pytest.approx(0.98)
+    lookup = NodeFeatures(True, 1, None)  # and so is the source
+    assert model.conditional_chance(lookup, unseen) == pytest.approx(LOOKUP_PRIOR)
 
 
 def test_nodes_are_best_first_and_parents_come_first():

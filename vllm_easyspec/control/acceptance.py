@@ -10,11 +10,11 @@ model predicts the conditional chance ``P(accepted | tested)`` of a node from wh
   for nodes re-encoded across vocabularies);
 * the request's recent acceptance: a moving average of its tested nodes' outcomes (binned; unknown at first).
 
-Each bin keeps Beta-smoothed counts around its pooled bin's rate: the nodes of the same source and draft
-log-probability bin at every depth and recent acceptance, itself smoothed around a prior (the draft's own
-probability for drafted nodes, a fixed rate for lookup nodes). So a bin predicts the prior until verification has
-spoken, and a bin verification has not reached yet (a deeper node, a request whose recent acceptance moved)
-predicts what its source and draft confidence have shown so far, not the draft's own confidence again. A node's chance of being accepted
+Each bin keeps Beta-smoothed counts around its pooled bin's rate: the nodes of the same source, depth and draft
+log-probability bin at every recent acceptance, itself smoothed around a prior (the draft's own probability for
+drafted nodes, a fixed rate for lookup nodes). So a bin predicts the prior until verification has spoken, and a
+bin verification has not reached yet (a request without history, or whose recent acceptance moved) predicts what
+nodes like it have shown so far, not the draft's own confidence again. A node's chance of being accepted
 is the product of the conditional chances along its path: it never exceeds its parent's.
 
 Invariant: predictions depend only on the node's features and on earlier verification outcomes, never on the
@@ -49,9 +49,9 @@ class NodeFeatures:
     def key(self, recent_bin: int) -> tuple[bool, int, int, int]:
         return self.from_lookup, min(self.depth, MAX_DEPTH_BIN), self.logprob_bin(), recent_bin
 
-    def pooled_key(self) -> tuple[bool, int]:
-        """The bin of :meth:`key` pooled over depth and recent acceptance."""
-        return self.from_lookup, self.logprob_bin()
+    def pooled_key(self) -> tuple[bool, int, int]:
+        """The bin of :meth:`key` pooled over recent acceptance."""
+        return self.from_lookup, min(self.depth, MAX_DEPTH_BIN), self.logprob_bin()
 
     def logprob_bin(self) -> int:
         if self.from_lookup or self.draft_logprob is None:
