@@ -47,7 +47,7 @@ class NodeFeatures:
     draft_logprob: float | None  # log q(token | parent) under the draft; None for lookup and unknown
 
     def key(self, recent_bin: int) -> tuple[bool, int, int, int]:
-        return self.from_lookup, min(self.depth, MAX_DEPTH_BIN), self.logprob_bin(), recent_bin
+        return *self.pooled_key(), recent_bin
 
     def pooled_key(self) -> tuple[bool, int, int]:
         """The bin of :meth:`key` pooled over recent acceptance."""
