@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -361,6 +362,26 @@ def _merge_splits_kernel(
              merged.to(out_ptr.dtype.element_ty), mask=(heads < num_q_heads)[:, None] & (d < HEAD_DIM)[None, :])
 
 
+FP32_DOT_PRECISIONS = ("ieee", "tf32", "tf32x3")
+
+
+def triton_default_fp32_precision(device: torch.device | str) -> str:
+    """The precision ``tl.dot`` uses for float32 operands when the call names none, on ``device``: Triton's
+    ``TRITON_F32_DEFAULT`` if set, else TF32 on NVIDIA GPUs, else IEEE.
+
+    vLLM's Triton attention (``unified_attention``) calls ``tl.dot`` without a precision, so on an NVIDIA GPU
+    a float32 model attends in TF32 (about 1e-3 relative error). Tree rows must be computed the same way,
+    or a float32 greedy step decides a near-tie differently from the step without speculation.
+    """
+    chosen = os.environ.get("TRITON_F32_DEFAULT")
+    if chosen:
+        if chosen not in FP32_DOT_PRECISIONS:
+            raise ValueError(f"TRITON_F32_DEFAULT={chosen!r}: the tree kernel supports {FP32_DOT_PRECISIONS}.")
+        return chosen
+    device = torch.device(device)
+    return "tf32" if device.type == "cuda" and torch.version.hip is None else "ieee"
+
+
 def _is_interpreted(kernel) -> bool:
     return type(kernel).__name__ == "InterpretedFunction"
 
@@ -388,6 +409,7 @@ def tree_attention_triton(
     max_query_len: int | None = None,
     *,
     launch: TreeAttentionLaunch | None = None,
+    fp32_precision: str = "ieee",
 ) -> torch.Tensor:
     """Tree attention (see the module docstring for the contract and the design).
 
@@ -395,7 +417,12 @@ def tree_attention_triton(
     a device-to-host sync: the launch then depends on host values only (shapes, ``max_query_len``, the
     block table's width). ``launch`` overrides :func:`choose_launch` (tests force many small splits and
     row tiles with it). Scratch buffers for the split results are allocated on the query's device.
+    ``fp32_precision`` is the ``tl.dot`` input precision for float32 inputs (:data:`FP32_DOT_PRECISIONS`):
+    exact products by default; vLLM's backend passes :func:`triton_default_fp32_precision`, what vLLM's own
+    attention uses. Triton's interpreter always computes exact products.
     """
+    if fp32_precision not in FP32_DOT_PRECISIONS:
+        raise ValueError(f"fp32_precision must be one of {FP32_DOT_PRECISIONS}; got {fp32_precision!r}.")
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     if num_q_heads % num_kv_heads:
@@ -426,8 +453,9 @@ def tree_attention_triton(
     block_d = max(16, triton.next_power_of_2(head_dim))
     interpreted = _is_interpreted(_tree_attention_kernel)
     # tl.dot on bf16 misreads its operands under the interpreter (triton-lang/triton#11584): upcast there.
-    # fp32 inputs (and the upcast interpreter path) use exact fp32 products, not TF32.
+    # fp32 inputs use fp32_precision; the upcast interpreter path uses exact fp32 products.
     upcast = query.dtype == torch.float32 or interpreted
+    precision = "ieee" if interpreted else fp32_precision if query.dtype == torch.float32 else "tf32"
     # Triton's interpreter converts fp32 -> bf16 by truncation (GPUs round to nearest), which would double
     # the output error; under the interpreter, write fp32 and round with torch instead.
     kernel_out = (torch.empty(out.shape, dtype=torch.float32, device=out.device)
@@ -454,7 +482,7 @@ def tree_attention_triton(
         stats_plane, num_kv_heads, row_tiles, launch.num_splits, launch.min_split_len,
         KV_BLOCK_SIZE=block_size, GROUP=group, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
         HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT=split, UPCAST=upcast,
-        DOT_PRECISION="ieee" if upcast else "tf32",
+        DOT_PRECISION=precision,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if split:

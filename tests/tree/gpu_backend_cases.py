@@ -284,14 +284,14 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
         accepted, moves = [], []
         for index, request in enumerate(tree_requests):
             node = max(range(request.num_nodes), key=lambda i: (_depth(request.parents, i), -i))
-            path = []
+            branch = []
             while node >= 0:
-                path.append(node)
+                branch.append(node)
                 node = request.parents[node]
-            path = path[::-1][: len(path) - index]  # tree A: the whole branch, tree B: one node short
-            accepted.append(path)
+            branch = branch[::-1][: len(branch) - index]  # tree A: the whole branch, tree B: one node short
+            accepted.append(branch)
             moves += [(request.query_start + 1 + node, request.batch_row, request.prefix_len + 1 + depth)
-                      for depth, node in enumerate(path)]
+                      for depth, node in enumerate(branch)]
         width = max(len(p) for p in accepted)
         accepted_nodes = torch.tensor([p + [-1] * (width - len(p)) for p in accepted])
         num_accepted = torch.tensor([len(p) for p in accepted])
@@ -324,6 +324,23 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
                                      int(seq_lens[r]), scale)
         chain_errors.append(_error(output[s:e], reference))
 
+    # the path C through the tree kernel, with the precision the backend gives tree rows: it must agree with
+    # vLLM's kernel on the same rows more closely than vLLM's kernel agrees with exact arithmetic
+    path_agreement = path_vllm_error = 0.0
+    if path is not None:
+        from vllm_easyspec.kernels.tree_attention import tree_attention_triton, triton_default_fp32_precision
+
+        s, e = int(starts[3]), int(starts[4])
+        chain_cu = torch.tensor([0, e - s], dtype=torch.int32)
+        chain_mask = ancestor_mask_from_parents(torch.arange(-1, e - s - 1), chain_cu)
+        device_keys, device_values = fa_views(written, head_size)
+        path_out = tree_attention_triton(
+            query[s:e], device_keys, device_values, block_table[3:4].to(dev), torch.tensor([path[1]]).to(dev),
+            chain_cu.to(dev), chain_mask.to(dev), scale, max_query_len=e - s,
+            fp32_precision=triton_default_fp32_precision(dev))
+        path_agreement = _error(path_out, output[s:e].float().cpu())
+        path_vllm_error = chain_errors[-1]
+
     expected = written.clone()
     expected_keys, expected_values = fa_views(expected, head_size)
     for source_row, batch_row, destination in moves:
@@ -341,6 +358,8 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
         "chain_metadata_is_vllms": type(meta.chain) is TritonAttentionMetadata,
         "tree_error": _error(output[tree_rows.to(dev)], tree_ref),
         "chain_error": max(chain_errors),
+        "path_agreement": path_agreement,
+        "path_vllm_error": path_vllm_error,
         "path_served_by_vllm": path is None or not bool(torch.isin(
             torch.arange(int(starts[3]), int(starts[4])), meta.tree_rows.cpu()).any()),
         "padding_untouched": bool(output[num_tokens:].isnan().all()),

@@ -16,8 +16,8 @@ While ``easyspec.tree`` is configured, the builder reports at most ``UNIFORM_SIN
 graph support: a full CUDA graph of a uniform ``1 + n``-token batch would replay captured chain metadata
 and never reach :meth:`TreeTritonAttentionMetadataBuilder.build`.
 
-Status: exercised under Triton's interpreter on CPU tensors (tests/tree/test_gpu_tree_backend.py); on an
-H100 the kernel is correct, but no engine tree step has completed on a GPU.
+Status: tested under Triton's interpreter on CPU tensors (tests/tree/test_gpu_tree_backend.py). On an H200,
+draft-model trees ran through the engine, eager and with piecewise CUDA graphs (benchmarks/results/gpu/).
 """
 
 from __future__ import annotations
@@ -135,13 +135,16 @@ class TreeTritonAttentionImpl(TreeAttentionImplMixin, TritonAttentionImpl):
         return key_cache, value_cache
 
     def verify_trees(self, layer, query, key, value, kv_cache, meta: TreeTritonVerifyMetadata, output):
-        from vllm_easyspec.kernels.tree_attention import tree_attention_triton
+        from vllm_easyspec.kernels.tree_attention import tree_attention_triton, triton_default_fp32_precision
 
         key_cache, value_cache = self._fa_caches(kv_cache)
         rows = meta.tree_rows
         out = tree_attention_triton(
             query[rows], key_cache, value_cache, meta.block_table, meta.prefix_lens, meta.cu_query_lens,
             meta.tree_mask, self.scale, max_query_len=meta.max_query_len,
+            # as vLLM's unified_attention computes the other rows (TF32 for float32 on NVIDIA by default):
+            # a tree row must equal the row vanilla decoding computes, near-ties included
+            fp32_precision=triton_default_fp32_precision(query.device),
         )
         output[rows] = out.to(output.dtype)
         meta.forward.kept_kv[layer.layer_name] = VerifyKV(
