@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call that checks the GPU path end to end (run on the GPU machine from the project root, after the
+# kit's part calls; see benchmarks/gpu/README.md):
+#   1. the kit's engine check: vanilla, static and dynamic trees (greedy, T = 0.8), budget_by_batch chain steps,
+#      auto, and the dynamic tree under CUDA graphs, with step traces of every tree verify step;
+#   2. tree attention on Llama-3-8B shapes against the bandwidth floor and vLLM's causal Triton attention;
+#   3. the GPU backend and kernel tests in-process with vLLM's GPU build.
+# Outputs (at most 8 files under $OUT): run.log, engine.json, engine_logs.tgz, traces.tgz, tree_attention_gpu.jsonl,
+# bench.log, pytest.log. Time limits (seconds) by stage: ENGINE_LIMIT, BENCH_LIMIT, TESTS_LIMIT.
+set -u
+cd "$(dirname "$0")/../.."
+: "${OUT:=/tmp/kit-out}"
+mkdir -p /tmp/tr "$OUT"
+KIT=.gpu/proj/device
+
+VLLM_EASYSPEC_STEP_TRACE=/tmp/tr/t EXTRA_SETUPS=benchmarks/gpu/engine_setups.json \
+  SETUPS=${SETUPS:-vanilla,static_tree,dynamic_tree_pl,dynamic_tree_t08,bbb_chain,auto,dynamic_tree_pl:graphs} \
+  ENGINE_JOBS=2 LIMIT=${ENGINE_LIMIT:-320} bash $KIT/run.sh engine
+tar czf "$OUT/traces.tgz" -C /tmp tr
+
+echo "======== bench (t=${SECONDS}s)"
+( source $KIT/env.sh && timeout "${BENCH_LIMIT:-120}" python3 -P benchmarks/tree_attention_gpu.py \
+    --out "$OUT/tree_attention_gpu.jsonl" --batches 1,8,64 --prefixes 2048,8192 --trees 16,64 ) > "$OUT/bench.log" 2>&1
+tail -16 "$OUT/bench.log"
+
+echo "======== tests (t=${SECONDS}s)"
+TESTS_ENV=full PYTEST_ARGS='tests/tree/test_gpu_tree_backend.py tests/tree/test_tree_attention.py -m ""' \
+  LIMIT=${TESTS_LIMIT:-120} bash $KIT/run.sh tests | tail -15
+echo "device_run.sh done in ${SECONDS}s"
