@@ -117,6 +117,7 @@ class TreeStats:
     chain_requests: int = 0  # requests verified in those steps (nodes_verified and accepted count theirs)
     path_requests: int = 0  # requests of tree steps whose nodes are one path: vLLM's kernel, branch in place
     steps_without_speculation: int = 0  # drafting steps at a batch size budget_by_batch gives no nodes
+    steps_without_drafts: int = 0  # verify steps in which no request had drafts: vLLM's plain sampler
     accepted_outside_shared_vocab: int = 0  # tree.retokenize: accepted tokens the draft's vocabulary lacks
 
 
