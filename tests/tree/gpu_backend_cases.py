@@ -333,9 +333,8 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
         s, e = int(starts[3]), int(starts[4])
         chain_cu = torch.tensor([0, e - s], dtype=torch.int32)
         chain_mask = ancestor_mask_from_parents(torch.arange(-1, e - s - 1), chain_cu)
-        device_keys, device_values = fa_views(written, head_size)
         path_out = tree_attention_triton(
-            query[s:e], device_keys, device_values, block_table[3:4].to(dev), torch.tensor([path[1]]).to(dev),
+            query[s:e], key_cache, value_cache, block_table[3:4].to(dev), torch.tensor([path[1]]).to(dev),
             chain_cu.to(dev), chain_mask.to(dev), scale, max_query_len=e - s,
             fp32_precision=triton_default_fp32_precision(dev))
         path_agreement = _error(path_out, output[s:e].float().cpu())
