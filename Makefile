@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine (2-core x86 CPU, Python 3.11):
 #   make demo   set up, fetch the default models, run the main job (vanilla vs vLLM eagle3 vs the plugin's
-#               EAGLE-2 tree and its speculation controller, about 14 minutes; python -m benchmarks.main_job
+#               EAGLE-2 tree and its speculation controller, 13-20 minutes; python -m benchmarks.main_job
 #               --full runs all seven setups)
 #   make test   set up, run the default test suite (what CI runs)
 PYTHON ?= python3

@@ -3,7 +3,8 @@ vLLM with vLLM's best built-in speculative method and the plugin's fastest setup
 
 Run from the repository root: ``python -m benchmarks.main_job`` (the README's first command does this).
 
-- Default (about 14 minutes on the 2-core CPU machine, after the one-time model fetch): vanilla, vLLM's
+- Default (13-14 minutes in bf16 on the 2-core AVX-512 machine, 19-20 in float32 on an AVX2-only one, after
+  the one-time model fetch): vanilla, vLLM's
   ``eagle3`` with this project's committed head, the plugin's EAGLE-2 tree with that head merged with
   prompt lookup, and the plugin's speculation controller (``easyspec.tree.auto``) on a larger merged EAGLE
   tree. The draft-model setups are left out: each engine process costs about a minute on that machine, so
