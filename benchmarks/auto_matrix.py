@@ -149,7 +149,7 @@ def _controller_share(row: dict[str, Any]) -> float | None:
 
 
 def _cost_error(controller: dict[str, Any]) -> dict[str, float]:
-    """Per part of a step (verify, draft levels, first pass), the seconds the cost model predicted for the
+    """Per part of a step (verify, draft levels, first pass, the drafting stage's host work), the seconds the cost model predicted for the
     steps it then observed over the seconds they took (1.0: no error; from the controller's counters)."""
     predicted = controller.get("cost_predicted_seconds") or {}
     observed = controller.get("cost_observed_seconds") or {}
@@ -176,7 +176,7 @@ def markdown(rows_by_cell: dict[str, list[dict[str, Any]]], names: list[str]) ->
         )
     lines += ["", "| cell | pair | best fixed | its ratio | auto vs vanilla | auto vs best fixed | "
               "predicted / realised accepted per step | nodes per request-step | controller share "
-              "| cost model predicted / observed: verify, levels, first pass |",
+              "| cost model predicted / observed: verify, levels, first pass, host work |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for cell, rows in rows_by_cell.items():
         summary = cell_summary(rows)
@@ -191,7 +191,7 @@ def markdown(rows_by_cell: dict[str, list[dict[str, Any]]], names: list[str]) ->
                 f"| {s['auto_vs_vanilla']:.2f} | {s['auto_vs_best_fixed']:.2f} [{low:.2f}–{high:.2f}] "
                 f"| {_num(predicted)} / {_num(realised)} | {_num(s['nodes_per_request_step'])} "
                 f"| {_pct(s['controller_share_of_step'])} "
-                f"| {', '.join(_num(s['cost_predicted_over_observed'].get(p)) for p in ('verify', 'draft', 'first_pass'))} |"
+                f"| {', '.join(_num(s['cost_predicted_over_observed'].get(p)) for p in ('verify', 'draft', 'first_pass', 'overhead'))} |"
             )
     return "\n".join(lines)
 

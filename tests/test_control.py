@@ -19,6 +19,7 @@ from vllm_easyspec.control.cost import (
 )
 from vllm_easyspec.control.planning import (
     Candidates,
+    OfferedTree,
     best_first_order,
     choose_depth,
     choose_nodes,
@@ -127,6 +128,25 @@ def _linear(per_row: float, fixed: float = 0.05, per_masked_row: float = 0.0, pe
                                                        + per_masked_request * masked_requests)
 
 
+def _chains(expected_by_depth: list[list[float]], cap: int = 8,
+            lookup: list[list[float]] | None = None) -> list[list[Candidates]]:
+    """Per depth, each request offering a chain of drafted nodes (``expected_by_depth[i][j]``: the chance of its
+    node at depth ``j + 1``) as deep as drafted, and its lookup nodes (``lookup[i]``) at every depth."""
+    return [[Candidates(sorted(rates[:depth] + (lookup[i] if lookup else []), reverse=True)[:cap], cap)
+             for i, rates in enumerate(expected_by_depth)]
+            for depth in range(1, max(len(rates) for rates in expected_by_depth) + 1)]
+
+
+def _chain_tree(chances: list[float], lookup: list[float] = ()) -> OfferedTree:
+    """An offered tree drafted ``len(chances)`` levels: a chain with these chances, and a lookup path from the
+    root with those."""
+    drafted, path = len(chances), len(lookup)
+    chain_parents = [index - 1 for index in range(drafted)]
+    path_parents = [-1 if index == drafted else index - 1 for index in range(drafted, drafted + path)]
+    return OfferedTree(drafted, (*chances, *lookup), (*chain_parents, *path_parents),
+                       (False,) * drafted + (True,) * path)
+
+
 def test_the_cost_model_learns_apart_what_a_branching_tree_costs_per_row_and_per_request():
     curve = CostCurve.from_measurements([1, 8, 64], [0.01, 0.02, 0.05])
     model = StepCostModel(curve, CostCurve.from_measurements([1], [0.005]))
@@ -191,10 +211,10 @@ def test_deeper_drafting_pays_only_when_acceptance_is_high_and_levels_cheap():
 
     verify = _linear(0.001, 0.05)
     sure, unsure = [[0.9, 0.85, 0.8, 0.75]], [[0.3, 0.1, 0.03, 0.01]]
-    assert choose_depth(sure, 4, 8, verify, levels(0.01)).depth == 4
-    assert choose_depth(unsure, 4, 8, verify, levels(0.01)).depth == 1
-    assert choose_depth(sure, 4, 8, verify, levels(0.2)).depth == 1
-    assert choose_depth(sure, 4, 2, verify, levels(0.01)).depth == 2  # a node cap of 2 never verifies depth 3
+    assert choose_depth(_chains(sure, 8), verify, levels(0.01)).depth == 4
+    assert choose_depth(_chains(unsure, 8), verify, levels(0.01)).depth == 1
+    assert choose_depth(_chains(sure, 8), verify, levels(0.2)).depth == 1
+    assert choose_depth(_chains(sure, 2), verify, levels(0.01)).depth == 2  # a node cap of 2 never verifies depth 3
 
 
 def test_a_level_is_drafted_when_the_nodes_that_pay_need_it():
@@ -203,22 +223,22 @@ def test_a_level_is_drafted_when_the_nodes_that_pay_need_it():
     # half the batch accepts nearly everything, half nearly nothing: the good half's deep nodes pay, and the bad
     # half's nodes are not verified, so they must not count against drafting deeper
     mixed = [[0.95, 0.9, 0.85]] * 8 + [[0.2, 0.05, 0.01]] * 8
-    assert choose_depth(mixed, 3, 8, verify, cheap_levels).depth == 3
+    assert choose_depth(_chains(mixed, 8), verify, cheap_levels).depth == 3
     # every request's depth-2 node is a coin flip: at 4 ms a row it never pays, so depth 2 is not drafted
-    assert choose_depth([[0.97, 0.5, 0.4]] * 16, 3, 8, verify, cheap_levels).depth == 1
+    assert choose_depth(_chains([[0.97, 0.5, 0.4]] * 16, 8), verify, cheap_levels).depth == 1
     # one request alone (rows nearly free): the same chances pay to depth 3
-    assert choose_depth([[0.97, 0.5, 0.4]], 3, 8, _linear(0.0005, 0.05), cheap_levels).depth == 3
+    assert choose_depth(_chains([[0.97, 0.5, 0.4]], 8), _linear(0.0005, 0.05), cheap_levels).depth == 3
 
 
 def test_the_first_pass_is_paid_only_by_steps_that_draft():
     verify = _linear(0.004, 0.05)  # batch 16: 114 ms, 4 ms per extra row
     batch = [[0.6, 0.3]] * 16
-    free = choose_depth(batch, 2, 8, verify, lambda depth: 0.0)
+    free = choose_depth(_chains(batch, 8), verify, lambda depth: 0.0)
     assert free.nodes > 0  # a 60% node for a 4 ms row pays when drafting is free
     # a first pass of 30 ms is repaid only by nodes worth more than it: these are not, so the step drafts nothing
-    assert choose_depth(batch, 2, 8, verify, lambda depth: 0.03 + (depth - 1) * 0.001).nodes == 0
+    assert choose_depth(_chains(batch, 8), verify, lambda depth: 0.03 + (depth - 1) * 0.001).nodes == 0
     # a lone request's nodes repay the same first pass (its rows are nearly free)
-    assert choose_depth([[0.9, 0.8]], 2, 8, _linear(0.0005, 0.05), lambda depth: 0.003).nodes == 2
+    assert choose_depth(_chains([[0.9, 0.8]], 8), _linear(0.0005, 0.05), lambda depth: 0.003).nodes == 2
 
 
 def test_the_first_pass_cost_follows_what_it_took():
@@ -280,7 +300,7 @@ def test_the_cost_model_records_what_it_predicted_before_each_observation():
     before = dict(cost.predicted_seconds), dict(cost.observed_seconds)
     cost.observe_first_pass(8, 0.006)
     assert cost.predicted_seconds["first_pass"] - before[0]["first_pass"] == pytest.approx(0.006, rel=1e-3)
-    assert cost.observations == {"verify": 1, "draft": 2, "first_pass": 201}
+    assert cost.observations == {"verify": 1, "draft": 2, "first_pass": 201, "overhead": 0}
 
 
 def test_the_controller_reorders_a_tree_and_learns_from_what_was_accepted():
@@ -296,12 +316,12 @@ def test_the_controller_reorders_a_tree_and_learns_from_what_was_accepted():
                           features=[_features(1, None), _features(1, None), _features(2, None)], keeps_order=True)
     (kept,) = controller.choose([sampled])
     assert kept.tokens == [7, 8, 9]  # i.i.d. children keep their order
-    before = list(controller.global_depth_rates)
+    assert controller.offered["a"][2].chances == tuple(controller.acceptance.path_chances("a", tree.features,
+                                                                                          tree.parents))
     controller.observe("a", choice.features, choice.parents, accepted={0, 1})
     assert controller.stats.realised_accepted == 2
-    assert controller.depth_rates["a"][1] > before[1] and controller.global_depth_rates[1] > before[1]
     controller.forget({"b"})
-    assert "a" not in controller.depth_rates
+    assert "a" not in controller.offered and "b" in controller.offered
 
 
 # ---- the outcome guard ----
@@ -484,62 +504,76 @@ def test_realised_over_predicted_is_kept_per_batch_size():
     assert alone.chances[0] == pytest.approx(controller.acceptance.path_chances("solo", alone.features, [-1])[0])
 
 
-def test_a_prompt_lookup_path_counts_at_its_depth_without_paying_for_levels():
+def test_prompt_lookup_nodes_count_at_every_depth_without_paying_for_levels():
     verify = _linear(0.001, 0.05)
     draft = lambda depth: 0.02 + (depth - 1) * 0.002  # noqa: E731  # a 20 ms first pass, 2 ms a level
     # a lone request whose drafted nodes are weak and whose lookup path is accepted deep: one drafted level offers
-    # the path's depths too, which repays the first pass; without the path one level's node alone does not
+    # the path's nodes too, which repay the first pass; without the path one level's node alone does not
     weak = [[0.35, 0.02, 0.01, 0.01]]
-    assert choose_depth(weak, 4, 8, verify, draft).nodes == 0
-    with_lookup = choose_depth(weak, 4, 8, verify, draft, [[0.3, 0.3, 0.28, 0.25]])
-    assert with_lookup.depth == 1 and with_lookup.nodes == 4
+    assert choose_depth(_chains(weak), verify, draft).nodes == 0
+    with_lookup = choose_depth(_chains(weak, lookup=[[0.6, 0.55, 0.5, 0.45]]), verify, draft)
+    assert with_lookup.depth == 1 and with_lookup.nodes == 5
     # where the drafted nodes are good deep, the lookup path does not make the drafted levels look worthless
-    assert choose_depth([[0.9, 0.8, 0.7, 0.6]], 4, 8, verify, draft, [[0.3, 0.3, 0.28, 0.25]]).depth == 4
+    assert choose_depth(_chains([[0.9, 0.8, 0.7, 0.6]], lookup=[[0.3, 0.3, 0.28, 0.25]]), verify, draft).depth == 4
+
+
+def test_an_offered_tree_cut_to_a_depth_keeps_its_lookup_nodes_and_orders_them_as_the_choice_does():
+    # drafted: 0 (depth 1) -> 1 (depth 2), 2 (depth 1); lookup: 3 -> 4 (depths 1-2); chances as predicted
+    tree = OfferedTree(2, (0.5, 0.4, 0.2, 0.6, 0.45), (-1, 0, -1, -1, 3), (False, False, False, True, True))
+    shallow = tree.candidates(1, ratio=1.0, cap=8)
+    assert shallow.chances == [0.6, 0.5, 0.45, 0.2]  # node 1 (depth 2) is not drafted at one level
+    assert shallow.path_length == 1  # best first: 3, then 0 (another root child) branches
+    assert tree.candidates(2, ratio=0.5, cap=3).chances == [0.3, 0.25, 0.225]  # scaled by the ratio, capped
+    assert tree.candidates(2, ratio=4.0, cap=2).chances == [1.0, 1.0]  # a chance never exceeds 1
+    iid = OfferedTree(1, (0.3, 0.5), (-1, -1), (False, False), keeps_order=True)
+    assert iid.candidates(1, 1.0, 8).chances == [0.3, 0.3]  # i.i.d. children keep their order
+
+
+def test_a_depth_costs_the_rows_its_acceptance_needs():
+    # a lone request, verify rows dear (10 ms each), a 10 ms first pass. One node accepted 88% of the time pays;
+    # four root children accepted 22% each also reach depth 1 about 88% of the time, but need four rows to.
+    cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.05 + 63 * 0.01]),
+                         CostCurve.from_measurements([1, 64], [0.01, 0.01]))
+    controller = SpeculationController(cost, max_depth=1, max_nodes=4, level_width=4)
+    for req_id, logprobs in (("sure", [math.log(0.88)]), ("wide", [math.log(0.22)] * 4)):
+        for step in range(20):
+            controller.plan_depth([req_id], first_pass_rows=2)
+            tree = RequestTree(req_id, list(range(len(logprobs))), [-1] * len(logprobs),
+                               [_features(1, logprob) for logprob in logprobs], keeps_order=False)
+            (choice,) = controller.choose([tree])
+            accepted = {step % len(logprobs)} if step % 8 else set()  # depth 1 reached 7 steps in 8
+            controller.observe(req_id, tree.features, tree.parents, accepted)
+    assert controller.plan_depth(["sure"], first_pass_rows=2) == 1
+    assert controller.plan_depth(["wide"], first_pass_rows=2) == 0
+
+
+def test_the_plan_charges_the_drafting_stages_host_work_it_measured():
+    cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.05 + 63 * 0.001]),
+                         CostCurve.from_measurements([1, 64], [0.01, 0.01]))
+    controller = SpeculationController(cost, max_depth=1, max_nodes=1, level_width=1)
+    controller.offered["a"] = {1: _chain_tree([0.3])}  # 1.3 tokens in 61 ms: drafting pays (20 tok/s plain)
+    assert controller.plan_depth(["a"], first_pass_rows=2) == 1
+    drafted = 0
+    while controller.plan_depth(["a"], first_pass_rows=2) and drafted < 50:
+        controller.observe_first_pass(2, 0.01, 1)
+        controller.observe_drafting(0.03)  # the drafting stage took 20 ms beyond its 10 ms first pass
+        controller.observe_verify(2, 0.051)
+        drafted += 1
+    # it stops drafting once the host work it has learnt exceeds the 4 ms that 1.3 tokens a step can repay
+    assert 1 < drafted < 50 and cost.observations["overhead"] == drafted
+    assert 0.004 < cost.overhead_seconds(1) < 0.02 and cost.overhead_seconds(3) == 3 * cost.overhead_seconds(1)
 
 
 def test_a_catch_up_first_pass_is_spread_over_the_steps_the_requests_can_still_run():
     # a lone request: verify 50 ms (+1 ms a row); its first pass 20 ms a row-pair, 0.7 ms a row beyond
     cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.05 + 63 * 0.001]),
                          CostCurve.from_measurements([1, 2, 512], [0.02, 0.02, 0.02 + 510 * 0.0007]))
-    controller = SpeculationController(cost, max_depth=1, max_nodes=4, level_width=4, lookup_depth=4)
-    controller.depth_rates["a"] = [0.8]
-    controller.lookup_rates["a"] = [0.6, 0.5, 0.4, 0.3]
+    controller = SpeculationController(cost, max_depth=1, max_nodes=4, level_width=4)
+    controller.offered["a"] = {1: _chain_tree([0.8], lookup=[0.6, 0.5, 0.4, 0.3])}
     assert controller.plan_depth(["a"], first_pass_rows=2) == 1  # drafting every step pays
     # its 500-row prompt still to catch up: 350 ms at once never pays in one step, spread over 40 steps it does
     assert controller.plan_depth(["a"], first_pass_rows=500) == 0
     assert controller.plan_depth(["a"], first_pass_rows=500, horizon_steps=40) == 1
-
-
-def test_acceptance_by_depth_is_learnt_apart_for_drafted_nodes_and_the_lookup_path():
-    cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.08]),
-                         CostCurve.from_measurements([1, 64], [0.001, 0.002]))
-    controller = SpeculationController(cost, max_depth=2, max_nodes=5, level_width=2, lookup_depth=3)
-    # drafted: 0 (depth 1) -> 1 (depth 2); the lookup path: 2 -> 3 -> 4 (depths 1-3); the path is accepted whole
-    features = [_features(1), _features(2), _features(1, None, True), _features(2, None, True), _features(3, None, True)]
-    parents = [-1, 0, -1, 2, 3]
-    for _ in range(20):
-        controller.observe("a", features, parents, accepted={2, 3, 4})
-    assert all(rate < 0.05 for rate in controller.depth_rates["a"])
-    assert all(rate > 0.95 for rate in controller.lookup_rates["a"])
-    assert len(controller.depth_rates["a"]) == 2 and len(controller.lookup_rates["a"]) == 3
-
-
-def test_a_lookup_that_found_nothing_counts_as_reaching_no_depth_and_an_unchosen_path_as_unknown():
-    cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.08]),
-                         CostCurve.from_measurements([1, 64], [0.001, 0.002]))
-    controller = SpeculationController(cost, max_depth=1, max_nodes=3, level_width=1, lookup_depth=2)
-    drafted_only = RequestTree("a", [7], [-1], [_features(1)], keeps_order=False)
-    with_path = RequestTree("b", [7, 8, 9], [-1, 0, 1], [_features(1), _features(2, None, True),
-                                                          _features(3, None, True)], keeps_order=False)
-    started_from = None
-    for _ in range(20):
-        controller.choose([drafted_only, with_path])
-        controller.observe("a", [_features(1)], [-1], accepted={0})  # no lookup path offered: none reached
-        controller.observe("b", [_features(1)], [-1], accepted={0})  # its path offered, not verified: unknown
-        started_from = started_from or list(controller.lookup_rates["b"])
-    assert all(rate < 0.05 for rate in controller.lookup_rates["a"])
-    assert controller.lookup_rates["b"] == started_from and min(started_from) > 0.3
-    assert controller.depth_rates["a"][0] > 0.95  # the drafted node's own rate is learnt as before
 
 
 def test_the_guard_charges_a_catch_up_first_pass_at_the_share_the_plan_charges_it():
@@ -549,7 +583,7 @@ def test_the_guard_charges_a_catch_up_first_pass_at_the_share_the_plan_charges_i
     controller = SpeculationController(cost, max_depth=2, max_nodes=4, level_width=2)
     batch = ["a", "b"]
     for req_id in batch:
-        controller.depth_rates[req_id] = [0.95, 0.9]
+        controller.offered[req_id] = {2: _chain_tree([0.95, 0.9])}
     # a 400-row catch-up that took 1 s, spread over 50 steps: the cycle pays the steady rows' share of it
     # (4 of 400 rows, 21.4 of 298.6 ms predicted) and 1/50 of the rest, as the plan charged it
     assert controller.plan_depth(batch, first_pass_rows=400, horizon_steps=50) == 2
@@ -568,7 +602,7 @@ def test_where_the_plan_drafts_shallow_some_steps_draft_the_whole_depth_within_t
     cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.05 + 63 * 0.001]),
                          CostCurve.from_measurements([1, 64], [0.002, 0.004]))
     controller = SpeculationController(cost, max_depth=3, max_nodes=4, level_width=4)
-    controller.depth_rates["a"] = [0.9, 0.05, 0.01]  # depth 1 pays, deeper looks worthless (never seen)
+    controller.offered["a"] = {3: _chain_tree([0.9, 0.05, 0.01])}  # depth 1 pays, deeper looks worthless
     depths = []
     for _ in range(640):
         depths.append(controller.plan_depth(["a"], first_pass_rows=2))

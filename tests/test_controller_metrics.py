@@ -31,6 +31,7 @@ def controller() -> SpeculationController:
             controller.observe(tree.req_id, choice.features[: choice.count], choice.parents[: choice.count],
                                {i for i in accepted if i < choice.count})
         controller.plan_depth(["r0", "r1", "r2"], first_pass_rows=3)
+    controller.cost.observe_overhead(3, 0.006)  # a drafting stage's host work: 2 ms per request, learnt at 0.1
     return controller
 
 
@@ -70,6 +71,8 @@ def test_vllms_reader_sees_the_controllers_counters_histograms_and_curves(contro
     assert observed and {m.labels["table"] for m in observed} == {"conditional", "path"}
     assert snapshot["vllm:easyspec_auto_realised_over_predicted", model].value == pytest.approx(
         controller.realised_over_predicted)
+    assert snapshot["vllm:easyspec_auto_drafting_host_seconds_per_request", model].value == pytest.approx(
+        controller.cost.overhead_seconds(1)) and controller.cost.overhead_seconds(1) > 0
 
 
 def test_the_prometheus_text_of_metrics_names_them_and_a_missing_snapshot_yields_nothing(published, tmp_path):

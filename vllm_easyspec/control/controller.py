@@ -19,11 +19,14 @@ time, and an exploration dearer than a few steps is never taken.
 
 One step, as the drafter and the runner call it:
 
-1. :meth:`SpeculationController.plan_depth` before drafting: the depth with the best predicted rate, from each
-   request's recent acceptance by depth along its drafted nodes and along its merged prompt-lookup path, which
-   reaches its depths without level forwards (:func:`~vllm_easyspec.control.planning.choose_depth`), or none at all
-   when no node is expected to repay the drafting, first pass included (the drafter then skips the step, its
-   first pass deferred), unless the step explores;
+1. :meth:`SpeculationController.plan_depth` before drafting: the depth with the best predicted rate
+   (:func:`~vllm_easyspec.control.planning.choose_depth`), each depth priced by the nodes the request offered
+   when it last drafted that deep (or deeper, cut to the depth; another request's before it has its own), with
+   the chances the acceptance model gave them, so a depth's acceptance costs the rows the choice after
+   drafting will spend on it (a depth-1 token that one of four root children usually hits costs four rows, not
+   one), and prompt-lookup nodes count at every depth without level forwards; or no drafting at all when no node
+   is expected to repay it, first pass included (the drafter then skips the step, its first pass deferred),
+   unless the step explores;
 2. :meth:`SpeculationController.choose` after drafting (sources merged in): each request's nodes with their
    chances (:class:`~vllm_easyspec.control.acceptance.AcceptanceModel`, times the recent ratio of realised to
    predicted accepted nodes at this batch size, at most 1), best first, and how many of them it verifies
@@ -63,18 +66,16 @@ from vllm_easyspec.control.cost import StepCostModel
 from vllm_easyspec.control.planning import (
     Candidates,
     DepthPlan,
+    OfferedTree,
     best_first_order,
     best_nodes,
     choose_depth,
     choose_nodes,
-    node_depths,
     path_length,
     running_minimum,
 )
 
-DEPTH_SMOOTHING = 0.2  # weight of a step's outcome in a request's acceptance-by-depth
-GLOBAL_DEPTH_SMOOTHING = 0.1  # ... in the batch-wide acceptance-by-depth that new requests start from
-FIRST_DEPTH_RATE = 0.6  # before anything is observed: reaching depth j has chance FIRST_DEPTH_RATE ** j
+FIRST_DEPTH_RATE = 0.6  # before any tree was offered: a chain whose node at depth j has chance FIRST_DEPTH_RATE ** j
 EXPLORE_EVERY = 16  # one step in this many verifies a random number of the best nodes, or drafts the whole depth
 EXPLORE_SHARE = 0.02  # share of decode verify time that exploring steps get
 EXPLORE_MOST_STEPS = 4  # the exploration budget holds at most this many verify steps' time
@@ -174,6 +175,7 @@ class _Cycle:
     horizon_steps: float = 1.0  # the steps over which plan_depth spread a catch-up first pass
     seconds: float = 0.0
     first_pass_seconds: float = 0.0
+    level_seconds: float = 0.0
     accepted: int = 0
 
     @property
@@ -249,27 +251,22 @@ class OutcomeGuard:
 
 
 class SpeculationController:
-    def __init__(self, cost: StepCostModel, max_depth: int, max_nodes: int, level_width: int,
-                 lookup_depth: int = 0) -> None:
+    def __init__(self, cost: StepCostModel, max_depth: int, max_nodes: int, level_width: int) -> None:
         """``max_depth``: the candidate tree's drafted depth; ``max_nodes``: the most nodes a request verifies;
-        ``level_width``: draft rows per request in one level forward; ``lookup_depth``: how deep the merged
-        prompt-lookup path may reach without any level forward (its nodes; 0 without that source)."""
+        ``level_width``: draft rows per request in one level forward."""
         self.cost = cost
         self.max_depth = max_depth
         self.max_nodes = max_nodes
         self.level_width = level_width
         self.acceptance = AcceptanceModel()
-        # per request, along its drafted nodes: P(accept >= j + 1 | offered depth > j); along its lookup path
-        # the same, a step whose lookup found nothing counting as offered every depth and reaching none
-        self.depth_rates: dict[str, list[float]] = {}
-        self.lookup_rates: dict[str, list[float]] = {}
-        self.global_depth_rates = [FIRST_DEPTH_RATE ** (j + 1) for j in range(max_depth)]
-        self.global_lookup_rates = [FIRST_DEPTH_RATE ** (j + 1) for j in range(lookup_depth)]
+        # per request, and over every request: drafted levels -> the nodes offered when last drafted that deep
+        self.offered: dict[str, dict[int, OfferedTree]] = {}
+        self.offered_by_anyone: dict[int, OfferedTree] = {}
+        self._drafted_levels = max_depth  # the depth plan_depth chose this step
         self.stats = ControllerStats()
         self._explore = random.Random(0)  # independent of every verification: choices stay lossless
         # request -> (model chances of the nodes it verifies this step, batch-size bucket of the step)
         self._predicted: dict[str, tuple[float, int]] = {}
-        self._lookup_offered: dict[str, bool] = {}  # request -> its tree this step had prompt-lookup nodes
         self._ratio_sums: dict[int, list[float]] = {}  # bucket -> decayed [realised, predicted] accepted nodes
         self.guard = OutcomeGuard()
         self._guard_requests: set[str] = set()  # the running requests whose cycles the guard has weighed
@@ -302,19 +299,21 @@ class SpeculationController:
         and then repaid by every later step that drafts: the plan charges them spread over ``horizon_steps``, the
         steps the batch's requests can still run."""
         started = time.perf_counter()
-        expected = [self.depth_rates.get(req_id, self.global_depth_rates) for req_id in req_ids]
-        lookup = [self.lookup_rates.get(req_id, self.global_lookup_rates) for req_id in req_ids]
         level_rows = len(req_ids) * self.level_width
         steady_rows = min(first_pass_rows, 2 * len(req_ids))
         steady = self.cost.first_pass_seconds(steady_rows, len(req_ids))
         catch_up = self.cost.first_pass_seconds(first_pass_rows, len(req_ids)) - steady
         first_pass = steady + catch_up / max(horizon_steps, 1.0)
 
-        def draft_seconds(depth: int) -> float:
-            return first_pass + self.cost.draft_seconds(depth - 1, level_rows)
+        overhead = self.cost.overhead_seconds(len(req_ids))
 
-        plan = choose_depth(expected, self.max_depth, self.max_nodes, self.cost.verify_seconds,
-                            draft_seconds, lookup) if req_ids else DepthPlan(1, 0)
+        def draft_seconds(depth: int) -> float:
+            return first_pass + overhead + self.cost.draft_seconds(depth - 1, level_rows)
+
+        ratio = self.ratio_at(len(req_ids))
+        by_depth = [[self._offered_at(req_id, depth, ratio) for req_id in req_ids]
+                    for depth in range(1, self.max_depth + 1)]
+        plan = choose_depth(by_depth, self.cost.verify_seconds, draft_seconds) if req_ids else DepthPlan(1, 0)
         depth = plan.depth
         held_back = plan.nodes > 0 and self.guard.holds_back(len(req_ids), self.cost.verify_seconds(len(req_ids)))
         self._exploring_draft = False
@@ -324,7 +323,7 @@ class SpeculationController:
                 explore_depth, explore_rows = depth, plan.nodes
             else:  # explore acceptance: one level, each request's best nodes, not a cycle the guard weighs
                 explore_depth, explore_rows = 1, batch * self.level_width
-            exploring = (steady + catch_up + self.cost.draft_seconds(explore_depth - 1, level_rows)
+            exploring = (steady + catch_up + overhead + self.cost.draft_seconds(explore_depth - 1, level_rows)
                          + self.cost.verify_seconds(batch + explore_rows) - self.cost.verify_seconds(batch))
             if self._explore_budget >= exploring:
                 self._explore_budget -= exploring
@@ -342,6 +341,7 @@ class SpeculationController:
                 self.stats.exploring_drafts += 1
                 depth = self.max_depth
         self.stats.depth_per_step[depth] += 1
+        self._drafted_levels = depth
         full_first_pass = steady + catch_up
         self._cycle = _Cycle(drafted=depth > 0, requests=set(req_ids), weighed=not self._exploring_draft,
                              first_pass_share=first_pass / full_first_pass if full_first_pass > 0 else 1.0,
@@ -349,15 +349,31 @@ class SpeculationController:
         self.stats.controller_seconds += time.perf_counter() - started
         return depth
 
+    def _offered_at(self, req_id: str, depth: int, ratio: float) -> Candidates:
+        """The nodes ``req_id`` would offer when drafting ``depth`` levels: what it offered when last drafted
+        that deep, else deeper (cut to the depth), else what any request did, else a chain of
+        :data:`FIRST_DEPTH_RATE` powers."""
+        own = self.offered.get(req_id, {})
+        for offered in (own, self.offered_by_anyone):
+            for levels in range(depth, self.max_depth + 1):
+                tree = offered.get(levels)
+                if tree is not None:
+                    return tree.candidates(depth, ratio, self.max_nodes)
+        return Candidates([FIRST_DEPTH_RATE ** (j + 1) for j in range(min(depth, self.max_nodes))], self.max_nodes)
+
     # ------------------------------------------------------------------------------------------ after drafting
     def choose(self, trees: list[RequestTree]) -> list[Choice]:
         started = time.perf_counter()
         ordered: list[tuple[list[int], list[int], list[NodeFeatures], list[float]]] = []
         bucket = OutcomeGuard.bucket(len(trees))
         ratio = self.ratio_at(len(trees))
+        levels = self._drafted_levels
         for tree in trees:
-            self._lookup_offered[tree.req_id] = any(feature.from_lookup for feature in tree.features)
             model_chances = self.acceptance.path_chances(tree.req_id, tree.features, tree.parents)
+            offered = OfferedTree(levels, tuple(model_chances), tuple(tree.parents),
+                                  tuple(feature.from_lookup for feature in tree.features), tree.keeps_order)
+            self.offered.setdefault(tree.req_id, {})[levels] = offered
+            self.offered_by_anyone[levels] = offered
             chances = [min(ratio * chance, 1.0) for chance in model_chances]
             if tree.keeps_order:
                 ordered.append((tree.tokens, tree.parents, tree.features, running_minimum(chances)))
@@ -405,20 +421,6 @@ class SpeculationController:
             sums = self._ratio_sums.setdefault(bucket, [1.0, 1.0])
             sums[0] = RATIO_MEMORY * sums[0] + len(accepted)
             sums[1] = RATIO_MEMORY * sums[1] + chances
-        depths = node_depths(parents)
-        lookup_found_nothing = not self._lookup_offered.pop(req_id, True)
-        for from_lookup, per_request, everyone in ((False, self.depth_rates, self.global_depth_rates),
-                                                   (True, self.lookup_rates, self.global_lookup_rates)):
-            nodes = [i for i, feature in enumerate(features) if feature.from_lookup == from_lookup]
-            depth_offered = max((depths[i] for i in nodes), default=0)
-            if from_lookup and lookup_found_nothing:  # the lookup path reached no depth: a fact, not a choice
-                depth_offered = len(everyone)
-            accepted_length = max((depths[i] for i in nodes if i in accepted), default=0)
-            rates = per_request.setdefault(req_id, list(everyone))
-            for j in range(min(depth_offered, len(rates))):
-                reached = float(accepted_length > j)
-                rates[j] += DEPTH_SMOOTHING * (reached - rates[j])
-                everyone[j] += GLOBAL_DEPTH_SMOOTHING * (reached - everyone[j])
         self.stats.realised_accepted += len(accepted)
         if self._cycle is not None:
             self._cycle.accepted += len(accepted)
@@ -431,15 +433,20 @@ class SpeculationController:
             self.guard.forget_drafted()
             self._first_pass_debt = 0.0
         self._guard_requests &= live
-        for state in (self.depth_rates, self.lookup_rates, self._predicted, self._lookup_offered):
+        for state in (self.offered, self._predicted):
             for req_id in [r for r in state if r not in live]:
                 del state[req_id]
 
     def observe_drafting(self, seconds: float) -> None:
         """The whole drafting stage of the step that :meth:`plan_depth` planned took ``seconds`` (deferring the
-        first pass, when nothing was drafted)."""
-        if self._cycle is not None:
-            self._cycle.seconds += seconds
+        first pass, when nothing was drafted): what it took beyond its forwards keeps the cost model's
+        overhead current."""
+        cycle = self._cycle
+        if cycle is not None:
+            cycle.seconds += seconds
+            if cycle.drafted and cycle.first_pass_seconds > 0:
+                self.cost.observe_overhead(len(cycle.requests),
+                                           seconds - cycle.first_pass_seconds - cycle.level_seconds)
 
     def observe_verify(self, rows: int, seconds: float, masked_rows: int = 0, requests: int | None = None,
                        masked_requests: int = 0) -> None:
@@ -462,6 +469,8 @@ class SpeculationController:
 
     def observe_draft(self, levels: int, rows_per_level: int, seconds: float) -> None:
         self.cost.observe_draft(levels, rows_per_level, seconds)
+        if self._cycle is not None:
+            self._cycle.level_seconds += seconds
 
     def observe_first_pass(self, rows: int, seconds: float, requests: int = 0) -> None:
         """The drafter's first pass over ``rows`` rows, with the logits of ``requests`` roots, took ``seconds``."""

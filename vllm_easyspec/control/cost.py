@@ -15,7 +15,10 @@ Drafting costs the drafter's first pass (one forward over the tokens the last st
 deferred from steps that drafted nothing, then the logits of each request's root) and one forward per further
 level, with the logits of every row; both are predicted from start-up curves of one draft forward (with and
 without the logits of its rows), each with its own scale. A step that drafts nothing skips the first pass,
-so the first pass is a cost of speculating at all, not a constant of the step.
+so the first pass is a cost of speculating at all, not a constant of the step. The rest of a drafting stage
+(host work: reading the draft's output, mapping or re-encoding its tokens into the target's vocabulary,
+prompt lookup, choosing nodes, handing the trees over) is kept per request of the batch, a moving average of
+what the stage took beyond its forwards.
 
 Invariants: a :class:`CostCurve` is non-decreasing in its rows (measured points are made monotone) and
 extrapolates linearly past its last point; the fitted scale is positive and no extra cost is negative (an
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-PARTS = ("verify", "draft", "first_pass")  # the parts of a step the model predicts and observes
+PARTS = ("verify", "draft", "first_pass", "overhead")  # the parts of a step the model predicts and observes
 VERIFY_HISTORY = 64  # decode steps the verify fit reads
 PRIOR_WEIGHT = 0.05  # how strongly the fit is pulled towards scale 1 and no extra cost per row
 CALIBRATION_REPEATS = 3  # start-up: timed forwards per row count, the fastest kept
@@ -124,7 +127,8 @@ class StepCostModel:
     extra_per_masked_request: float = 0.0  # ... and per request whose tree needs it
     draft_scale: float = 1.0
     first_pass_scale: float = 1.0
-    observations: dict[str, int] = field(default_factory=lambda: {"verify": 0, "draft": 0, "first_pass": 0})
+    overhead_per_request: float = 0.0  # a drafting stage's seconds beyond its forwards, per request
+    observations: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PARTS, 0))
     # Per part, the seconds the model predicted for each observed step (before learning from it) and the
     # seconds the step took: their ratio is the model's one-step-ahead error.
     predicted_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
@@ -145,6 +149,10 @@ class StepCostModel:
         """The drafter's first pass over ``rows`` rows (the verified tokens and any deferred ones) and the logits
         of ``requests`` roots."""
         return self.first_pass_scale * self._first_pass_curve(rows, requests) if rows > 0 else 0.0
+
+    def overhead_seconds(self, requests: int) -> float:
+        """A drafting stage's host work beyond its forwards for ``requests`` requests."""
+        return self.overhead_per_request * requests
 
     def _first_pass_curve(self, rows: int, requests: int) -> float:
         if self.draft_forward is None:
@@ -205,6 +213,12 @@ class StepCostModel:
             self._count("first_pass", self.first_pass_scale * predicted, seconds)
             self.first_pass_scale = self._blend(self.first_pass_scale, seconds / predicted)
 
+    def observe_overhead(self, requests: int, seconds: float) -> None:
+        """A drafting stage for ``requests`` requests took ``seconds`` beyond its first pass and levels."""
+        if requests > 0:
+            self._count("overhead", self.overhead_seconds(requests), max(seconds, 0.0))
+            self.overhead_per_request = self._blend(self.overhead_per_request, max(seconds, 0.0) / requests)
+
     def _count(self, part: str, predicted: float, observed: float) -> None:
         self.observations[part] += 1
         self.predicted_seconds[part] += predicted
@@ -221,4 +235,5 @@ class StepCostModel:
                 f"draft level ms by rows {{{self.draft_level.describe()}}} x{self.draft_scale:.2f}"
                 + ("" if self.draft_forward is None else
                    f", without logits {{{self.draft_forward.describe()}}}")
-                + f" (first pass x{self.first_pass_scale:.2f})")
+                + f" (first pass x{self.first_pass_scale:.2f}); drafting host work "
+                f"{self.overhead_per_request * 1e3:.2f} ms per request")

@@ -6,7 +6,8 @@ attention over its rows, a path does not) and, when it drafts, the drafter's fir
 chosen nodes ``S`` the step's rate is ``(B + sum of P(v accepted) over S) / (verify(B + |S|, masked rows) + draft)``.
 
 * :func:`choose_depth` runs before drafting: how deep to draft (``depth`` ``d`` costs the first pass and
-  ``d - 1`` level forwards), from each request's recent acceptance by depth and the nodes the choice after
+  ``d - 1`` level forwards), from the nodes each request would offer at each depth (:class:`OfferedTree`: what
+  it offered when last drafted that deep, priced by the acceptance model) and the ones the choice after
   drafting would then verify, against drafting nothing at all; when nothing pays, the step does not draft.
 * :func:`choose_nodes` runs after drafting: given every request's candidate nodes with their chances, it takes
   the most likely nodes of the whole batch, one at a time, and keeps the count with the best rate; a request
@@ -135,34 +136,58 @@ class DepthPlan:
     nodes: int
 
 
-def _with_lookup(drafted: Sequence[float], lookup: Sequence[float]) -> list[float]:
-    """Per depth, the chance that the drafted chain or the lookup path is accepted beyond it, taken as
-    independent (0 beyond either's depth)."""
-    return [1.0 - (1.0 - (drafted[j] if j < len(drafted) else 0.0)) * (1.0 - (lookup[j] if j < len(lookup) else 0.0))
-            for j in range(max(len(drafted), len(lookup)))]
+@dataclass(frozen=True)
+class OfferedTree:
+    """The candidate nodes one request offered in a step that drafted ``levels`` levels (parents first): each
+    node's chance of being accepted as the acceptance model predicted it, and whether it came from prompt lookup
+    (which needs no level forward). The plan prices drafting that deep again by the nodes it would offer."""
+
+    levels: int
+    chances: tuple[float, ...]
+    parents: tuple[int, ...]
+    from_lookup: tuple[bool, ...]
+    keeps_order: bool = False  # i.i.d. children: verified as a prefix of their order
+
+    def candidates(self, levels: int, ratio: float, cap: int) -> Candidates:
+        """What drafting ``levels`` (at most :attr:`levels`) would offer: every lookup node and the drafted nodes
+        no deeper than ``levels`` (closed under parents), their chances times ``ratio`` (at most 1), best
+        first as the choice after drafting orders them, at most ``cap``."""
+        depths = node_depths(self.parents)
+        kept: list[int] = []
+        is_kept = [False] * len(self.parents)
+        for i, parent in enumerate(self.parents):
+            if (self.from_lookup[i] or depths[i] <= levels) and (parent < 0 or is_kept[parent]):
+                is_kept[i] = True
+                kept.append(i)
+        position = {node: rank for rank, node in enumerate(kept)}
+        chances = [min(ratio * self.chances[i], 1.0) for i in kept]
+        parents = [position[self.parents[i]] if self.parents[i] >= 0 else -1 for i in kept]
+        if self.keeps_order:
+            return Candidates(running_minimum(chances)[:cap], cap, path_length(parents))
+        order = best_first_order(chances, parents)
+        rank = {node: r for r, node in enumerate(order)}
+        ordered_parents = [rank[parents[i]] if parents[i] >= 0 else -1 for i in order]
+        return Candidates([chances[i] for i in order][:cap], cap, path_length(ordered_parents))
 
 
-def choose_depth(expected_by_depth: Sequence[Sequence[float]], max_depth: int, cap: int,
-                 verify_seconds: VerifySeconds, draft_seconds: Callable[[int], float],
-                 lookup_by_depth: Sequence[Sequence[float]] | None = None) -> DepthPlan:
-    """The drafting depth in ``1..max_depth`` with the best predicted rate, or ``nodes == 0`` (at depth 1) when
-    no depth beats drafting nothing. ``expected_by_depth[i][j]``: request ``i``'s chance to accept at least
-    ``j + 1`` tokens when offered that depth; ``cap``: the most nodes a request verifies;
+def choose_depth(candidates_by_depth: Sequence[Sequence[Candidates]], verify_seconds: VerifySeconds,
+                 draft_seconds: Callable[[int], float]) -> DepthPlan:
+    """The drafting depth with the best predicted rate, or ``nodes == 0`` (at depth 1) when no depth beats
+    drafting nothing. ``candidates_by_depth[d - 1][i]``: the nodes request ``i`` would offer when the step
+    drafts ``d`` levels (its prompt-lookup nodes at every depth: they need no level forward);
     ``verify_seconds(rows, masked, masked_requests)``: the target's verify; ``draft_seconds(depth)``: drafting
     that deep (first pass included).
 
-    A depth is judged by the nodes it would verify, each request's candidates taken as the chain of its chances,
-    against a step that drafts nothing and verifies ``B`` rows: drafting is paid only when nodes are verified, so
-    a level whose nodes would not be verified (they cost more rows than they gain, as at a large batch) is not
-    drafted, and neither is a first pass whose nodes do not repay it. ``lookup_by_depth[i][j]``: request ``i``'s
-    chance that its merged prompt-lookup path is accepted beyond depth ``j``; that path needs no level forward,
-    so drafting ``depth`` levels offers at each depth the chance that either is accepted beyond it."""
-    batch = len(expected_by_depth)
+    A depth is judged by the nodes the choice after drafting would then verify (:func:`choose_nodes`'s rule),
+    against a step that drafts nothing and verifies ``B`` rows: drafting is paid only when nodes are verified,
+    so a level whose nodes would not be verified (they cost more rows than they gain, as at a large batch) is
+    not drafted, and neither is a first pass whose nodes do not repay it."""
+    batch = len(candidates_by_depth[0]) if candidates_by_depth else 0
+    if batch == 0:
+        return DepthPlan(1, 0)
     verify_seconds = functools.cache(verify_seconds)  # every depth prices the same row counts
     best, best_rate = DepthPlan(1, 0), batch / verify_seconds(batch, 0, 0)
-    for depth in range(1, max_depth + 1):
-        candidates = [Candidates(running_minimum(_with_lookup(rates[:depth], lookup)), cap)
-                      for rates, lookup in zip(expected_by_depth, lookup_by_depth or [()] * batch, strict=True)]
+    for depth, candidates in enumerate(candidates_by_depth, start=1):
         count, rate = _best_total(candidates, verify_seconds, draft_seconds(depth))
         if count and rate > best_rate * (1 + 1e-9):
             best, best_rate = DepthPlan(depth, count), rate

@@ -79,9 +79,6 @@ def read_controller_stats(worker) -> dict[str, Any] | None:
         "calibration_conditional": controller.acceptance.conditional.table(),
         "calibration_path": controller.acceptance.path.table(),
         "outcome_guard": controller.guard.table(),
-        # what new requests start from: P(accepted beyond depth j) along drafted nodes and along the lookup path
-        "acceptance_by_depth": {"drafted": list(controller.global_depth_rates),
-                                "lookup": list(controller.global_lookup_rates)},
     }
 
 

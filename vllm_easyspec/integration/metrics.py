@@ -16,7 +16,8 @@ nodes_offered, nodes_chosen, requests_without_nodes, exploring_steps, exploring_
 predicted_accepted, realised_accepted, controller_seconds}_total``; histograms ``vllm:easyspec_auto_nodes_per_request`` (chosen nodes per request per
 step) and ``vllm:easyspec_auto_draft_depth`` (drafted depth per step); gauges
 ``vllm:easyspec_auto_realised_over_predicted``, ``vllm:easyspec_auto_verify_seconds{rows}`` and
-``vllm:easyspec_auto_draft_level_seconds{rows}`` (the current cost curves), and
+``vllm:easyspec_auto_draft_level_seconds{rows}`` (the current cost curves),
+``vllm:easyspec_auto_drafting_host_seconds_per_request`` (a drafting stage's host work beyond its forwards), and
 ``vllm:easyspec_auto_calibration_{predicted,observed,nodes}{table,bin}`` (the acceptance model's calibration:
 ``conditional`` = P(accepted | parent accepted), ``path`` = P(accepted) of every offered node).
 """
@@ -71,6 +72,7 @@ def controller_snapshot(controller: SpeculationController) -> dict[str, Any]:
         "verify_seconds": {str(r): cost.verify_seconds(r) for r in cost.verify.rows},
         "draft_level_seconds": {str(r): cost.draft_scale * s
                                 for r, s in zip(cost.draft_level.rows, cost.draft_level.seconds, strict=True)},
+        "drafting_host_seconds_per_request": cost.overhead_per_request,
         "calibration": {"conditional": controller.acceptance.conditional.table(),
                         "path": controller.acceptance.path.table()},
     }
@@ -168,6 +170,11 @@ def snapshot_metrics(snapshot: dict[str, Any], model_name: str) -> list:
                               "easyspec.tree.auto: realised over predicted accepted nodes (recent)", labels=labels)
     ratio.add_metric(values, snapshot["realised_over_predicted"])
     families.append(ratio)
+    host = GaugeMetricFamily(PREFIX + "drafting_host_seconds_per_request",
+                             "easyspec.tree.auto cost model: a drafting stage's host work beyond its forwards, "
+                             "seconds per request", labels=labels)
+    host.add_metric(values, snapshot["drafting_host_seconds_per_request"])
+    families.append(host)
     for curve, doc in (("verify_seconds", "target verify forward seconds by rows in the batch"),
                        ("draft_level_seconds", "one draft level forward seconds by rows")):
         family = GaugeMetricFamily(PREFIX + curve, f"easyspec.tree.auto cost model: {doc}",

@@ -245,9 +245,7 @@ class TreeRunnerMixin:
         )
         logger.info("easyspec.tree.auto: step cost measured in %.1f s: %s", time.perf_counter() - started,
                     cost.describe())
-        lookup = None if tree.sources is None else tree.sources.prompt_lookup
-        return SpeculationController(cost, max_depth=tree.max_depth, max_nodes=max_nodes, level_width=level_width,
-                                     lookup_depth=0 if lookup is None else lookup.nodes)
+        return SpeculationController(cost, max_depth=tree.max_depth, max_nodes=max_nodes, level_width=level_width)
 
     def _forward_timings(self, rows: list[int], draft: bool) -> ForwardTimings:
         """Forwards of the target, or of the drafter's model, timed as :func:`time_forwards` says; attention runs
