@@ -4,10 +4,12 @@ batch size, with both drafters of the default target, side by side in one run.
     python -m benchmarks.auto_matrix [--batches 1 2 4 8 16] [--classes chat heldout edit mixed]
         [--pairs eagle draft] [--max-tokens 32] [--rounds 2] [--repeats 2] [--only REGEX] [--stem auto_matrix]
 
-Setups (``SETUPS``): vanilla; vLLM's ``eagle3`` chains with the committed head at k = 2 and 3; the plugin's
+Setups (``SETUPS``): vanilla; vLLM's ``eagle3`` chains with the committed head at k = 2 and 3, and k set by
+batch size with vLLM's ``num_speculative_tokens_per_batch_size`` (``EAGLE_SCHEDULE``); the plugin's
 fixed merged EAGLE-2 trees (4 and 8 head nodes + 4 prompt-lookup nodes); the 4-node one with the README's
 ``budget_by_batch`` table; the controller on a 16 + 4-node candidate; and with SmolLM2-135M drafting across
-vocabularies: vLLM's ``draft_model`` chain at k = 1 (its fastest k), the bridged tree of 4 root children + 4
+vocabularies: vLLM's ``draft_model`` chain at k = 1 (its fastest k), that chain by batch size
+(``DRAFT_SCHEDULE``), the bridged tree of 4 root children + 4
 lookup nodes, that tree with a table that stops speculating from batch 4, and the controller on a 12 + 4-node
 candidate. A cell is one prompt class at one batch size: ``rounds x batch`` prompts (at least 4) served
 ``batch`` at a time, a finished request replaced by the next prompt, ``--max-tokens`` each. Every engine process times
@@ -51,6 +53,11 @@ LOOKUP = {"prompt_lookup": {"nodes": 4}}
 EAGLE_TABLE = {"2": {"chain": 2}, "5": 0}
 # The README's advice for a draft model ("no speculation at batch 8"), as a table: the tree below 4 requests.
 DRAFT_TABLE = {"4": 0}
+# vLLM's own batch-size schedule for chains (num_speculative_tokens_per_batch_size: inclusive ranges -> k),
+# set as the tables above: the head's k=3 chain alone, k=2 from 2 requests, none from 5; the draft model's
+# k=1 chain below 4 requests.
+EAGLE_SCHEDULE = [[1, 1, 3], [2, 4, 2], [5, 1024, 0]]
+DRAFT_SCHEDULE = [[1, 3, 1], [4, 1024, 0]]
 BRIDGED_TREE = {"choices": [[0], [1], [2], [3]], "sources": LOOKUP, "retokenize": True}
 DRAFT_AUTO_TREE = {"top_k": 4, "depth": 3, "budget": 12, "sources": LOOKUP, "retokenize": True, "auto": True}
 
@@ -64,6 +71,8 @@ def setups(pairs: list[str]) -> list[Setup]:
         chosen += [
             Setup("eagle3-k2", "vLLM eagle3 chain, k=2", head | {"num_speculative_tokens": 2}),
             Setup("eagle3-k3", "vLLM eagle3 chain, k=3", head | {"num_speculative_tokens": 3}),
+            Setup("eagle3-schedule", f"vLLM eagle3 chain, num_speculative_tokens_per_batch_size {EAGLE_SCHEDULE}",
+                  head | {"num_speculative_tokens": 3, "num_speculative_tokens_per_batch_size": EAGLE_SCHEDULE}),
             Setup("eagle-tree-4+4", "EAGLE-2 tree, 4 head + 4 lookup nodes", head, {"easyspec": {"tree": tree4}}),
             Setup("eagle-tree-8+4", "EAGLE-2 tree, 8 head + 4 lookup nodes", head,
                   {"easyspec": {"tree": EAGLE_TREES[8] | {"sources": LOOKUP}}}),
@@ -76,6 +85,8 @@ def setups(pairs: list[str]) -> list[Setup]:
         draft = {"method": "draft_model", "model": str(fetch_model(SMOL)), "use_heterogeneous_vocab": True}
         chosen += [
             Setup("smol-k1", "vLLM draft_model chain, SmolLM2-135M, k=1", draft | {"num_speculative_tokens": 1}),
+            Setup("smol-schedule", f"vLLM draft_model chain, num_speculative_tokens_per_batch_size {DRAFT_SCHEDULE}",
+                  draft | {"num_speculative_tokens": 1, "num_speculative_tokens_per_batch_size": DRAFT_SCHEDULE}),
             Setup("smol-tree-4+4", "bridged tree, 4 root children + 4 lookup nodes", draft | {"num_speculative_tokens": 8},
                   {"easyspec": {"tree": BRIDGED_TREE}}),
             Setup("smol-table", f"the bridged tree with budget_by_batch {json.dumps(DRAFT_TABLE)}",
