@@ -304,8 +304,7 @@ class SpeculationController:
         steady = self.cost.first_pass_seconds(steady_rows, len(req_ids))
         catch_up = self.cost.first_pass_seconds(first_pass_rows, len(req_ids)) - steady
         first_pass = steady + catch_up / max(horizon_steps, 1.0)
-
-        overhead = self.cost.overhead_seconds(len(req_ids))
+        overhead = self.cost.overhead_seconds(len(req_ids))  # the drafting stage's host work
 
         def draft_seconds(depth: int) -> float:
             return first_pass + overhead + self.cost.draft_seconds(depth - 1, level_rows)
