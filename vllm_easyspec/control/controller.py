@@ -21,8 +21,8 @@ One step, as the drafter and the runner call it:
 
 1. :meth:`SpeculationController.plan_depth` before drafting: the depth with the best predicted rate
    (:func:`~vllm_easyspec.control.planning.choose_depth`), each depth priced by the nodes the request offered
-   when it last drafted that deep (or deeper, cut to the depth; another request's before it has its own), with
-   the chances the acceptance model gave them, so a depth's acceptance costs the rows the choice after
+   when it last drafted that deep (else a deeper tree of its own cut to the depth, else another request's),
+   with the chances the acceptance model gave them then, so a depth's acceptance costs the rows the choice after
    drafting will spend on it (a depth-1 token that one of four root children usually hits costs four rows, not
    one), and prompt-lookup nodes count at every depth without level forwards; or no drafting at all when no node
    is expected to repay it, first pass included (the drafter then skips the step, its first pass deferred),
