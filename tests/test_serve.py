@@ -54,7 +54,7 @@ def test_vllm_serve_rejects_bad_options_in_one_line(tiny_llama_dir, tiny_llama_d
     assert lines, (result.stdout + result.stderr)[-3000:]
 
 
-def test_vllm_serve_with_trees_is_greedy_exact(tmp_path, llm_pool, tiny_llama_dir, tiny_llama_draft_dir):
+def test_vllm_serve_with_trees_is_greedy_exact(tmp_path, llm_pool, tiny_llama_dir):
     """Trees with prompt-lookup candidates, sized by the controller (``tree.auto``), through
     `vllm-easyspec serve --additional-config`: concurrent greedy completions (one with a repetition penalty,
     served without speculation) equal an engine without speculation, vLLM's speculative counters count tree
@@ -74,7 +74,9 @@ def test_vllm_serve_with_trees_is_greedy_exact(tmp_path, llm_pool, tiny_llama_di
         for p, r in zip(prompts, penalties, strict=True)
     ]
     port = free_port()
-    spec = {"method": "draft_model", "model": str(tiny_llama_draft_dir)}
+    # the target drafts for itself: its trees are accepted, so the controller, which prices a depth by the
+    # nodes it offered, keeps drafting (a random draft's trees are not worth a row, and it would stop)
+    spec = {"method": "draft_model", "model": str(tiny_llama_dir)}
     lookup = {"prompt_lookup": {"nodes": 2, "min_match": 1, "max_match": 3}}
     tree = {"easyspec": {"tree": {"top_k": 2, "depth": 3, "budget": 6, "sources": lookup, "auto": True},
                          "layer_parallel_size": 2}}
