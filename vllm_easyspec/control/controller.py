@@ -72,6 +72,7 @@ from vllm_easyspec.control.planning import (
     choose_depth,
     choose_nodes,
     path_length,
+    renumbered_parents,
     running_minimum,
 )
 
@@ -378,10 +379,9 @@ class SpeculationController:
                 ordered.append((tree.tokens, tree.parents, tree.features, running_minimum(chances)))
                 continue
             order = best_first_order(chances, tree.parents)
-            position = {node: rank for rank, node in enumerate(order)}
             ordered.append((
                 [tree.tokens[i] for i in order],
-                [position[tree.parents[i]] if tree.parents[i] >= 0 else -1 for i in order],
+                renumbered_parents(tree.parents, order),
                 [tree.features[i] for i in order],
                 [chances[i] for i in order],
             ))

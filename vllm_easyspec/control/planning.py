@@ -64,6 +64,13 @@ def best_first_order(chances: Sequence[float], parents: Sequence[int]) -> list[i
     return sorted(range(len(chances)), key=lambda i: (-chances[i], depth[i], i))
 
 
+def renumbered_parents(parents: Sequence[int], order: Sequence[int]) -> list[int]:
+    """The parents of the nodes ``order`` picks (each node's parent picked before it), as positions in
+    ``order``; -1 for a root child."""
+    position = {node: rank for rank, node in enumerate(order)}
+    return [position[parents[i]] if parents[i] >= 0 else -1 for i in order]
+
+
 def running_minimum(values: Sequence[float]) -> list[float]:
     """Each value lowered to the smallest before it: a fixed order's chances made non-increasing."""
     out: list[float] = []
@@ -159,15 +166,12 @@ class OfferedTree:
             if (self.from_lookup[i] or depths[i] <= levels) and (parent < 0 or is_kept[parent]):
                 is_kept[i] = True
                 kept.append(i)
-        position = {node: rank for rank, node in enumerate(kept)}
         chances = [min(ratio * self.chances[i], 1.0) for i in kept]
-        parents = [position[self.parents[i]] if self.parents[i] >= 0 else -1 for i in kept]
+        parents = renumbered_parents(self.parents, kept)
         if self.keeps_order:
             return Candidates(running_minimum(chances)[:cap], cap, path_length(parents))
         order = best_first_order(chances, parents)
-        rank = {node: r for r, node in enumerate(order)}
-        ordered_parents = [rank[parents[i]] if parents[i] >= 0 else -1 for i in order]
-        return Candidates([chances[i] for i in order][:cap], cap, path_length(ordered_parents))
+        return Candidates([chances[i] for i in order][:cap], cap, path_length(renumbered_parents(parents, order)))
 
 
 def choose_depth(candidates_by_depth: Sequence[Sequence[Candidates]], verify_seconds: VerifySeconds,
