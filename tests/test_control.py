@@ -9,7 +9,12 @@ import random
 import pytest
 
 from vllm_easyspec.control.acceptance import LOOKUP_PRIOR, AcceptanceModel, NodeFeatures
-from vllm_easyspec.control.controller import OutcomeGuard, RequestTree, SpeculationController
+from vllm_easyspec.control.controller import (
+    FIRST_DEPTH_RATE,
+    OutcomeGuard,
+    RequestTree,
+    SpeculationController,
+)
 from vllm_easyspec.control.cost import (
     CALIBRATION_REPEATS,
     CALIBRATION_SECONDS_PER_POINT,
@@ -18,6 +23,7 @@ from vllm_easyspec.control.cost import (
     time_forwards,
 )
 from vllm_easyspec.control.planning import (
+    AveragedOffer,
     Candidates,
     OfferedTree,
     best_first_order,
@@ -145,6 +151,12 @@ def _chain_tree(chances: list[float], lookup: list[float] = ()) -> OfferedTree:
     path_parents = [-1 if index == drafted else index - 1 for index in range(drafted, drafted + path)]
     return OfferedTree(drafted, (*chances, *lookup), (*chain_parents, *path_parents),
                        (False,) * drafted + (True,) * path)
+
+
+def _offer(controller: SpeculationController, req_id: str, tree: OfferedTree) -> None:
+    """``req_id``'s average offer at every depth ``tree`` drafted becomes what it offered there."""
+    controller.offered[req_id] = {depth: AveragedOffer.of(offer)
+                                  for depth, offer in enumerate(tree.by_depth(controller.max_nodes), start=1)}
 
 
 def test_the_cost_model_learns_apart_what_a_branching_tree_costs_per_row_and_per_request():
@@ -316,8 +328,10 @@ def test_the_controller_reorders_a_tree_and_learns_from_what_was_accepted():
                           features=[_features(1, None), _features(1, None), _features(2, None)], keeps_order=True)
     (kept,) = controller.choose([sampled])
     assert kept.tokens == [7, 8, 9]  # i.i.d. children keep their order
-    assert controller.offered["a"][2].chances == tuple(controller.acceptance.path_chances("a", tree.features,
-                                                                                          tree.parents))
+    offered = sorted(controller.acceptance.path_chances("a", tree.features, tree.parents), reverse=True)
+    first = [FIRST_DEPTH_RATE, FIRST_DEPTH_RATE**2, 0.0]  # the average every request starts from, at depth 2
+    assert controller.offered["a"][2].chances == pytest.approx(  # moved a quarter of the way to what it offered
+        [0.75 * before + 0.25 * now for before, now in zip(first, offered, strict=True)])
     controller.observe("a", choice.features, choice.parents, accepted={0, 1})
     assert controller.stats.realised_accepted == 2
     controller.forget({"b"})
@@ -520,13 +534,22 @@ def test_prompt_lookup_nodes_count_at_every_depth_without_paying_for_levels():
 def test_an_offered_tree_cut_to_a_depth_keeps_its_lookup_nodes_and_orders_them_as_the_choice_does():
     # drafted: 0 (depth 1) -> 1 (depth 2), 2 (depth 1); lookup: 3 -> 4 (depths 1-2); chances as predicted
     tree = OfferedTree(2, (0.5, 0.4, 0.2, 0.6, 0.45), (-1, 0, -1, -1, 3), (False, False, False, True, True))
-    shallow = tree.candidates(1, ratio=1.0, cap=8)
+    shallow, deep = tree.by_depth(cap=8)
     assert shallow.chances == [0.6, 0.5, 0.45, 0.2]  # node 1 (depth 2) is not drafted at one level
     assert shallow.path_length == 1  # best first: 3, then 0 (another root child) branches
-    assert tree.candidates(2, ratio=0.5, cap=3).chances == [0.3, 0.25, 0.225]  # scaled by the ratio, capped
-    assert tree.candidates(2, ratio=4.0, cap=2).chances == [1.0, 1.0]  # a chance never exceeds 1
+    assert deep.chances == [0.6, 0.5, 0.45, 0.4, 0.2] and tree.by_depth(cap=3)[1].chances == [0.6, 0.5, 0.45]
+    assert AveragedOffer.of(deep).candidates(ratio=0.5, cap=3).chances == [0.3, 0.25, 0.225]  # scaled, capped
+    assert AveragedOffer.of(deep).candidates(ratio=4.0, cap=2).chances == [1.0, 1.0]  # never above 1
     iid = OfferedTree(1, (0.3, 0.5), (-1, -1), (False, False), keeps_order=True)
-    assert iid.candidates(1, 1.0, 8).chances == [0.3, 0.3]  # i.i.d. children keep their order
+    assert iid.by_depth(8)[0].chances == [0.3, 0.3]  # i.i.d. children keep their order
+
+
+def test_an_average_offer_moves_by_its_weight_and_stays_best_first():
+    average = AveragedOffer.of(Candidates([0.9, 0.5], 4))
+    average.add(Candidates([0.4, 0.3, 0.2], 4, path_length=1), 0.5)
+    assert average.chances == pytest.approx([0.65, 0.4, 0.1]) and average.path_length == 1
+    average.add(Candidates([], 4), 0.9999)  # nodes that became negligible are dropped
+    assert average.chances == []
 
 
 def test_a_depth_costs_the_rows_its_acceptance_needs():
@@ -547,11 +570,38 @@ def test_a_depth_costs_the_rows_its_acceptance_needs():
     assert controller.plan_depth(["wide"], first_pass_rows=2) == 0
 
 
+def _offer_steps(controller: SpeculationController, req_id: str, logprobs: list[float], steps: int,
+                 accepted: set[int]) -> None:
+    """``steps`` drafting steps of ``req_id`` offering a chain with these draft log-probabilities, each verified
+    with the ``accepted`` nodes accepted."""
+    for _ in range(steps):
+        tree = RequestTree(req_id, list(range(len(logprobs))), list(range(-1, len(logprobs) - 1)),
+                           [_features(depth, logprob) for depth, logprob in enumerate(logprobs, start=1)],
+                           keeps_order=False)
+        (choice,) = controller.choose([tree])
+        controller.observe(req_id, tree.features, tree.parents, accepted)
+
+
+def test_one_unsure_tree_does_not_stop_the_drafting_that_a_requests_usual_trees_pay_for():
+    # a lone request, verify rows dear (10 ms each), a 10 ms first pass: a sure chain pays, an unsure one does not
+    cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.05 + 63 * 0.01]),
+                         CostCurve.from_measurements([1, 64], [0.01, 0.01]))
+    controller = SpeculationController(cost, max_depth=2, max_nodes=2, level_width=1)
+    _offer_steps(controller, "a", [math.log(0.9), math.log(0.9)], steps=12, accepted={0, 1})
+    _offer_steps(controller, "a", [math.log(0.02), math.log(0.02)], steps=1, accepted=set())  # one unsure moment
+    assert controller.plan_depth(["a"], first_pass_rows=2) > 0
+    # a newcomer starts from what every request offered, not from the last tree anyone offered
+    assert controller.plan_depth(["newcomer"], first_pass_rows=2) > 0
+    # a request whose trees stay unsure stops paying for them
+    _offer_steps(controller, "a", [math.log(0.02), math.log(0.02)], steps=12, accepted=set())
+    assert controller.plan_depth(["a"], first_pass_rows=2) == 0
+
+
 def test_the_plan_charges_the_drafting_stages_host_work_it_measured():
     cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.05 + 63 * 0.001]),
                          CostCurve.from_measurements([1, 64], [0.01, 0.01]))
     controller = SpeculationController(cost, max_depth=1, max_nodes=1, level_width=1)
-    controller.offered["a"] = {1: _chain_tree([0.3])}  # 1.3 tokens in 61 ms: drafting pays (20 tok/s plain)
+    _offer(controller, "a", _chain_tree([0.3]))  # 1.3 tokens in 61 ms: drafting pays (20 tok/s plain)
     assert controller.plan_depth(["a"], first_pass_rows=2) == 1
     drafted = 0
     while controller.plan_depth(["a"], first_pass_rows=2) and drafted < 50:
@@ -569,7 +619,7 @@ def test_a_catch_up_first_pass_is_spread_over_the_steps_the_requests_can_still_r
     cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.05 + 63 * 0.001]),
                          CostCurve.from_measurements([1, 2, 512], [0.02, 0.02, 0.02 + 510 * 0.0007]))
     controller = SpeculationController(cost, max_depth=1, max_nodes=4, level_width=4)
-    controller.offered["a"] = {1: _chain_tree([0.8], lookup=[0.6, 0.5, 0.4, 0.3])}
+    _offer(controller, "a", _chain_tree([0.8], lookup=[0.6, 0.5, 0.4, 0.3]))
     assert controller.plan_depth(["a"], first_pass_rows=2) == 1  # drafting every step pays
     # its 500-row prompt still to catch up: 350 ms at once never pays in one step, spread over 40 steps it does
     assert controller.plan_depth(["a"], first_pass_rows=500) == 0
@@ -583,7 +633,7 @@ def test_the_guard_charges_a_catch_up_first_pass_at_the_share_the_plan_charges_i
     controller = SpeculationController(cost, max_depth=2, max_nodes=4, level_width=2)
     batch = ["a", "b"]
     for req_id in batch:
-        controller.offered[req_id] = {2: _chain_tree([0.95, 0.9])}
+        _offer(controller, req_id, _chain_tree([0.95, 0.9]))
     # a 400-row catch-up that took 1 s, spread over 50 steps: the cycle pays the steady rows' share of it
     # (4 of 400 rows, 21.4 of 298.6 ms predicted) and 1/50 of the rest, as the plan charged it
     assert controller.plan_depth(batch, first_pass_rows=400, horizon_steps=50) == 2
@@ -602,7 +652,7 @@ def test_where_the_plan_drafts_shallow_some_steps_draft_the_whole_depth_within_t
     cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.05 + 63 * 0.001]),
                          CostCurve.from_measurements([1, 64], [0.002, 0.004]))
     controller = SpeculationController(cost, max_depth=3, max_nodes=4, level_width=4)
-    controller.offered["a"] = {3: _chain_tree([0.9, 0.05, 0.01])}  # depth 1 pays, deeper looks worthless
+    _offer(controller, "a", _chain_tree([0.9, 0.05, 0.01]))  # depth 1 pays, deeper looks worthless
     depths = []
     for _ in range(640):
         depths.append(controller.plan_depth(["a"], first_pass_rows=2))

@@ -20,10 +20,11 @@ time, and an exploration dearer than a few steps is never taken.
 One step, as the drafter and the runner call it:
 
 1. :meth:`SpeculationController.plan_depth` before drafting: the depth with the best predicted rate
-   (:func:`~vllm_easyspec.control.planning.choose_depth`), each depth priced by the nodes the request offered
-   when it last drafted that deep (else a deeper tree of its own cut to the depth, else another request's),
-   with the chances the acceptance model gave them then, so a depth's acceptance costs the rows the choice after
-   drafting will spend on it (a depth-1 token that one of four root children usually hits costs four rows, not
+   (:func:`~vllm_easyspec.control.planning.choose_depth`), each depth priced by a moving average of the nodes
+   the request offered when it drafted that deep (:class:`~vllm_easyspec.control.planning.AveragedOffer`, with
+   the chances the acceptance model gave them then; a request starts from the average over every request's
+   offers, which starts from a chain of :data:`FIRST_DEPTH_RATE` powers), so a depth's acceptance costs the
+   rows the choice after drafting will spend on it (a depth-1 token that one of four root children usually hits costs four rows, not
    one), and prompt-lookup nodes count at every depth without level forwards; or no drafting at all when no node
    is expected to repay it, first pass included (the drafter then skips the step, its first pass deferred),
    unless the step explores;
@@ -64,6 +65,7 @@ from dataclasses import dataclass, field
 from vllm_easyspec.control.acceptance import AcceptanceModel, NodeFeatures
 from vllm_easyspec.control.cost import StepCostModel
 from vllm_easyspec.control.planning import (
+    AveragedOffer,
     Candidates,
     DepthPlan,
     OfferedTree,
@@ -77,6 +79,8 @@ from vllm_easyspec.control.planning import (
 )
 
 FIRST_DEPTH_RATE = 0.6  # before any tree was offered: a chain whose node at depth j has chance FIRST_DEPTH_RATE ** j
+OWN_OFFER_WEIGHT = 0.25  # weight of a request's newest offered tree in its average offer at each depth
+SHARED_OFFER_WEIGHT = 0.05  # ... of any request's newest tree in the average offer a request starts from
 EXPLORE_EVERY = 16  # one step in this many verifies a random number of the best nodes, or drafts the whole depth
 EXPLORE_SHARE = 0.02  # share of decode verify time that exploring steps get
 EXPLORE_MOST_STEPS = 4  # the exploration budget holds at most this many verify steps' time
@@ -260,9 +264,9 @@ class SpeculationController:
         self.max_nodes = max_nodes
         self.level_width = level_width
         self.acceptance = AcceptanceModel()
-        # per request, and over every request: drafted levels -> the nodes offered when last drafted that deep
-        self.offered: dict[str, dict[int, OfferedTree]] = {}
-        self.offered_by_anyone: dict[int, OfferedTree] = {}
+        # per request, and over every request: depth -> the average offer of drafting that deep
+        self.offered: dict[str, dict[int, AveragedOffer]] = {}
+        self.offered_by_anyone: dict[int, AveragedOffer] = {}
         self._drafted_levels = max_depth  # the depth plan_depth chose this step
         self.stats = ControllerStats()
         self._explore = random.Random(0)  # independent of every verification: choices stay lossless
@@ -350,16 +354,26 @@ class SpeculationController:
         return depth
 
     def _offered_at(self, req_id: str, depth: int, ratio: float) -> Candidates:
-        """The nodes ``req_id`` would offer when drafting ``depth`` levels: what it offered when last drafted
-        that deep, else deeper (cut to the depth), else what any request did, else a chain of
-        :data:`FIRST_DEPTH_RATE` powers."""
-        own = self.offered.get(req_id, {})
-        for offered in (own, self.offered_by_anyone):
-            for levels in range(depth, self.max_depth + 1):
-                tree = offered.get(levels)
-                if tree is not None:
-                    return tree.candidates(depth, ratio, self.max_nodes)
+        """The nodes ``req_id`` would offer when drafting ``depth`` levels: its average offer there, else every
+        request's, else a chain of :data:`FIRST_DEPTH_RATE` powers."""
+        average = self.offered.get(req_id, {}).get(depth) or self.offered_by_anyone.get(depth)
+        if average is not None:
+            return average.candidates(ratio, self.max_nodes)
+        return self._first_offer(depth)
+
+    def _first_offer(self, depth: int) -> Candidates:
         return Candidates([FIRST_DEPTH_RATE ** (j + 1) for j in range(min(depth, self.max_nodes))], self.max_nodes)
+
+    def remember_offer(self, req_id: str, tree: OfferedTree) -> None:
+        """Moves ``req_id``'s average offer at every depth ``tree`` drafted toward what it offered there (from
+        every request's average on its first offer), and every request's average by a smaller weight."""
+        own = self.offered.setdefault(req_id, {})
+        for depth, offer in enumerate(tree.by_depth(self.max_nodes), start=1):
+            shared = self.offered_by_anyone.setdefault(depth, AveragedOffer.of(self._first_offer(depth)))
+            if depth not in own:
+                own[depth] = AveragedOffer(list(shared.chances), shared.path_length)
+            own[depth].add(offer, OWN_OFFER_WEIGHT)
+            shared.add(offer, SHARED_OFFER_WEIGHT)
 
     # ------------------------------------------------------------------------------------------ after drafting
     def choose(self, trees: list[RequestTree]) -> list[Choice]:
@@ -370,10 +384,9 @@ class SpeculationController:
         levels = self._drafted_levels
         for tree in trees:
             model_chances = self.acceptance.path_chances(tree.req_id, tree.features, tree.parents)
-            offered = OfferedTree(levels, tuple(model_chances), tuple(tree.parents),
-                                  tuple(feature.from_lookup for feature in tree.features), tree.keeps_order)
-            self.offered.setdefault(tree.req_id, {})[levels] = offered
-            self.offered_by_anyone[levels] = offered
+            self.remember_offer(tree.req_id, OfferedTree(
+                levels, tuple(model_chances), tuple(tree.parents),
+                tuple(feature.from_lookup for feature in tree.features), tree.keeps_order))
             chances = [min(ratio * chance, 1.0) for chance in model_chances]
             if tree.keeps_order:
                 ordered.append((tree.tokens, tree.parents, tree.features, running_minimum(chances)))

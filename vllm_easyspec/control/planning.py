@@ -6,9 +6,9 @@ attention over its rows, a path does not) and, when it drafts, the drafter's fir
 chosen nodes ``S`` the step's rate is ``(B + sum of P(v accepted) over S) / (verify(B + |S|, masked rows) + draft)``.
 
 * :func:`choose_depth` runs before drafting: how deep to draft (``depth`` ``d`` costs the first pass and
-  ``d - 1`` level forwards), from the nodes each request would offer at each depth (:class:`OfferedTree`: what
-  it offered when last drafted that deep, priced by the acceptance model) and the ones the choice after
-  drafting would then verify, against drafting nothing at all; when nothing pays, the step does not draft.
+  ``d - 1`` level forwards), from the nodes each request would offer at each depth (:class:`AveragedOffer`: a
+  moving average of what it offered when drafting that deep, priced by the acceptance model) and the ones the
+  choice after drafting would then verify, against drafting nothing at all; when nothing pays, the step does not draft.
 * :func:`choose_nodes` runs after drafting: given every request's candidate nodes with their chances, it takes
   the most likely nodes of the whole batch, one at a time, and keeps the count with the best rate; a request
   whose drafts keep failing gets none while its neighbours keep theirs.
@@ -147,7 +147,7 @@ class DepthPlan:
 class OfferedTree:
     """The candidate nodes one request offered in a step that drafted ``levels`` levels (parents first): each
     node's chance of being accepted as the acceptance model predicted it, and whether it came from prompt lookup
-    (which needs no level forward). The plan prices drafting that deep again by the nodes it would offer."""
+    (which needs no level forward)."""
 
     levels: int
     chances: tuple[float, ...]
@@ -155,23 +155,56 @@ class OfferedTree:
     from_lookup: tuple[bool, ...]
     keeps_order: bool = False  # i.i.d. children: verified as a prefix of their order
 
-    def candidates(self, levels: int, ratio: float, cap: int) -> Candidates:
-        """What drafting ``levels`` (at most :attr:`levels`) would offer: every lookup node and the drafted nodes
-        no deeper than ``levels`` (closed under parents), their chances times ``ratio`` (at most 1), best
-        first as the choice after drafting orders them, at most ``cap``."""
+    def by_depth(self, cap: int) -> list[Candidates]:
+        """What drafting 1, 2, ..., :attr:`levels` levels would have offered: every lookup node and the drafted
+        nodes no deeper (closed under parents), best first as the choice after drafting orders them (i.i.d.
+        children: in their order, chances made non-increasing), at most ``cap``."""
         depths = node_depths(self.parents)
-        kept: list[int] = []
-        is_kept = [False] * len(self.parents)
-        for i, parent in enumerate(self.parents):
-            if (self.from_lookup[i] or depths[i] <= levels) and (parent < 0 or is_kept[parent]):
-                is_kept[i] = True
-                kept.append(i)
-        chances = [min(ratio * self.chances[i], 1.0) for i in kept]
-        parents = renumbered_parents(self.parents, kept)
-        if self.keeps_order:
-            return Candidates(running_minimum(chances)[:cap], cap, path_length(parents))
-        order = best_first_order(chances, parents)
-        return Candidates([chances[i] for i in order][:cap], cap, path_length(renumbered_parents(parents, order)))
+        order = range(len(self.parents)) if self.keeps_order else best_first_order(self.chances, self.parents)
+        offers: list[Candidates] = []
+        for levels in range(1, self.levels + 1):
+            is_kept = [False] * len(self.parents)
+            for i, parent in enumerate(self.parents):
+                is_kept[i] = (self.from_lookup[i] or depths[i] <= levels) and (parent < 0 or is_kept[parent])
+            picked = [i for i in order if is_kept[i]][:cap]  # a topological order keeps one on its subtree
+            chances = [self.chances[i] for i in picked]
+            if self.keeps_order:
+                chances = running_minimum(chances)
+            offers.append(Candidates(chances, cap, path_length(renumbered_parents(self.parents, picked))))
+        return offers
+
+
+@dataclass
+class AveragedOffer:
+    """A moving average of what drafting one depth offered, over the trees offered at least that deep: the chance
+    of the k-th best node (0 where a tree offered fewer), as the acceptance model predicted it then. The plan
+    prices drafting that deep again by it: one tree offered at an unsure moment moves it by its weight only.
+
+    Invariant: the chances never increase along the order (an average of non-increasing sequences)."""
+
+    chances: list[float]
+    path_length: int | None  # of the newest tree's offer: how many first nodes are one path
+
+    @classmethod
+    def of(cls, offer: Candidates) -> AveragedOffer:
+        return cls(list(offer.chances), offer.path_length)
+
+    def add(self, offer: Candidates, weight: float) -> None:
+        """Moves the average ``weight`` of the way to ``offer``; nodes below :data:`NEGLIGIBLE_CHANCE` drop."""
+        size = max(len(self.chances), len(offer.chances))
+        old = self.chances + [0.0] * (size - len(self.chances))
+        new = list(offer.chances) + [0.0] * (size - len(offer.chances))
+        averaged = [(1 - weight) * a + weight * b for a, b in zip(old, new, strict=True)]
+        while averaged and averaged[-1] < NEGLIGIBLE_CHANCE:
+            averaged.pop()
+        self.chances, self.path_length = averaged, offer.path_length
+
+    def candidates(self, ratio: float, cap: int) -> Candidates:
+        """The average as a request's candidates: chances times ``ratio`` (at most 1), at most ``cap``."""
+        return Candidates([min(ratio * chance, 1.0) for chance in self.chances[:cap]], cap, self.path_length)
+
+
+NEGLIGIBLE_CHANCE = 1e-3  # an averaged node less likely than this is not worth keeping
 
 
 def choose_depth(candidates_by_depth: Sequence[Sequence[Candidates]], verify_seconds: VerifySeconds,
