@@ -36,3 +36,14 @@ def steps_cost_nothing(worker) -> bool:
     cost.extra_per_masked_request = 0.0
     controller.observe_verify = lambda *arguments, **keywords: None
     return True
+
+
+def only_prompt_lookup_pays(worker) -> bool:
+    """Worker-side: as :func:`steps_cost_nothing` for the verify (rows free), with drafting dearer than any step
+    can repay or explore: every step drafts nothing and verifies the requests' prompt-lookup paths alone."""
+    from vllm_easyspec.control.cost import CostCurve
+
+    steps_cost_nothing(worker)
+    cost = worker.model_runner.tree_verifier.controller.cost
+    cost.draft_level = CostCurve.from_measurements([1], [1000.0])
+    return True

@@ -7,8 +7,15 @@ engine-level chi-square test passes at T > 0, and still rejects a biased verifie
 from __future__ import annotations
 
 import pytest
-from controller_costs import drafting_costs_nothing, steps_cost_nothing
-from distribution import ALPHA, install_biased_tree_sampler, restore_tree_sampler, run_distribution_test
+from controller_costs import drafting_costs_nothing, only_prompt_lookup_pays, steps_cost_nothing
+from distribution import (
+    ALPHA,
+    install_biased_rejection_sampler,
+    install_biased_tree_sampler,
+    restore_rejection_sampler,
+    restore_tree_sampler,
+    run_distribution_test,
+)
 from request_batches import MIXED, SINGLE, generate
 
 from vllm_easyspec.instruments.worker_extension import read_controller_stats, read_tree_stats
@@ -17,6 +24,9 @@ TREES = {
     "static-lookup": {"choices": [[0], [1], [0, 0], [0, 1], [0, 0, 0]], "sources": {"prompt_lookup": {"nodes": 3}}},
     "dynamic": {"top_k": 2, "depth": 3, "budget": 6},
     "iid": {"choices": [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]], "draw": "sample"},
+    # one matching token suffices: an engine of its own, whose pinned costs would change other tests' choices
+    "static-unigram-lookup": {"choices": [[0], [1], [0, 0]],
+                              "sources": {"prompt_lookup": {"nodes": 3, "min_match": 1, "max_match": 2}}},
 }
 
 
@@ -73,3 +83,48 @@ def test_distribution_test_rejects_a_biased_verifier_under_auto(llm_pool, tree_l
     stats = llm.collective_rpc(read_tree_stats)[0]
     assert stats["tree_requests"] >= 0.9 * result.num_samples  # the biased sampler had trees to verify
     assert result.p_value < ALPHA, f"biased verifier not detected: chi2={result.statistic:.1f} p={result.p_value:.2e}"
+
+
+# every token of the tiny vocabulary but the special ones, so the first sampled token is nearly always in the
+# prompt and a unigram prompt lookup offers the tokens that followed it
+LOOKUP_PROMPT = [1, *range(3, 64)]
+
+
+def test_steps_that_draft_nothing_verify_prompt_lookup_paths_alone_and_equal_vanilla(
+        llm_pool, tree_llama_dir, tiny_llama_draft_dir):
+    vanilla = llm_pool.get(tree_llama_dir)
+    single, mixed = generate(vanilla, SINGLE), generate(vanilla, MIXED)
+    llm = _auto_engine(llm_pool, tree_llama_dir, tiny_llama_draft_dir, "static-unigram-lookup")
+    llm.collective_rpc(only_prompt_lookup_pays)
+    before = llm.collective_rpc(read_controller_stats)[0]
+    assert generate(llm, SINGLE) == single
+    assert generate(llm, MIXED) == mixed
+    stats = llm.collective_rpc(read_controller_stats)[0]
+    steps = {key: stats[key] - before[key] for key in ("steps", "lookup_only_steps", "realised_accepted")}
+    # every step drafted nothing; the lookup paths were verified alone, and some of their nodes were accepted
+    assert steps["steps"] > 0 and steps["lookup_only_steps"] == steps["steps"]
+    assert steps["realised_accepted"] > 0
+    grown = {int(depth) for depth, count in stats["depth_per_step"].items()
+             if count > before["depth_per_step"].get(depth, 0)}
+    assert grown == {0}
+
+
+@pytest.mark.parametrize("biased", [False, True])
+def test_distribution_with_prompt_lookup_paths_alone_matches_target(llm_pool, tree_llama_dir, tiny_llama_draft_dir,
+                                                                    biased):
+    llm = _auto_engine(llm_pool, tree_llama_dir, tiny_llama_draft_dir, "static-unigram-lookup")
+    llm.collective_rpc(only_prompt_lookup_pays)
+    before = llm.collective_rpc(read_controller_stats)[0]
+    if biased:  # the paths verify as vLLM verifies a chain: a biased chain verifier must be caught
+        llm.collective_rpc(install_biased_rejection_sampler)
+    try:
+        result = run_distribution_test(llm, tree_llama_dir, temperature=1.0, prompt=LOOKUP_PROMPT)
+    finally:
+        if biased:
+            llm.collective_rpc(restore_rejection_sampler)
+    stats = llm.collective_rpc(read_controller_stats)[0]
+    assert stats["nodes_chosen"] - before["nodes_chosen"] >= 0.9 * result.num_samples  # a path nearly every time
+    if biased:
+        assert result.p_value < ALPHA, f"biased verifier not detected: chi2={result.statistic:.1f}"
+    else:
+        assert result.passes, f"chi2={result.statistic:.1f} dof={result.degrees_of_freedom} p={result.p_value:.2e}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from vllm_easyspec.tree.building import ChildDrawMode, TokenTreeBatch
@@ -19,6 +21,25 @@ def test_prompt_lookup_takes_the_longest_suffix_and_its_most_recent_occurrence()
     assert prompt_lookup([1, 2, 3], 1, 2, 4) == []
     assert prompt_lookup([1, 2, 1], 1, 2, 4) == [2, 1]  # the continuation may run into the suffix itself
     assert prompt_lookup([4], 1, 2, 2) == [] and prompt_lookup([1, 1], 1, 2, 0) == []
+
+
+def _lookup_by_scanning(history: list[int], min_match: int, max_match: int, length: int) -> list[int]:
+    """prompt_lookup's definition, word for word: every suffix size, every earlier start, most recent first."""
+    total = len(history)
+    for size in range(min(max_match, total - 1), min_match - 1, -1):
+        for start in range(total - size - 1, -1, -1):
+            if history[start:start + size] == history[total - size:]:
+                return history[start + size:start + size + length]
+    return []
+
+
+def test_prompt_lookup_agrees_with_its_definition_on_random_histories():
+    generator = random.Random(0)
+    for _ in range(500):
+        history = [generator.randrange(4) for _ in range(generator.randrange(1, 40))]
+        low = generator.randrange(1, 4)
+        high, length = generator.randrange(low, 6), generator.randrange(1, 6)
+        assert prompt_lookup(history, low, high, length) == _lookup_by_scanning(history, low, high, length)
 
 
 def test_merge_follows_shared_prefixes_and_appends_the_rest():

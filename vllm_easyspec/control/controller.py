@@ -128,6 +128,7 @@ class ControllerStats:
     exploring_drafts: int = 0  # steps that drafted, or drafted deeper, only to explore (the exploration budget)
     steps_without_drafting: int = 0  # plan_depth expected no node to pay: no drafting, the first pass deferred
     steps_held_back: int = 0  # the models said drafting pays, the measured outcome said it does not
+    lookup_only_steps: int = 0  # steps that drafted nothing and offered the prompt-lookup paths alone
     nodes_per_request: Counter = field(default_factory=Counter)  # chosen nodes -> requests
     depth_per_step: Counter = field(default_factory=Counter)  # drafted depth -> steps
 
@@ -293,11 +294,13 @@ class SpeculationController:
         return realised / predicted
 
     # ------------------------------------------------------------------------------------------ before drafting
-    def plan_depth(self, req_ids: list[str], first_pass_rows: int, horizon_steps: float = 1.0) -> int:
+    def plan_depth(self, req_ids: list[str], first_pass_rows: int, horizon_steps: float = 1.0,
+                   lookup_lengths: list[int] | None = None) -> int:
         """How deep to draft this step; 0 when no node is expected to repay drafting, so the step drafts nothing
-        (its first pass, over ``first_pass_rows`` rows, is deferred). Such a step drafts one level anyway when
-        the exploration budget covers it (module docstring), so the acceptance of requests that speculate nothing
-        keeps being observed.
+        (its first pass, over ``first_pass_rows`` rows, is deferred) and verifies at most the requests'
+        prompt-lookup paths (``lookup_lengths``: their nodes, known before drafting; :meth:`choose` picks which).
+        Such a step drafts one level anyway when the exploration budget covers it (module docstring), so the
+        acceptance of requests that speculate nothing keeps being observed.
 
         The first pass of a step that drafts every step covers about two rows per request (the bonus token and
         an accepted one); rows beyond that (a prompt, rows deferred while the batch drafted nothing) are paid once,
@@ -317,11 +320,14 @@ class SpeculationController:
         ratio = self.ratio_at(len(req_ids))
         by_depth = [[self._offered_at(req_id, depth, ratio) for req_id in req_ids]
                     for depth in range(1, self.max_depth + 1)]
-        plan = choose_depth(by_depth, self.cost.verify_seconds, draft_seconds) if req_ids else DepthPlan(1, 0)
+        without_drafting = None if lookup_lengths is None else [
+            self._lookup_path(req_id, length, ratio) for req_id, length in zip(req_ids, lookup_lengths, strict=True)]
+        plan = (choose_depth(by_depth, self.cost.verify_seconds, draft_seconds, without_drafting) if req_ids
+                else DepthPlan(0, 0))
         depth = plan.depth
-        held_back = plan.nodes > 0 and self.guard.holds_back(len(req_ids), self.cost.verify_seconds(len(req_ids)))
+        held_back = depth > 0 and self.guard.holds_back(len(req_ids), self.cost.verify_seconds(len(req_ids)))
         self._exploring_draft = False
-        if req_ids and (plan.nodes == 0 or held_back):
+        if req_ids and (depth == 0 or held_back):
             batch = len(req_ids)
             if held_back:  # explore what the models advise: their depth and nodes, seen by the guard
                 explore_depth, explore_rows = depth, plan.nodes
@@ -361,6 +367,12 @@ class SpeculationController:
             return average.candidates(ratio, self.max_nodes)
         return self._first_offer(depth)
 
+    def _lookup_path(self, req_id: str, length: int, ratio: float) -> Candidates:
+        """A prompt-lookup path of ``length`` nodes offered alone, priced by the acceptance model."""
+        chances = self.acceptance.path_chances(req_id, [NodeFeatures(True, depth, None) for depth in
+                                                        range(1, length + 1)], list(range(-1, length - 1)))
+        return Candidates([min(ratio * chance, 1.0) for chance in chances[: self.max_nodes]], self.max_nodes)
+
     def _first_offer(self, depth: int) -> Candidates:
         return Candidates([FIRST_DEPTH_RATE ** (j + 1) for j in range(min(depth, self.max_nodes))], self.max_nodes)
 
@@ -382,6 +394,7 @@ class SpeculationController:
         bucket = OutcomeGuard.bucket(len(trees))
         ratio = self.ratio_at(len(trees))
         levels = self._drafted_levels
+        self.stats.lookup_only_steps += levels == 0
         for tree in trees:
             model_chances = self.acceptance.path_chances(tree.req_id, tree.features, tree.parents)
             self.remember_offer(tree.req_id, OfferedTree(

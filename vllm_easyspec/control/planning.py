@@ -5,10 +5,12 @@ the batch (one per request plus one per chosen node; a request whose chosen node
 attention over its rows, a path does not) and, when it drafts, the drafter's first pass and level forwards. So for
 chosen nodes ``S`` the step's rate is ``(B + sum of P(v accepted) over S) / (verify(B + |S|, masked rows) + draft)``.
 
-* :func:`choose_depth` runs before drafting: how deep to draft (``depth`` ``d`` costs the first pass and
+* :func:`choose_depth` runs before drafting: how deep to draft, if at all (``depth`` ``d`` costs the first pass and
   ``d - 1`` level forwards), from the nodes each request would offer at each depth (:class:`AveragedOffer`: a
   moving average of what it offered when drafting that deep, priced by the acceptance model) and the ones the
-  choice after drafting would then verify, against drafting nothing at all; when nothing pays, the step does not draft.
+  choice after drafting would then verify, against drafting nothing (and verifying the prompt-lookup paths
+  alone, where they pay: they are known before drafting and cost no forward); when no depth pays, the step
+  does not draft.
 * :func:`choose_nodes` runs after drafting: given every request's candidate nodes with their chances, it takes
   the most likely nodes of the whole batch, one at a time, and keeps the count with the best rate; a request
   whose drafts keep failing gets none while its neighbours keep theirs.
@@ -137,7 +139,8 @@ def choose_nodes(candidates: Sequence[Candidates], verify_seconds: VerifySeconds
 
 @dataclass(frozen=True)
 class DepthPlan:
-    """How deep to draft, and how many nodes the batch is then expected to verify (0: drafting would not pay)."""
+    """How deep to draft (0: not at all), and how many nodes the batch is then expected to verify (without
+    drafting: prompt-lookup nodes only)."""
 
     depth: int
     nodes: int
@@ -208,22 +211,29 @@ NEGLIGIBLE_CHANCE = 1e-3  # an averaged node less likely than this is not worth 
 
 
 def choose_depth(candidates_by_depth: Sequence[Sequence[Candidates]], verify_seconds: VerifySeconds,
-                 draft_seconds: Callable[[int], float]) -> DepthPlan:
-    """The drafting depth with the best predicted rate, or ``nodes == 0`` (at depth 1) when no depth beats
-    drafting nothing. ``candidates_by_depth[d - 1][i]``: the nodes request ``i`` would offer when the step
-    drafts ``d`` levels (its prompt-lookup nodes at every depth: they need no level forward);
-    ``verify_seconds(rows, masked, masked_requests)``: the target's verify; ``draft_seconds(depth)``: drafting
-    that deep (first pass included).
+                 draft_seconds: Callable[[int], float],
+                 without_drafting: Sequence[Candidates] | None = None) -> DepthPlan:
+    """The drafting depth with the best predicted rate, or depth 0 when no depth beats drafting nothing.
+    ``candidates_by_depth[d - 1][i]``: the nodes request ``i`` would offer when the step drafts ``d`` levels
+    (its prompt-lookup nodes at every depth: they need no level forward); ``verify_seconds(rows, masked,
+    masked_requests)``: the target's verify; ``draft_seconds(depth)``: drafting that deep (first pass
+    included); ``without_drafting[i]``: the nodes request ``i`` offers with no drafting at all (its
+    prompt-lookup path, known before drafting; None: none).
 
     A depth is judged by the nodes the choice after drafting would then verify (:func:`choose_nodes`'s rule),
-    against a step that drafts nothing and verifies ``B`` rows: drafting is paid only when nodes are verified,
-    so a level whose nodes would not be verified (they cost more rows than they gain, as at a large batch) is
-    not drafted, and neither is a first pass whose nodes do not repay it."""
+    against a step that drafts nothing and verifies ``B`` rows, or its prompt-lookup nodes where they pay:
+    drafting is paid only when nodes are verified, so a level whose nodes would not be verified (they cost
+    more rows than they gain, as at a large batch) is not drafted, and neither is a first pass whose nodes do
+    not repay it."""
     batch = len(candidates_by_depth[0]) if candidates_by_depth else 0
     if batch == 0:
-        return DepthPlan(1, 0)
+        return DepthPlan(0, 0)
     verify_seconds = functools.cache(verify_seconds)  # every depth prices the same row counts
-    best, best_rate = DepthPlan(1, 0), batch / verify_seconds(batch, 0, 0)
+    best, best_rate = DepthPlan(0, 0), batch / verify_seconds(batch, 0, 0)
+    if without_drafting is not None:
+        count, rate = _best_total(without_drafting, verify_seconds, 0.0)
+        if count and rate > best_rate:
+            best, best_rate = DepthPlan(0, count), rate
     for depth, candidates in enumerate(candidates_by_depth, start=1):
         count, rate = _best_total(candidates, verify_seconds, draft_seconds(depth))
         if count and rate > best_rate * (1 + 1e-9):

@@ -18,7 +18,9 @@ One drafting step is:
    tree is drafted at the step's budget (:meth:`~vllm_easyspec.tree.config.TreeConfig.budget_at`,
    :meth:`~vllm_easyspec.tree.config.TreeConfig.drafted_within`); a step that drafts nothing (budget 0, or
    the controller of ``tree.auto`` expects no node to pay) skips even the first pass, which the next step
-   that drafts catches up (:mod:`~vllm_easyspec.integration.deferred_first_pass`);
+   that drafts catches up (:mod:`~vllm_easyspec.integration.deferred_first_pass`); under ``tree.auto`` such a
+   step still offers each request's prompt-lookup path alone (found before the plan, which prices it; the
+   controller picks how many of its nodes to verify, and they verify as vLLM verifies a chain);
 4. each request's tree goes to the runner's verifier as a
    :class:`~vllm_easyspec.integration.tree_step.PendingTree` (cut to the budget there) and its nodes,
    parents first, to the scheduler as the request's speculative tokens.
@@ -49,6 +51,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from vllm.forward_context import set_forward_context
 
@@ -170,19 +173,35 @@ class TreeDrafting:
             arguments["target_hidden_states"] = self.verifier.branch_hidden_states(arguments["target_hidden_states"])
         budget = self.config.budget_at(batch_size)
         req_ids = self._request_ids(batch_size)
-        depth = None
+        depth, paths = None, None
         controller = self.verifier.controller
         if not budget.chain and budget.nodes and controller is not None:  # easyspec.tree.auto: as deep as pays
+            paths = self._lookup_paths(req_ids, arguments["next_token_ids"])
             depth = controller.plan_depth(req_ids, cad.num_actual_tokens + self.deferred.kept_rows(req_ids),
-                                          self._horizon_steps(req_ids))
+                                          self._horizon_steps(req_ids),
+                                          None if paths is None else [min(len(path), self._path_nodes) for path in paths])
         if not budget.chain and (budget.nodes == 0 or depth == 0):  # nothing to draft: the first pass waits
             self.deferred.keep(arguments, req_ids, set(self.verifier.requests))
+            if paths is not None:  # easyspec.tree.auto: the prompt-lookup paths may still pay on their own
+                return self._hand_over_paths(paths, batch_size, arguments["next_token_ids"], budget.nodes)
             return self._hand_over(None, batch_size, arguments["next_token_ids"], 0)
         arguments = self.deferred.catch_up(arguments, req_ids, set(self.verifier.requests), self._first_pass_room(cad))
         if budget.chain:
             chains = self.draft_chain(**(arguments | {"num_speculative_tokens": budget.nodes}))
             return self._hand_over_chains(chains, batch_size)
-        return self._propose_trees(budget.nodes, depth, **arguments)
+        return self._propose_trees(budget.nodes, depth, paths, **arguments)
+
+    def _lookup_paths(self, req_ids: list[str], next_token_ids: torch.Tensor) -> list[list[int]] | None:
+        """Each request's prompt-lookup path (target vocabulary; as long as a merge into the deepest tree can
+        use; empty where it has none or may not speculate), or None without ``sources.prompt_lookup``."""
+        lookup = None if self.config.sources is None else self.config.sources.prompt_lookup
+        if lookup is None:
+            return None
+        next_tokens = next_token_ids[: len(req_ids)].tolist()
+        return [[] if self.verifier.fallback_reason(req_id) is not None else
+                prompt_lookup(self._history(row, req_id, next_tokens[row]), lookup.min_match, lookup.max_match,
+                              self.config.max_depth + lookup.nodes)
+                for row, req_id in enumerate(req_ids)]
 
     def _horizon_steps(self, req_ids: list[str]) -> float:
         """Decode steps the batch's requests can still run, for spreading a catch-up first pass: the median of
@@ -208,11 +227,13 @@ class TreeDrafting:
         extra = getattr(proposer, "net_num_new_slots_per_request", 0) if proposer.needs_extra_input_slots else 0
         return size - cad.num_actual_tokens - extra * cad.batch_size()
 
-    def _propose_trees(self, node_limit: int, depth: int | None, *, target_token_ids, target_positions,
+    def _propose_trees(self, node_limit: int, depth: int | None, lookup_paths: list[list[int]] | None, *,
+                       target_token_ids, target_positions,
                        target_hidden_states, next_token_ids, token_indices_to_sample, common_attn_metadata,
                        sampling_metadata, mm_embed_inputs=None, num_rejected_tokens_gpu=None,
                        **_unused) -> torch.Tensor:
-        """One tree drafting step at ``node_limit`` nodes, at most ``depth`` deep (None: the tree's depth)."""
+        """One tree drafting step at ``node_limit`` nodes, at most ``depth`` deep (None: the tree's depth);
+        ``lookup_paths``: the requests' prompt-lookup paths when already found."""
         proposer = self.proposer
         proposer._last_draft_probs = None
         batch_size = common_attn_metadata.batch_size()
@@ -272,7 +293,7 @@ class TreeDrafting:
             if hidden.is_cuda:
                 torch.cuda.synchronize(hidden.device)
             controller.observe_draft(levels, level_rows // levels, time.perf_counter() - levels_started)
-        return self._hand_over(draft.build(), batch_size, next_token_ids, node_limit)
+        return self._hand_over(draft.build(), batch_size, next_token_ids, node_limit, lookup_paths)
 
     # ------------------------------------------------------------------------------------------ steps
     def _first_pass(self, target_token_ids, target_positions, target_hidden_states, next_token_ids,
@@ -335,7 +356,42 @@ class TreeDrafting:
     def _request_ids(self, batch_size: int) -> list[str]:
         return list(self.proposer.easyspec_runner.input_batch.req_ids[:batch_size])
 
-    def _hand_over(self, trees, batch_size: int, next_token_ids: torch.Tensor, node_limit: int) -> torch.Tensor:
+    @property
+    def _path_nodes(self) -> int:
+        """The most prompt-lookup nodes a tree takes (``sources.prompt_lookup.nodes``), alone as with drafts."""
+        return self.config.sources.prompt_lookup.nodes
+
+    def _hand_over_paths(self, paths: list[list[int]], batch_size: int, next_token_ids: torch.Tensor,
+                         node_limit: int) -> torch.Tensor:
+        """A step that drafts nothing (``easyspec.tree.auto``): each request's prompt-lookup path alone, its first
+        :attr:`_path_nodes` tokens, of which the controller picks how many to verify. A path of deterministic
+        nodes verifies as vLLM verifies a chain, greedy or sampled."""
+        verifier = self.verifier
+        req_ids = self._request_ids(batch_size)
+        no_drafts = {req_id for req_id in req_ids if verifier.fallback_reason(req_id) is not None}
+        offered = []
+        for req_id, path in zip(req_ids, paths, strict=True):
+            if req_id not in no_drafts:
+                path = path[: self._path_nodes]
+                parents = list(range(-1, len(path) - 1))
+                offered.append(RequestTree(req_id, path, parents, _node_features(parents, (True,) * len(path), None),
+                                           keeps_order=False))
+        pending: dict[str, PendingTree] = {}
+        for tree, choice in zip(offered, verifier.controller.choose(offered) if offered else [], strict=True):
+            verifier.stats.source_nodes += len(tree.tokens)
+            pending[tree.req_id] = PendingTree.within(choice.count, choice.tokens, choice.parents,
+                                                      ChildDrawMode.WITHOUT_REPLACEMENT, None,
+                                                      (True,) * len(choice.tokens), choice.features)
+        verifier.propose(pending, no_drafts, node_limit=node_limit, chain=False)
+        out = torch.zeros(batch_size, self.config.num_nodes, dtype=torch.long, device=next_token_ids.device)
+        for row, req_id in enumerate(req_ids):
+            tokens = pending[req_id].tokens if req_id in pending else []
+            if tokens:
+                out[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long, device=out.device)
+        return out
+
+    def _hand_over(self, trees, batch_size: int, next_token_ids: torch.Tensor, node_limit: int,
+                   lookup_paths: list[list[int]] | None = None) -> torch.Tensor:
         """Map to target ids, merge the sources' candidates in, give the trees (cut to ``node_limit`` nodes;
         none drafted when it is 0) to the runner's verifier, and return ``[B, N]`` node tokens (a tree with
         fewer than ``N`` nodes is cut to its own size later, in
@@ -378,8 +434,9 @@ class TreeDrafting:
             row_tokens, row_parents, mode = token_lists[row], parent_lists[row], trees.draw_modes[row]
             drafted = len(row_tokens)
             if lookup is not None and mode is ChildDrawMode.WITHOUT_REPLACEMENT:
-                path = prompt_lookup(self._history(row, req_id, int(next_token_ids[row])),
-                                     lookup.min_match, lookup.max_match, self.config.max_depth + lookup.nodes)
+                path = (lookup_paths[row] if lookup_paths is not None else
+                        prompt_lookup(self._history(row, req_id, int(next_token_ids[row])),
+                                      lookup.min_match, lookup.max_match, self.config.max_depth + lookup.nodes))
                 row_tokens, row_parents, added = merge_path(row_tokens, row_parents, path, lookup.nodes)
                 verifier.stats.source_nodes += added
             from_lookup = tuple(index >= drafted for index in range(len(row_tokens)))
@@ -411,12 +468,13 @@ class TreeDrafting:
                 out[row, : len(merged)] = torch.tensor(merged, dtype=tokens.dtype, device=out.device)
         return out
 
-    def _history(self, row: int, req_id: str, next_token: int) -> list[int]:
+    def _history(self, row: int, req_id: str, next_token: int) -> np.ndarray:
         """The request's tokens through this step's bonus token (target vocabulary): the runner's token ids
         (not yet holding this step's output when the drafter runs), the accepted branch, the bonus token."""
         batch = self.proposer.easyspec_runner.input_batch
-        known = batch.token_ids_cpu[row, : int(batch.num_tokens_no_spec[row])].tolist()
-        return known + self.verifier.last_branch.get(req_id, []) + [next_token]
+        known = batch.token_ids_cpu[row, : int(batch.num_tokens_no_spec[row])]
+        recent = np.asarray([*self.verifier.last_branch.get(req_id, []), next_token], dtype=np.int64)
+        return np.concatenate((known.astype(np.int64), recent))
 
 
 def _node_features(parents: list[int], from_lookup: tuple[bool, ...],

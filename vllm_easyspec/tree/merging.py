@@ -17,19 +17,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 
-def prompt_lookup(history: Sequence[int], min_match: int, max_match: int, length: int) -> list[int]:
+
+def prompt_lookup(history: Sequence[int] | np.ndarray, min_match: int, max_match: int, length: int) -> list[int]:
     """The up to ``length`` tokens that followed the most recent earlier occurrence of the longest suffix of
-    ``history`` of ``max_match`` down to ``min_match`` tokens; empty if no such suffix occurred before."""
-    if length < 1 or min_match < 1:
+    ``history`` of ``max_match`` down to ``min_match`` tokens; empty if no such suffix occurred before. Cost:
+    one vectorised pass over the history, then work per earlier occurrence of its last token."""
+    if length < 1 or min_match < 1 or len(history) < 2:
         return []
-    tokens = list(history)
+    tokens = np.asarray(history, dtype=np.int64)
     total = len(tokens)
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # where an earlier occurrence of a suffix would end
     for size in range(min(max_match, total - 1), min_match - 1, -1):
-        suffix = tokens[total - size:]
-        for start in range(total - size - 1, -1, -1):  # most recent first; the suffix itself is excluded
-            if tokens[start:start + size] == suffix:
-                return tokens[start + size:start + size + length]
+        candidates = ends[ends >= size - 1]
+        matches = np.ones(len(candidates), dtype=bool)
+        for back in range(1, size):
+            matches &= tokens[candidates - back] == tokens[total - 1 - back]
+        hits = candidates[matches]
+        if len(hits):
+            end = int(hits[-1])  # the most recent
+            return tokens[end + 1:end + 1 + length].tolist()
     return []
 
 
