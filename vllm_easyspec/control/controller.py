@@ -128,7 +128,7 @@ class ControllerStats:
     exploring_drafts: int = 0  # steps that drafted, or drafted deeper, only to explore (the exploration budget)
     steps_without_drafting: int = 0  # plan_depth expected no node to pay: no drafting, the first pass deferred
     steps_held_back: int = 0  # the models said drafting pays, the measured outcome said it does not
-    lookup_only_steps: int = 0  # steps that drafted nothing and offered the prompt-lookup paths alone
+    lookup_only_steps: int = 0  # steps that drafted nothing and verified prompt-lookup nodes alone
     nodes_per_request: Counter = field(default_factory=Counter)  # chosen nodes -> requests
     depth_per_step: Counter = field(default_factory=Counter)  # drafted depth -> steps
 
@@ -394,7 +394,6 @@ class SpeculationController:
         bucket = OutcomeGuard.bucket(len(trees))
         ratio = self.ratio_at(len(trees))
         levels = self._drafted_levels
-        self.stats.lookup_only_steps += levels == 0
         for tree in trees:
             model_chances = self.acceptance.path_chances(tree.req_id, tree.features, tree.parents)
             self.remember_offer(tree.req_id, OfferedTree(
@@ -425,6 +424,7 @@ class SpeculationController:
             self._predicted[tree.req_id] = (sum(choice.chances[: choice.count]) / ratio, bucket)
         stats = self.stats
         stats.steps += 1
+        stats.lookup_only_steps += levels == 0 and sum(counts) > 0
         stats.requests += len(choices)
         for choice in choices:
             stats.nodes_offered += len(choice.tokens)
