@@ -24,10 +24,11 @@ One step, as the drafter and the runner call it:
    the request offered when it drafted that deep (:class:`~vllm_easyspec.control.planning.AveragedOffer`, with
    the chances the acceptance model gave them then; a request starts from the average over every request's
    offers, which starts from a chain of :data:`FIRST_DEPTH_RATE` powers), so a depth's acceptance costs the
-   rows the choice after drafting will spend on it (a depth-1 token that one of four root children usually hits costs four rows, not
-   one), and prompt-lookup nodes count at every depth without level forwards; or no drafting at all when no node
-   is expected to repay it, first pass included (the drafter then skips the step, its first pass deferred),
-   unless the step explores;
+   rows the choice after drafting will spend on it (a depth-1 token that one of four root children usually
+   hits costs four rows, not one), and prompt-lookup nodes count at every depth without level forwards; or no
+   drafting at all when no node is expected to repay it, first pass included, or when the requests'
+   prompt-lookup paths alone pay more (the drafter then skips the step, its first pass deferred, and offers
+   those paths alone), unless the step explores;
 2. :meth:`SpeculationController.choose` after drafting (sources merged in): each request's nodes with their
    chances (:class:`~vllm_easyspec.control.acceptance.AcceptanceModel`, times the recent ratio of realised to
    predicted accepted nodes at this batch size, at most 1), best first, and how many of them it verifies

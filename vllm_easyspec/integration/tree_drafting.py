@@ -177,9 +177,9 @@ class TreeDrafting:
         controller = self.verifier.controller
         if not budget.chain and budget.nodes and controller is not None:  # easyspec.tree.auto: as deep as pays
             paths = self._lookup_paths(req_ids, arguments["next_token_ids"])
+            path_lengths = None if paths is None else [min(len(path), self._path_nodes) for path in paths]
             depth = controller.plan_depth(req_ids, cad.num_actual_tokens + self.deferred.kept_rows(req_ids),
-                                          self._horizon_steps(req_ids),
-                                          None if paths is None else [min(len(path), self._path_nodes) for path in paths])
+                                          self._horizon_steps(req_ids), path_lengths)
         if not budget.chain and (budget.nodes == 0 or depth == 0):  # nothing to draft: the first pass waits
             self.deferred.keep(arguments, req_ids, set(self.verifier.requests))
             if paths is not None:  # easyspec.tree.auto: the prompt-lookup paths may still pay on their own
