@@ -189,6 +189,8 @@ class TreeDrafting:
         if budget.chain:
             chains = self.draft_chain(**(arguments | {"num_speculative_tokens": budget.nodes}))
             return self._hand_over_chains(chains, batch_size)
+        if paths is None:
+            paths = self._lookup_paths(req_ids, arguments["next_token_ids"])
         return self._propose_trees(budget.nodes, depth, paths, **arguments)
 
     def _lookup_paths(self, req_ids: list[str], next_token_ids: torch.Tensor) -> list[list[int]] | None:
@@ -233,7 +235,7 @@ class TreeDrafting:
                        sampling_metadata, mm_embed_inputs=None, num_rejected_tokens_gpu=None,
                        **_unused) -> torch.Tensor:
         """One tree drafting step at ``node_limit`` nodes, at most ``depth`` deep (None: the tree's depth);
-        ``lookup_paths``: the requests' prompt-lookup paths when already found."""
+        ``lookup_paths``: the requests' prompt-lookup paths (:meth:`_lookup_paths`)."""
         proposer = self.proposer
         proposer._last_draft_probs = None
         batch_size = common_attn_metadata.batch_size()
@@ -374,25 +376,28 @@ class TreeDrafting:
             if req_id not in no_drafts:
                 path = path[: self._path_nodes]
                 parents = list(range(-1, len(path) - 1))
-                offered.append(RequestTree(req_id, path, parents, _node_features(parents, (True,) * len(path), None),
-                                           keeps_order=False))
-        pending: dict[str, PendingTree] = {}
-        for tree, choice in zip(offered, verifier.controller.choose(offered) if offered else [], strict=True):
-            verifier.stats.source_nodes += len(tree.tokens)
-            pending[tree.req_id] = PendingTree.within(choice.count, choice.tokens, choice.parents,
-                                                      ChildDrawMode.WITHOUT_REPLACEMENT, None,
-                                                      (True,) * len(choice.tokens), choice.features)
+                verifier.stats.source_nodes += len(path)
+                tree = RequestTree(req_id, path, parents, _node_features(parents, (True,) * len(path), None),
+                                   keeps_order=False)
+                offered.append((tree, ChildDrawMode.WITHOUT_REPLACEMENT, None))
+        pending = self._chosen(offered)
         verifier.propose(pending, no_drafts, node_limit=node_limit, chain=False)
         out = torch.zeros(batch_size, self.config.num_nodes, dtype=torch.long, device=next_token_ids.device)
-        for row, req_id in enumerate(req_ids):
-            tokens = pending[req_id].tokens if req_id in pending else []
-            if tokens:
-                out[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long, device=out.device)
-        return out
+        return _with_pending_tokens(out, req_ids, pending)
+
+    def _chosen(self, offered: list[tuple[RequestTree, ChildDrawMode, torch.Tensor | None]]) -> dict[str, PendingTree]:
+        """``easyspec.tree.auto``: each offered tree (with its draw mode and draft probabilities) cut to the
+        nodes the controller chooses, best first."""
+        if not offered:
+            return {}
+        choices = self.verifier.controller.choose([tree for tree, _, _ in offered])
+        return {tree.req_id: PendingTree.within(choice.count, choice.tokens, choice.parents, mode, probs,
+                                                tuple(f.from_lookup for f in choice.features), choice.features)
+                for (tree, mode, probs), choice in zip(offered, choices, strict=True)}
 
     def _hand_over(self, trees, batch_size: int, next_token_ids: torch.Tensor, node_limit: int,
                    lookup_paths: list[list[int]] | None = None) -> torch.Tensor:
-        """Map to target ids, merge the sources' candidates in, give the trees (cut to ``node_limit`` nodes;
+        """Map to target ids, merge the sources' candidates in (``lookup_paths``: :meth:`_lookup_paths`), give the trees (cut to ``node_limit`` nodes;
         none drafted when it is 0) to the runner's verifier, and return ``[B, N]`` node tokens (a tree with
         fewer than ``N`` nodes is cut to its own size later, in
         :meth:`~vllm_easyspec.integration.tree_step.TreeVerifier.trim_drafts`)."""
@@ -417,7 +422,6 @@ class TreeDrafting:
         elif self.output_ids is not None:
             tokens = self.output_ids[tokens]
             token_lists = tokens.tolist()
-        lookup = None if self.config.sources is None else self.config.sources.prompt_lookup
         controller = verifier.controller
         pending: dict[str, PendingTree] = {}
         no_drafts: set[str] = set()
@@ -433,11 +437,9 @@ class TreeDrafting:
                 probs = _spread(probs, self.output_ids, proposer.model.config.vocab_size)
             row_tokens, row_parents, mode = token_lists[row], parent_lists[row], trees.draw_modes[row]
             drafted = len(row_tokens)
-            if lookup is not None and mode is ChildDrawMode.WITHOUT_REPLACEMENT:
-                path = (lookup_paths[row] if lookup_paths is not None else
-                        prompt_lookup(self._history(row, req_id, int(next_token_ids[row])),
-                                      lookup.min_match, lookup.max_match, self.config.max_depth + lookup.nodes))
-                row_tokens, row_parents, added = merge_path(row_tokens, row_parents, path, lookup.nodes)
+            if lookup_paths is not None and mode is ChildDrawMode.WITHOUT_REPLACEMENT:
+                row_tokens, row_parents, added = merge_path(row_tokens, row_parents, lookup_paths[row],
+                                                            self._path_nodes)
                 verifier.stats.source_nodes += added
             from_lookup = tuple(index >= drafted for index in range(len(row_tokens)))
             if controller is None:
@@ -449,24 +451,14 @@ class TreeDrafting:
             features = _node_features(row_parents, from_lookup, logprobs)
             offered.append((RequestTree(req_id, row_tokens, row_parents, features,
                                         keeps_order=mode is ChildDrawMode.IID_FROM_DRAFT), mode, probs))
-        if controller is not None:
-            for (tree, mode, probs), choice in zip(offered, controller.choose([t for t, _, _ in offered]),
-                                                   strict=True):
-                pending[tree.req_id] = PendingTree.within(
-                    choice.count, choice.tokens, choice.parents, mode, probs,
-                    tuple(f.from_lookup for f in choice.features), choice.features,
-                )
+        pending |= self._chosen(offered)
         verifier.propose(pending, no_drafts, node_limit=node_limit, chain=False)
-        if lookup is None and self.retokenizer is None and controller is None:
+        if lookup_paths is None and self.retokenizer is None and controller is None:
             return tokens
         out = torch.zeros(batch_size, self.config.num_nodes, dtype=tokens.dtype, device=tokens.device)
         if self.retokenizer is None:  # rows without a pending tree get no drafts (trim_drafts) either way
             out[:, : tokens.shape[1]] = tokens
-        for row, req_id in enumerate(req_ids):
-            if req_id in pending:
-                merged = pending[req_id].tokens
-                out[row, : len(merged)] = torch.tensor(merged, dtype=tokens.dtype, device=out.device)
-        return out
+        return _with_pending_tokens(out, req_ids, pending)
 
     def _history(self, row: int, req_id: str, next_token: int) -> np.ndarray:
         """The request's tokens through this step's bonus token (target vocabulary): the runner's token ids
@@ -475,6 +467,15 @@ class TreeDrafting:
         known = batch.token_ids_cpu[row, : int(batch.num_tokens_no_spec[row])]
         recent = np.asarray([*self.verifier.last_branch.get(req_id, []), next_token], dtype=np.int64)
         return np.concatenate((known.astype(np.int64), recent))
+
+
+def _with_pending_tokens(out: torch.Tensor, req_ids: list[str], pending: dict[str, PendingTree]) -> torch.Tensor:
+    """``out`` (``[B, N]`` node tokens) with each pending request's row starting with its tree's tokens."""
+    for row, req_id in enumerate(req_ids):
+        tokens = pending[req_id].tokens if req_id in pending else []
+        if tokens:
+            out[row, : len(tokens)] = torch.tensor(tokens, dtype=out.dtype, device=out.device)
+    return out
 
 
 def _node_features(parents: list[int], from_lookup: tuple[bool, ...],
