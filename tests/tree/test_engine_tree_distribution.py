@@ -28,7 +28,11 @@ def _tree_engine(llm_pool, target, draft, mode: str):
     )
 
 
-@pytest.mark.parametrize("mode", list(DRAW_MODES))
+# top-k children in the default suite: the EAGLE tree distribution tests (tests/eagle/test_eagle_tree.py)
+MODES = [pytest.param(mode, marks=pytest.mark.slow) if mode == "topk" else mode for mode in DRAW_MODES]
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_distribution_with_trees_matches_target(llm_pool, tree_llama_dir, tiny_llama_draft_dir, mode):
     llm = _tree_engine(llm_pool, tree_llama_dir, tiny_llama_draft_dir, mode)
     result = run_distribution_test(llm, tree_llama_dir, temperature=1.0)
@@ -37,7 +41,7 @@ def test_distribution_with_trees_matches_target(llm_pool, tree_llama_dir, tiny_l
     assert result.passes, f"chi2={result.statistic:.1f} dof={result.degrees_of_freedom} p={result.p_value:.2e}"
 
 
-@pytest.mark.parametrize("mode", list(DRAW_MODES))
+@pytest.mark.parametrize("mode", MODES)
 def test_distribution_test_rejects_a_biased_tree_verifier(llm_pool, tree_llama_dir, tiny_llama_draft_dir, mode):
     llm = _tree_engine(llm_pool, tree_llama_dir, tiny_llama_draft_dir, mode)
     llm.collective_rpc(install_biased_tree_sampler)
