@@ -31,6 +31,7 @@ from vllm_easyspec.control.planning import (
     choose_nodes,
     path_length,
     running_minimum,
+    with_top_path_first,
 )
 
 
@@ -659,3 +660,35 @@ def test_where_the_plan_drafts_shallow_some_steps_draft_the_whole_depth_within_t
         controller.observe_verify(3, 0.053)  # no requests: the outcome guard is not fed
     assert set(depths) == {1, 3}
     assert 10 <= depths.count(3) <= 640 // 16 * 2 and controller.stats.exploring_drafts == depths.count(3)
+
+
+def test_a_step_that_drafts_deeper_to_explore_verifies_each_requests_top_path_to_its_end():
+    cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.05 + 63 * 0.001]),
+                         CostCurve.from_measurements([1, 64], [0.002, 0.004]))
+    controller = SpeculationController(cost, max_depth=3, max_nodes=4, level_width=2)
+    _offer(controller, "a", _chain_tree([0.9, 0.05, 0.01]))  # depth 1 pays, deeper looks worthless
+    # the root's likeliest child, a sibling, and a path below the likeliest child whose draft is unsure
+    tree = RequestTree("a", tokens=[10, 11, 12, 13, 14], parents=[-1, -1, 0, 0, 2],
+                       features=[_features(1, -0.05), _features(1, -2.5), _features(2, -3.0), _features(2, -4.0),
+                                 _features(3, -3.5)], keeps_order=False)
+    seen = set()
+    for _ in range(640):
+        depth = controller.plan_depth(["a"], first_pass_rows=2)
+        (choice,) = controller.choose([tree])
+        chosen = choice.tokens[: choice.count]
+        if depth == 3:  # exploring: the top path 10 -> 12 -> 14 is verified, parents first
+            assert chosen[:3] == [10, 12, 14] and choice.parents[:3] == [-1, 0, 1]
+        else:
+            assert 14 not in chosen  # not exploring: the unsure path stays unverified
+        seen.add(depth)
+        controller.observe_verify(2, 0.051)
+    assert seen == {1, 3} and controller.stats.exploring_drafts > 0
+
+
+def test_the_top_path_goes_first_and_the_order_stays_parents_first():
+    chances = [0.9, 0.5, 0.4, 0.3, 0.2, 0.1]
+    parents = [-1, -1, 0, 1, 2, 0]  # best first; the top path is 0 -> 2 -> 4
+    order, count = with_top_path_first(chances, parents, count=2, cap=8)
+    assert order == [0, 2, 4, 1, 3, 5] and count == 4
+    assert all(parents[n] < 0 or order.index(parents[n]) < order.index(n) for n in order)
+    assert with_top_path_first(chances, parents, count=2, cap=3)[1] == 3

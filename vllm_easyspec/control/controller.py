@@ -10,12 +10,13 @@ is seen. Where the models say no node pays, an exploring step drafts one level a
 ``level_width`` nodes (as many as a level drafts, so what it sees of depth 1 is what a drafting step sees);
 where the outcome guard (below) holds back drafting the models advise, it drafts and verifies what they advise.
 Where the plan drafts less deep than the candidate tree, one step in :data:`EXPLORE_EVERY` drafts the whole depth
-(acceptance deeper is seen only where nodes are drafted there). Exploring is paid from a budget that grows by
+and verifies each request's most likely path to its end first, then the nodes the choice takes (acceptance deeper
+is seen only where nodes are drafted and verified there). Exploring is paid from a budget that grows by
 :data:`EXPLORE_SHARE` of every decode step's verify time and holds at most :data:`EXPLORE_MOST_STEPS` steps' time;
 a step explores when the budget covers what exploring is predicted to cost (for a step that would draft nothing:
 the first pass over every deferred row, which makes it dear after many steps without drafting, the levels, and
-the verify's extra rows; for a deeper step: its extra levels). So exploring takes at most that share of the
-time, and an exploration dearer than a few steps is never taken.
+the verify's extra rows; for a deeper step: its extra levels and the rows of the paths). So exploring takes at
+most that share of the time, and an exploration dearer than a few steps is never taken.
 
 One step, as the drafter and the runner call it:
 
@@ -77,6 +78,7 @@ from vllm_easyspec.control.planning import (
     path_length,
     renumbered_parents,
     running_minimum,
+    with_top_path_first,
 )
 
 FIRST_DEPTH_RATE = 0.6  # before any tree was offered: a chain whose node at depth j has chance FIRST_DEPTH_RATE ** j
@@ -281,6 +283,7 @@ class SpeculationController:
         self._first_pass_debt = 0.0  # catch-up first-pass seconds that drafted cycles have yet to repay to the guard
         self._explore_budget = 0.0  # seconds exploring steps may still spend
         self._exploring_draft = False  # this step drafts only to explore acceptance: choose verifies best nodes
+        self._exploring_depth = False  # this step drafts deeper only to explore: choose verifies the top paths too
 
     @property
     def realised_over_predicted(self) -> float:
@@ -327,7 +330,7 @@ class SpeculationController:
                 else DepthPlan(0, 0))
         depth = plan.depth
         held_back = depth > 0 and self.guard.holds_back(len(req_ids), self.cost.verify_seconds(len(req_ids)))
-        self._exploring_draft = False
+        self._exploring_draft = self._exploring_depth = False
         if req_ids and (depth == 0 or held_back):
             batch = len(req_ids)
             if held_back:  # explore what the models advise: their depth and nodes, seen by the guard
@@ -346,15 +349,22 @@ class SpeculationController:
                 self.stats.steps_without_drafting += 1
                 self.stats.steps_held_back += held_back
         elif req_ids and depth < self.max_depth and self._explore.random() * EXPLORE_EVERY < 1:
-            deeper = self.cost.draft_seconds(self.max_depth - depth, level_rows)  # the levels the plan left out
-            if self._explore_budget >= deeper:  # explore depth: what is accepted deeper is seen only if drafted
+            # explore depth: what is accepted deeper is seen only where it is drafted and verified, so the step
+            # drafts the levels the plan left out and verifies each request's top path besides the plan's nodes
+            rows = len(req_ids) + plan.nodes
+            deeper = (self.cost.draft_seconds(self.max_depth - depth, level_rows)
+                      + self.cost.verify_seconds(rows + len(req_ids) * min(self.max_depth, self.max_nodes))
+                      - self.cost.verify_seconds(rows))
+            if self._explore_budget >= deeper:
                 self._explore_budget -= deeper
+                self._exploring_depth = True
                 self.stats.exploring_drafts += 1
                 depth = self.max_depth
         self.stats.depth_per_step[depth] += 1
         self._drafted_levels = depth
         full_first_pass = steady + catch_up
-        self._cycle = _Cycle(drafted=depth > 0, requests=set(req_ids), weighed=not self._exploring_draft,
+        exploring = self._exploring_draft or self._exploring_depth
+        self._cycle = _Cycle(drafted=depth > 0, requests=set(req_ids), weighed=not exploring,
                              first_pass_share=first_pass / full_first_pass if full_first_pass > 0 else 1.0,
                              horizon_steps=max(horizon_steps, 1.0))
         self.stats.controller_seconds += time.perf_counter() - started
@@ -416,6 +426,13 @@ class SpeculationController:
         if self._exploring_draft:  # drafted only to explore: each request's best level_width nodes are verified
             counts = [max(count, min(self.level_width, len(candidate.chances), self.max_nodes))
                       for count, candidate in zip(counts, candidates, strict=True)]
+        elif self._exploring_depth:  # drafted deeper only to explore: each request's top path is verified too
+            for index, (tree, count) in enumerate(zip(trees, counts, strict=True)):
+                if not tree.keeps_order:
+                    tokens, parents, features, chances = ordered[index]
+                    order, counts[index] = with_top_path_first(chances, parents, count, self.max_nodes)
+                    ordered[index] = ([tokens[i] for i in order], renumbered_parents(parents, order),
+                                      [features[i] for i in order], [chances[i] for i in order])
         elif self._explore.random() * EXPLORE_EVERY < 1:
             counts = best_nodes(candidates, self._explore.randint(0, 2 * sum(counts) + 1))
             self.stats.exploring_steps += 1

@@ -73,6 +73,26 @@ def renumbered_parents(parents: Sequence[int], order: Sequence[int]) -> list[int
     return [position[parents[i]] if parents[i] >= 0 else -1 for i in order]
 
 
+def with_top_path_first(chances: Sequence[float], parents: Sequence[int], count: int,
+                        cap: int) -> tuple[list[int], int]:
+    """A best-first tree (parents first, its first ``count`` nodes chosen) reordered to start with its most likely
+    path from the root (the likeliest child at each depth, down to a leaf), then the chosen nodes off that path,
+    then the rest; and how many first nodes the path and the chosen nodes make, at most ``cap``. The order stays
+    topological, so any first nodes of it are closed under parents."""
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    path: list[int] = []
+    node = -1
+    while node in children:
+        node = max(children[node], key=lambda child: chances[child])  # ties: the earlier node
+        path.append(node)
+    on_path = set(path)
+    chosen = [node for node in range(count) if node not in on_path]
+    rest = [node for node in range(count, len(parents)) if node not in on_path]
+    return path + chosen + rest, min(len(path) + len(chosen), cap)
+
+
 def running_minimum(values: Sequence[float]) -> list[float]:
     """Each value lowered to the smallest before it: a fixed order's chances made non-increasing."""
     out: list[float] = []
