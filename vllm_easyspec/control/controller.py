@@ -115,6 +115,16 @@ class Choice:
     count: int
 
 
+_OrderedTree = tuple[list[int], list[int], list[NodeFeatures], list[float]]  # tokens, parents, features, chances
+
+
+def _in_order(tree: _OrderedTree, order: list[int]) -> _OrderedTree:
+    """A request's nodes (tokens, parents, features, chances) taken in ``order``, a topological order of them."""
+    tokens, parents, features, chances = tree
+    return ([tokens[i] for i in order], renumbered_parents(parents, order), [features[i] for i in order],
+            [chances[i] for i in order])
+
+
 @dataclass
 class ControllerStats:
     """Per-worker counters of the controller (read through the worker extension)."""
@@ -401,7 +411,7 @@ class SpeculationController:
     # ------------------------------------------------------------------------------------------ after drafting
     def choose(self, trees: list[RequestTree]) -> list[Choice]:
         started = time.perf_counter()
-        ordered: list[tuple[list[int], list[int], list[NodeFeatures], list[float]]] = []
+        ordered: list[_OrderedTree] = []
         bucket = OutcomeGuard.bucket(len(trees))
         ratio = self.ratio_at(len(trees))
         levels = self._drafted_levels
@@ -414,13 +424,8 @@ class SpeculationController:
             if tree.keeps_order:
                 ordered.append((tree.tokens, tree.parents, tree.features, running_minimum(chances)))
                 continue
-            order = best_first_order(chances, tree.parents)
-            ordered.append((
-                [tree.tokens[i] for i in order],
-                renumbered_parents(tree.parents, order),
-                [tree.features[i] for i in order],
-                [chances[i] for i in order],
-            ))
+            ordered.append(_in_order((tree.tokens, tree.parents, tree.features, chances),
+                                     best_first_order(chances, tree.parents)))
         candidates = [Candidates(chances, self.max_nodes, path_length(parents)) for _, parents, _, chances in ordered]
         counts = choose_nodes(candidates, self.cost.verify_seconds, other_seconds=0.0)
         if self._exploring_draft:  # drafted only to explore: each request's best level_width nodes are verified
@@ -429,10 +434,9 @@ class SpeculationController:
         elif self._exploring_depth:  # drafted deeper only to explore: each request's top path is verified too
             for index, (tree, count) in enumerate(zip(trees, counts, strict=True)):
                 if not tree.keeps_order:
-                    tokens, parents, features, chances = ordered[index]
+                    _, parents, _, chances = ordered[index]
                     order, counts[index] = with_top_path_first(chances, parents, count, self.max_nodes)
-                    ordered[index] = ([tokens[i] for i in order], renumbered_parents(parents, order),
-                                      [features[i] for i in order], [chances[i] for i in order])
+                    ordered[index] = _in_order(ordered[index], order)
         elif self._explore.random() * EXPLORE_EVERY < 1:
             counts = best_nodes(candidates, self._explore.randint(0, 2 * sum(counts) + 1))
             self.stats.exploring_steps += 1
