@@ -385,7 +385,8 @@ class TreeDrafting:
         out = torch.zeros(batch_size, self.config.num_nodes, dtype=torch.long, device=next_token_ids.device)
         return _with_pending_tokens(out, req_ids, pending)
 
-    def _chosen(self, offered: list[tuple[RequestTree, ChildDrawMode, torch.Tensor | None]]) -> dict[str, PendingTree]:
+    def _chosen(self, offered: list[tuple[RequestTree, ChildDrawMode, torch.Tensor | None]]
+                ) -> dict[str, PendingTree]:
         """``easyspec.tree.auto``: each offered tree (with its draw mode and draft probabilities) cut to the
         nodes the controller chooses, best first."""
         if not offered:
@@ -397,9 +398,9 @@ class TreeDrafting:
 
     def _hand_over(self, trees, batch_size: int, next_token_ids: torch.Tensor, node_limit: int,
                    lookup_paths: list[list[int]] | None = None) -> torch.Tensor:
-        """Map to target ids, merge the sources' candidates in (``lookup_paths``: :meth:`_lookup_paths`), give the trees (cut to ``node_limit`` nodes;
-        none drafted when it is 0) to the runner's verifier, and return ``[B, N]`` node tokens (a tree with
-        fewer than ``N`` nodes is cut to its own size later, in
+        """Map to target ids, merge the sources' candidates in (``lookup_paths``: :meth:`_lookup_paths`), give
+        the trees (cut to ``node_limit`` nodes; none drafted when it is 0) to the runner's verifier, and return
+        ``[B, N]`` node tokens (a tree with fewer than ``N`` nodes is cut to its own size later, in
         :meth:`~vllm_easyspec.integration.tree_step.TreeVerifier.trim_drafts`)."""
         proposer = self.proposer
         verifier = self.verifier
