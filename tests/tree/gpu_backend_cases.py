@@ -82,6 +82,7 @@ def stub_vllm_config(num_heads: int, num_kv_heads: int, head_size: int, tree: di
         get_num_kv_heads=lambda parallel_config=None: num_kv_heads,
         get_head_size=lambda: head_size,
         rswa_window=None,
+        dtype=torch.float32,
     )
     return types.SimpleNamespace(
         model_config=model_config,

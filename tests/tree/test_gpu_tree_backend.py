@@ -176,6 +176,27 @@ def test_tree_rows_attend_with_the_fp32_precision_of_vllms_attention(monkeypatch
         verify()
 
 
+def test_a_float32_tree_engine_in_tf32_is_warned_that_near_ties_can_differ_and_told_the_fix(monkeypatch):
+    """On an H100, float32 trees in Triton's default TF32 gave 7/8 outputs identical to vanilla (a near-tie
+    fell differently in the tree kernel and in vLLM's), and 8/8 with ``TRITON_F32_DEFAULT=ieee``; the engine
+    says so at start-up wherever that can happen, and nowhere else."""
+    pytest.importorskip("triton")
+    from vllm_easyspec.integration.gpu.attention_backend import reduced_fp32_precision_warning
+
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
+    nvidia = torch.device("cuda") if torch.version.hip is None else None
+    if nvidia is not None:
+        warning = reduced_fp32_precision_warning(torch.float32, nvidia)
+        assert "tf32" in warning and "TRITON_F32_DEFAULT=ieee" in warning
+        monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32x3")
+        assert "tf32x3" in reduced_fp32_precision_warning(torch.float32, nvidia)
+        assert reduced_fp32_precision_warning(torch.bfloat16, nvidia) is None
+        monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+        assert reduced_fp32_precision_warning(torch.float32, nvidia) is None
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
+    assert reduced_fp32_precision_warning(torch.float32, torch.device("cpu")) is None
+
+
 def test_split_slices_every_per_request_field_and_skips_empty_sub_batches():
     from vllm_easyspec.integration.tree_attention import split_verify_batch
 

@@ -16,8 +16,9 @@ While ``easyspec.tree`` is configured, the builder reports at most ``UNIFORM_SIN
 graph support: a full CUDA graph of a uniform ``1 + n``-token batch would replay captured chain metadata
 and never reach :meth:`TreeTritonAttentionMetadataBuilder.build`.
 
-Status: tested under Triton's interpreter on CPU tensors (tests/tree/test_gpu_tree_backend.py). On an H200,
-draft-model trees ran through the engine, eager and with piecewise CUDA graphs (benchmarks/results/gpu/).
+Status: tested under Triton's interpreter on CPU tensors (tests/tree/test_gpu_tree_backend.py). On an H100 and
+an H200, draft-model trees ran through the engine, eager and with piecewise CUDA graphs, token-exact in float32
+with ``TRITON_F32_DEFAULT=ieee`` (benchmarks/results/gpu/).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from vllm.v1.attention.backends.triton_attn import (
 )
 
 from vllm_easyspec.easyspec.config import EasySpecConfigError
+from vllm_easyspec.integration.compat import plugin_logger
 from vllm_easyspec.integration.options import tree_options
 from vllm_easyspec.integration.tree_attention import (
     TreeAttentionImplMixin,
@@ -44,6 +46,30 @@ from vllm_easyspec.integration.tree_attention import (
 from vllm_easyspec.integration.tree_step import TreeVerifyForward, VerifyKV
 
 BACKEND_PATH = "vllm_easyspec.integration.gpu.attention_backend.TreeTritonAttentionBackend"
+
+logger = plugin_logger(__name__)
+
+
+def reduced_fp32_precision_warning(dtype: torch.dtype, device: torch.device | str) -> str | None:
+    """The start-up warning for a float32 tree engine whose Triton attention multiplies in reduced precision.
+
+    vLLM's ``unified_attention`` calls ``tl.dot`` with Triton's default float32 precision, TF32 on NVIDIA GPUs.
+    The tree kernel gets the same precision, but two TF32 kernels that tile and accumulate differently round
+    differently (about 1e-3 relative), so a logit near-tie can fall one way in vanilla's decode row and the
+    other way in a tree row: greedy output then differs from a run without speculation, as bf16 output does.
+    With ``TRITON_F32_DEFAULT=ieee`` both kernels compute exact float32 products and the outputs are equal.
+    Returns None where that cannot happen (other dtypes, exact products)."""
+    from vllm_easyspec.kernels.tree_attention import triton_default_fp32_precision
+
+    precision = triton_default_fp32_precision(device)
+    if dtype != torch.float32 or precision == "ieee":
+        return None
+    return (
+        f"easyspec.tree with a float32 model: Triton multiplies float32 attention inputs in {precision} on this "
+        f"GPU (vLLM's kernel and the tree kernel alike), and the two kernels round differently, so greedy output "
+        f"can differ from a run without speculation where two logits tie within about 1e-3. For token-exact "
+        f"float32, start vLLM with TRITON_F32_DEFAULT=ieee (slower attention)."
+    )
 
 
 @dataclass
@@ -71,6 +97,9 @@ class TreeTritonAttentionMetadataBuilder(TreeVerifyBuilderMixin, TritonAttention
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         if tree_options(vllm_config) is not None:
             self._check_tree_support(layer_names, vllm_config)
+            warning = reduced_fp32_precision_warning(vllm_config.model_config.dtype, device)
+            if warning is not None:
+                logger.warning_once(warning)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -142,8 +171,8 @@ class TreeTritonAttentionImpl(TreeAttentionImplMixin, TritonAttentionImpl):
         out = tree_attention_triton(
             query[rows], key_cache, value_cache, meta.block_table, meta.prefix_lens, meta.cu_query_lens,
             meta.tree_mask, self.scale, max_query_len=meta.max_query_len,
-            # as vLLM's unified_attention computes the other rows (TF32 for float32 on NVIDIA by default):
-            # a tree row must equal the row vanilla decoding computes, near-ties included
+            # the precision vLLM's unified_attention computes the other rows in (TF32 for float32 on NVIDIA
+            # by default; exact with TRITON_F32_DEFAULT=ieee, see reduced_fp32_precision_warning)
             fp32_precision=triton_default_fp32_precision(query.device),
         )
         output[rows] = out.to(output.dtype)
