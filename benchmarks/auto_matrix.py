@@ -60,11 +60,16 @@ EAGLE_SCHEDULE = [[1, 1, 3], [2, 4, 2], [5, 1024, 0]]
 DRAFT_SCHEDULE = [[1, 3, 1], [4, 1024, 0]]
 BRIDGED_TREE = {"choices": [[0], [1], [2], [3]], "sources": LOOKUP, "retokenize": True}
 DRAFT_AUTO_TREE = {"top_k": 4, "depth": 3, "budget": 12, "sources": LOOKUP, "retokenize": True, "auto": True}
+# vLLM's prompt-lookup chain needs no draft: a fixed setup every pair's controller is held against
+MODEL_FREE = "ngram"
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
 def setups(pairs: list[str]) -> list[Setup]:
-    """Vanilla, then each pair's fixed setups, its ``budget_by_batch`` table and its controller."""
-    chosen = [Setup(VANILLA, "no speculation")]
+    """Vanilla, vLLM's ngram chain, then each pair's fixed setups, its ``budget_by_batch`` table and its
+    controller."""
+    chosen = [Setup(VANILLA, "no speculation"),
+              Setup(f"{MODEL_FREE}-k4", "vLLM ngram (prompt lookup) chain, k=4, n-grams of 2 to 4", NGRAM)]
     if "eagle" in pairs:
         head = {"method": "eagle3", "model": str(HEAD3)}
         tree4 = EAGLE_TREES[4] | {"sources": LOOKUP}
@@ -119,12 +124,13 @@ def pair_of(name: str) -> str | None:
 
 
 def cell_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per pair: the best fixed setup (the median-fastest of the pair's setups other than ``-auto``), the
-    controller's ratio to vanilla and to that setup, and its model's predicted against realised tokens."""
+    """Per pair: the best fixed setup (the median-fastest of the pair's setups other than ``-auto`` and of the
+    model-free ones), the controller's ratio to vanilla and to that setup, and its model's predicted against
+    realised tokens."""
     by_name = {row["setup"]: row for row in rows}
     summary: dict[str, Any] = {"vanilla_tok_per_s": by_name[VANILLA][MATRIX_SPEED]}
     for prefix in ("eagle", "smol"):
-        pair = [row for row in rows if row["setup"].startswith(prefix)]
+        pair = [row for row in rows if row["setup"].startswith((prefix, MODEL_FREE))]
         auto = next((row for row in pair if row["setup"].endswith("-auto")), None)
         fixed = [row for row in pair if row is not auto and row[MATRIX_SPEED]]
         if auto is None or not fixed:
@@ -268,7 +274,7 @@ def batch1_over_classes(rows_by_cell: dict[str, list[dict[str, Any]]], prefix: s
     ratios: dict[str, list[float]] = {}
     for rows in cells_b1:
         for row in rows:
-            if row["setup"].startswith(prefix) and row.get("speedup_vs_vanilla"):
+            if row["setup"].startswith((prefix, MODEL_FREE)) and row.get("speedup_vs_vanilla"):
                 ratios.setdefault(row["setup"], []).append(row["speedup_vs_vanilla"])
     means = {name: statistics.geometric_mean(values) for name, values in ratios.items()
              if len(values) == len(cells_b1)}
