@@ -19,6 +19,7 @@ import sys
 import torch
 
 from vllm_easyspec.control.planning import node_depths
+from vllm_easyspec.tree.sampling import greedy_rows
 
 TRACE_VARIABLE = "VLLM_EASYSPEC_STEP_TRACE"
 
@@ -33,8 +34,7 @@ def trace_tree_step(path: str, step, metadata, logits: torch.Tensor, input_ids: 
                     positions: torch.Tensor, verdict, sampling_metadata) -> None:
     """Append one line for the verify step ``step`` (a ``TreeVerifyStep``) sampled into ``verdict``."""
     argmax = logits.float().argmax(-1).tolist()
-    temperature = None if sampling_metadata.all_greedy else sampling_metadata.temperature
-    greedy = [True] * len(metadata.num_draft_tokens) if temperature is None else (temperature < 1e-5).tolist()
+    greedy, _ = greedy_rows(sampling_metadata, len(metadata.num_draft_tokens))
     num_drafts = list(metadata.num_draft_tokens)
     cu_sampled = metadata.cu_num_sampled_tokens.tolist()
     output = verdict.sampler_output.sampled_token_ids.tolist()

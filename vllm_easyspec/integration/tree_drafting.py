@@ -67,10 +67,10 @@ from vllm_easyspec.tree.building import ChildDrawMode
 from vllm_easyspec.tree.drafting import LevelwiseTreeDraft
 from vllm_easyspec.tree.merging import merge_path, prompt_lookup
 from vllm_easyspec.tree.retokenizing import TreeRetokenizer, approximate_target_to_draft, token_bytes
+from vllm_easyspec.tree.sampling import greedy_rows
 
 logger = plugin_logger(__name__)
 
-SAMPLING_EPS = 1e-5  # vLLM's greedy threshold on temperature
 HORIZON_STEPS = 64  # the most steps over which easyspec.tree.auto spreads a catch-up first pass
 
 
@@ -254,7 +254,7 @@ class TreeDrafting:
                 torch.cuda.synchronize(root_hidden.device)
             controller.observe_first_pass(common_attn_metadata.num_actual_tokens,
                                           time.perf_counter() - first_pass_started, batch_size)
-        greedy, temperatures = _greedy_rows(sampling_metadata, batch_size)
+        greedy, temperatures = greedy_rows(sampling_metadata, batch_size)
         drafted = self.config.drafted_within(node_limit)
         if depth is not None:
             drafted = drafted.within_depth(depth)
@@ -496,13 +496,6 @@ def _parent_states(root: torch.Tensor, stash: torch.Tensor, parent_columns: torc
     from_stash = stash.gather(1, index)
     is_root = (parent_columns < 0).to(stash.device)[:, :, None]
     return torch.where(is_root, root[:, None, :], from_stash).reshape(batch * width, -1)
-
-
-def _greedy_rows(sampling_metadata, batch_size: int) -> tuple[list[bool], torch.Tensor | None]:
-    if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
-        return [True] * batch_size, None
-    temperature = sampling_metadata.temperature[:batch_size].float().cpu()
-    return (temperature <= SAMPLING_EPS).tolist(), temperature
 
 
 def _spread(probs: torch.Tensor, target_ids: torch.Tensor, target_vocab_size: int) -> torch.Tensor:

@@ -34,6 +34,15 @@ PLACEHOLDER_TOKEN_ID = -1  # vLLM's marker for unused output slots
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures at or below this are greedy
 
 
+def greedy_rows(sampling_metadata, batch_size: int) -> tuple[list[bool], torch.Tensor | None]:
+    """Which of the first ``batch_size`` rows of vLLM's ``SamplingMetadata`` are greedy, and their temperatures
+    on the host (None when every row is greedy)."""
+    if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
+        return [True] * batch_size, None
+    temperature = sampling_metadata.temperature[:batch_size].float().cpu()
+    return (temperature <= SAMPLING_EPS).tolist(), temperature
+
+
 @dataclass
 class TreeSamplerOutput:
     """Result of :func:`tree_rejection_sample`.
