@@ -119,6 +119,17 @@ class Cell:
     prompts: list[str]
     batch_size: int
     max_tokens: int
+    lengths: list[int] | None = None  # each prompt's max_tokens, in order; None: max_tokens for every prompt
+
+    def __post_init__(self) -> None:
+        if self.lengths is not None and len(self.lengths) != len(self.prompts):
+            raise ValueError(f"cell {self.name!r}: {len(self.lengths)} lengths for {len(self.prompts)} prompts")
+
+    def sampling_params(self, **options: Any) -> list[Any]:
+        """One ``SamplingParams`` per prompt, each with its own ``max_tokens``."""
+        from vllm import SamplingParams
+
+        return [SamplingParams(max_tokens=n, **options) for n in self.lengths or [self.max_tokens] * len(self.prompts)]
 
 
 DEFAULT_PROMPT_KINDS = ("chat", "code", "math")  # the default mix; "edit" prompts are asked for by name
@@ -571,7 +582,7 @@ def _measure(llm, tokenizer, setup: Setup, workload: Workload, cell: Cell, recor
 
     prompts = [TokensPrompt(prompt_token_ids=prompt_token_ids(tokenizer, text)) for text in cell.prompts]
     in_flight = cell.batch_size if limit_in_flight else None
-    params = SamplingParams(temperature=workload.temperature, max_tokens=cell.max_tokens, seed=0)
+    params = cell.sampling_params(temperature=workload.temperature, seed=0)
     warm_up = SamplingParams(temperature=0.0, max_tokens=8)
     llm.generate(prompts[:1], warm_up, use_tqdm=False)
     drafting_before = _drafting_seconds_and_steps(llm)
@@ -639,12 +650,7 @@ def _measure(llm, tokenizer, setup: Setup, workload: Workload, cell: Cell, recor
         # same requests in flight), asking for vanilla's top raw logits at every output position.
         llm.reset_prefix_cache()
         llm.generate(prompts[:1], warm_up, use_tqdm=False)
-        params_top = SamplingParams(
-            temperature=workload.temperature,
-            max_tokens=cell.max_tokens,
-            seed=0,
-            logprobs=TOP_LOGITS_RECORDED,
-        )
+        params_top = cell.sampling_params(temperature=workload.temperature, seed=0, logprobs=TOP_LOGITS_RECORDED)
         with_logprobs = _generate(llm, prompts, params_top, in_flight)
         replay_ids = [list(o.outputs[0].token_ids) for o in with_logprobs]
         result["logprobs_tokens_match"] = replay_ids == token_ids
@@ -652,9 +658,9 @@ def _measure(llm, tokenizer, setup: Setup, workload: Workload, cell: Cell, recor
     return result
 
 
-def _generate(llm, prompts: list[Any], params: Any, in_flight: int | None) -> list[Any]:
-    """``llm.generate``'s outputs in prompt order; with ``in_flight``, at most that many requests run at once,
-    each finished one replaced by the next prompt."""
+def _generate(llm, prompts: list[Any], params: list[Any], in_flight: int | None) -> list[Any]:
+    """``llm.generate``'s outputs in prompt order (``params[i]`` for ``prompts[i]``); with ``in_flight``, at most
+    that many requests run at once, each finished one replaced by the next prompt."""
     if in_flight is None or in_flight >= len(prompts):
         return llm.generate(prompts, params, use_tqdm=False)
     engine = llm.llm_engine
@@ -666,7 +672,7 @@ def _generate(llm, prompts: list[Any], params: Any, in_flight: int | None) -> li
         index, prompt = waiting.pop(0)
         external = f"cell-{index}-{time.monotonic_ns()}"
         index_of[external] = index
-        index_of[engine.add_request(external, prompt, params)] = index
+        index_of[engine.add_request(external, prompt, params[index])] = index
 
     for _ in range(in_flight):
         submit()
