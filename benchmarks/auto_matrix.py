@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import shlex
 import statistics
 import sys
@@ -103,16 +104,28 @@ def setups(pairs: list[str]) -> list[Setup]:
     return chosen
 
 
-def cells(classes: list[str], batches: list[int], max_tokens: int, rounds: int = 2) -> list[Cell]:
+def cells(classes: list[str], batches: list[int], max_tokens: int, rounds: int = 2, ragged: bool = False
+          ) -> list[Cell]:
     """Every class at every batch size: ``rounds x batch`` prompts (at least 4), the class's prompts repeated in
-    order when it has fewer."""
+    order when it has fewer. With ``ragged``, each prompt's output length is drawn uniformly from
+    ``max_tokens / 2`` to ``3 max_tokens / 2`` (:func:`ragged_lengths`: the same draw for every setup)."""
     out = []
     for prompt_class in classes:
         pool = _prompts(prompt_class, 48)
         for batch in batches:
             count = max(rounds * batch, 4)
-            out.append(Cell(f"{prompt_class}-b{batch}", list(islice(cycle(pool), count)), batch, max_tokens))
+            name = f"{prompt_class}-b{batch}"
+            lengths = ragged_lengths(name, count, max_tokens) if ragged else None
+            out.append(Cell(name, list(islice(cycle(pool), count)), batch, max_tokens, lengths))
     return out
+
+
+def ragged_lengths(cell_name: str, count: int, mean: int) -> list[int]:
+    """``count`` output lengths uniform in ``[mean / 2, 3 mean / 2]``, seeded by the cell's name. Requests that
+    end on different steps, as a server's do, so that no setup's requests all finish on one step and have the
+    next wave's prompts prefilled in one step (equal lengths give vanilla that alignment; speculation breaks it)."""
+    draw = random.Random(cell_name)
+    return [draw.randint(max(mean // 2, 1), mean + mean // 2) for _ in range(count)]
 
 
 PAIR_OF = {"eagle": "EAGLE-3 head", "smol": "SmolLM2-135M draft"}
@@ -123,6 +136,12 @@ def pair_of(name: str) -> str | None:
     return next((label for prefix, label in PAIR_OF.items() if name.startswith(prefix)), None)
 
 
+def held_against(name: str, prefix: str) -> bool:
+    """Whether setup ``name`` is one of the pair's (``prefix``) or a model-free one, which every pair is held
+    against."""
+    return name.startswith((prefix, MODEL_FREE))
+
+
 def cell_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per pair: the best fixed setup (the median-fastest of the pair's setups other than ``-auto`` and of the
     model-free ones), the controller's ratio to vanilla and to that setup, and its model's predicted against
@@ -130,7 +149,7 @@ def cell_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     by_name = {row["setup"]: row for row in rows}
     summary: dict[str, Any] = {"vanilla_tok_per_s": by_name[VANILLA][MATRIX_SPEED]}
     for prefix in ("eagle", "smol"):
-        pair = [row for row in rows if row["setup"].startswith((prefix, MODEL_FREE))]
+        pair = [row for row in rows if held_against(row["setup"], prefix)]
         auto = next((row for row in pair if row["setup"].endswith("-auto")), None)
         fixed = [row for row in pair if row is not auto and row[MATRIX_SPEED]]
         if auto is None or not fixed:
@@ -274,7 +293,7 @@ def batch1_over_classes(rows_by_cell: dict[str, list[dict[str, Any]]], prefix: s
     ratios: dict[str, list[float]] = {}
     for rows in cells_b1:
         for row in rows:
-            if row["setup"].startswith((prefix, MODEL_FREE)) and row.get("speedup_vs_vanilla"):
+            if held_against(row["setup"], prefix) and row.get("speedup_vs_vanilla"):
                 ratios.setdefault(row["setup"], []).append(row["speedup_vs_vanilla"])
     means = {name: statistics.geometric_mean(values) for name, values in ratios.items()
              if len(values) == len(cells_b1)}
@@ -378,6 +397,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--classes", nargs="+", default=list(CLASSES), choices=CLASSES)
     parser.add_argument("--pairs", nargs="+", default=["eagle", "draft"], choices=("eagle", "draft"))
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--ragged", action="store_true",
+                        help="each request's output length uniform in [max_tokens / 2, 3 max_tokens / 2], so "
+                             "requests end on different steps as a server's do")
     parser.add_argument("--rounds", type=int, default=2, help="prompts per cell: rounds x batch (at least 4)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--only", default=None, help="only the setups whose name matches this regex (and vanilla)")
@@ -389,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
     command = "python -m benchmarks.auto_matrix " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     chosen = select_setups(setups(args.pairs), args.only)
     names = [s.name for s in chosen]
-    matrix = cells(args.classes, args.batches, args.max_tokens, args.rounds)
+    matrix = cells(args.classes, args.batches, args.max_tokens, args.rounds, args.ragged)
     workload = Workload(target=str(fetch_model(QWEN)), prompts=[], batch_size=max(args.batches), dtype=args.dtype)
     runs_file = RESULTS_DIR / "logs" / f"{args.stem}.runs.jsonl"
     runs_file.parent.mkdir(parents=True, exist_ok=True)
@@ -397,9 +419,11 @@ def main(argv: list[str] | None = None) -> None:
     states = _auto_states(rows_by_cell)
     table = markdown(rows_by_cell, names)
     described = ", ".join(f"`{s.name}`: {s.description}" for s in chosen)
+    lengths = (f"{args.max_tokens // 2} to {args.max_tokens * 3 // 2} tokens each (uniform, the same draw for "
+               f"every setup)" if args.ragged else f"{args.max_tokens} tokens each")
     md = (f"# The controller against fixed setups, by prompt class and batch\n\nCommand: `{command}`\n\n"
           f"Setups: {described}.\n\nCells: {args.rounds} x batch prompts (at least 4) served batch at a time, "
-          f"{args.max_tokens} tokens each, {args.dtype}, greedy. Ratios: median throughput (output tokens / "
+          f"{lengths}, {args.dtype}, greedy. Ratios: median throughput (output tokens / "
           f"wall time of the cell, prefills included) / vanilla's median "
           f"[min–max over {args.repeats} interleaved engine processes].\n\n{table}\n\n"
           f"Goals (auto >= vanilla beyond the spread, >= 0.97x the best fixed setup of its pair):\n\n"
@@ -407,7 +431,8 @@ def main(argv: list[str] | None = None) -> None:
     stem = RESULTS_DIR / args.stem
     Path(f"{stem}.md").write_text(md)
     Path(f"{stem}.json").write_text(json.dumps(
-        {"command": command, "cells": {c.name: {"batch": c.batch_size, "prompts": len(c.prompts)} for c in matrix},
+        {"command": command,
+         "cells": {c.name: {"batch": c.batch_size, "prompts": len(c.prompts), "lengths": c.lengths} for c in matrix},
          "summary": {cell: cell_summary(rows) for cell, rows in rows_by_cell.items()},
          "rows": rows_by_cell}, indent=1) + "\n")
     plot_speed(rows_by_cell, names, Path(f"{stem}_speed.png"))
