@@ -393,6 +393,29 @@ def test_the_guard_is_charged_a_catch_up_first_pass_in_full_spread_over_the_draf
     assert sum(charged) == pytest.approx(1.01 + 0.05 + 200 * 0.06)  # every second of drafting, once
 
 
+def test_cycles_that_verified_lookup_paths_alone_are_not_the_plain_cycles_drafting_is_held_against():
+    controller = _cheap_drafting_controller()
+    cheap = controller.cost
+    # drafting dear for a while: the plan verifies an edit's prompt-lookup path alone, which accepts every node
+    controller.cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.05 + 63 * 0.0001]),
+                                    CostCurve.from_measurements([1, 64], [1.0, 1.0]))
+    features = [NodeFeatures(True, depth, None) for depth in (1, 2, 3)]
+    for _ in range(30):
+        assert controller.plan_depth(["edit"], first_pass_rows=1, lookup_lengths=[3]) == 0
+        (choice,) = controller.choose([RequestTree("edit", [5, 6, 7], [-1, 0, 1], features, keeps_order=False)])
+        controller.observe_drafting(1e-4)
+        controller.observe("edit", choice.features, choice.parents, set(range(choice.count)))
+        controller.observe_verify(1 + choice.count, 0.05, requests=1)
+    assert controller.stats.lookup_only_steps > 20
+    controller.forget({"chat"})  # the edit finished; a chat request, whose drafts pay, runs alone
+    controller.cost = cheap
+    # 2 tokens in 80 ms against a plain cycle's 1 in 50 ms: drafting pays, and the edit's paths are no baseline
+    # (held to them, the chat request would draft only on the steps that explore)
+    depths = [_cycle(controller, ["chat"], accepted=1, draft_seconds=0.03, verify_seconds=0.05) for _ in range(40)]
+    assert all(depths) and controller.stats.steps_held_back == controller.stats.exploring_drafts == 0
+    assert controller.guard.table()[0]["plain_cycles"] == 0
+
+
 def test_the_guard_trusts_measured_cycles_without_drafts_over_the_model():
     from vllm_easyspec.control.controller import GUARD_MIN_CYCLES, OutcomeGuard
 

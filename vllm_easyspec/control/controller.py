@@ -42,9 +42,9 @@ One step, as the drafter and the runner call it:
 
 The models can be wrong together where the margin is thin (many requests, each extra row dear): so the
 controller also keeps the outcome itself, tokens per second of whole decode cycles (drafting, then the verify
-that follows it), per batch-size bucket, for cycles that drafted and cycles that did not
+that follows it), per batch-size bucket, for cycles that drafted and plain cycles, which verified no node
 (:class:`OutcomeGuard`). Where cycles that drafted have measurably produced fewer tokens per second than
-cycles that did not (or, before any such cycle, than the verify model says a cycle without drafts costs), the
+plain cycles (or, before any such cycle, than the verify model says a cycle without drafts costs), the
 step drafts nothing even when the models say it would pay; it explores as above, so a batch whose drafts become
 good is seen.
 
@@ -63,6 +63,7 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from enum import Enum
 
 from vllm_easyspec.control.acceptance import AcceptanceModel, NodeFeatures
 from vllm_easyspec.control.cost import StepCostModel
@@ -90,7 +91,7 @@ EXPLORE_MOST_STEPS = 4  # the exploration budget holds at most this many verify 
 RATIO_MEMORY = 0.98  # decay per verified request of the sums behind realised / predicted accepted nodes
 GUARD_MEMORY = 0.9  # decay per decode cycle of the sums behind a bucket's tokens per second
 GUARD_MIN_CYCLES = 8  # cycles of a kind a bucket needs before its measured rate is trusted
-GUARD_STANDARD_ERRORS = 1.0  # how far below cycles without drafts drafted ones must be for the guard to hold back
+GUARD_STANDARD_ERRORS = 1.0  # how far below plain cycles drafted ones must be for the guard to hold back
 
 
 @dataclass
@@ -113,6 +114,14 @@ class Choice:
     features: list[NodeFeatures]
     chances: list[float]
     count: int
+
+
+class Exploring(Enum):
+    """Why this step drafts what it drafts, which decides what :meth:`SpeculationController.choose` verifies."""
+
+    NO = "no"  # the plan's depth: verify the nodes the choice takes
+    ACCEPTANCE = "acceptance"  # one level where the plan drafts none: verify each request's best level_width nodes
+    DEPTH = "depth"  # the whole depth where the plan drafts less: verify each request's top path first
 
 
 _OrderedTree = tuple[list[int], list[int], list[NodeFeatures], list[float]]  # tokens, parents, features, chances
@@ -195,6 +204,7 @@ class _Cycle:
     seconds: float = 0.0
     first_pass_seconds: float = 0.0
     level_seconds: float = 0.0
+    nodes: int = 0  # the nodes its verify checks (a cycle that drafted nothing may verify prompt-lookup paths)
     accepted: int = 0
 
     @property
@@ -211,7 +221,9 @@ class _Cycle:
 @dataclass
 class OutcomeGuard:
     """Tokens per second of whole decode cycles (drafting + verify), by batch-size bucket (powers of two), for
-    cycles that drafted and cycles that did not. A cycle's tokens are its verify step's requests plus the drafts
+    cycles that drafted and plain cycles, which verified no node (cycles that verified prompt-lookup paths alone
+    are neither: their tokens depend on the requests, so they would not be a baseline that holds across
+    requests). A cycle's tokens are its verify step's requests plus the drafts
     they accepted; its seconds are the drafting and the verify, a catch-up first pass (a prompt's, or rows
     deferred while nothing was drafted) charged at the share :meth:`SpeculationController.plan_depth` charges it,
     and the rest of it repaid by the drafted cycles after it (each one ``1 / horizon`` of what is outstanding),
@@ -232,15 +244,15 @@ class OutcomeGuard:
 
     def forget_drafted(self) -> None:
         """Every request behind the drafted cycles has finished: their acceptance says nothing about the
-        running ones (a lone request's successor starts afresh). Cycles without drafts produce one token per
-        request, whoever runs, and are kept. Where requests come and go one by one (a batch kept full), the
+        running ones (a lone request's successor starts afresh). Plain cycles produce one token per request,
+        whoever runs, and are kept. Where requests come and go one by one (a batch kept full), the
         drafted rates are kept: forgetting a finished request's share each time would keep the guard below
         its minimum of cycles, and drafting would switch on and off, each switch paying a catch-up."""
         self.drafted.clear()
 
     def holds_back(self, requests: int, plain_seconds: float) -> bool:
         """Whether cycles that drafted, at this many requests, measurably produced fewer tokens per second than
-        cycles that did not (measured ones, else ``requests`` tokens in ``plain_seconds``, the verify model's
+        plain cycles (measured ones, else ``requests`` tokens in ``plain_seconds``, the verify model's
         cost of a cycle without drafts): by more than :data:`GUARD_STANDARD_ERRORS` standard errors of the
         difference. A lone request's cycles vary much (each accepts all or nothing of its drafts), so a run of
         failures alone does not stop its drafting; a large batch's vary little, so a small loss does."""
@@ -292,8 +304,7 @@ class SpeculationController:
         self._cycle: _Cycle | None = None
         self._first_pass_debt = 0.0  # catch-up first-pass seconds that drafted cycles have yet to repay to the guard
         self._explore_budget = 0.0  # seconds exploring steps may still spend
-        self._exploring_draft = False  # this step drafts only to explore acceptance: choose verifies best nodes
-        self._exploring_depth = False  # this step drafts deeper only to explore: choose verifies the top paths too
+        self._exploring = Exploring.NO  # what this step's drafting explores
 
     @property
     def realised_over_predicted(self) -> float:
@@ -340,7 +351,7 @@ class SpeculationController:
                 else DepthPlan(0, 0))
         depth = plan.depth
         held_back = depth > 0 and self.guard.holds_back(len(req_ids), self.cost.verify_seconds(len(req_ids)))
-        self._exploring_draft = self._exploring_depth = False
+        self._exploring = Exploring.NO
         if req_ids and (depth == 0 or held_back):
             batch = len(req_ids)
             if held_back:  # explore what the models advise: their depth and nodes, seen by the guard
@@ -351,7 +362,7 @@ class SpeculationController:
                          + self.cost.verify_seconds(batch + explore_rows) - self.cost.verify_seconds(batch))
             if self._explore_budget >= exploring:
                 self._explore_budget -= exploring
-                self._exploring_draft = not held_back
+                self._exploring = Exploring.NO if held_back else Exploring.ACCEPTANCE
                 self.stats.exploring_drafts += 1
                 depth = explore_depth
             else:
@@ -367,14 +378,13 @@ class SpeculationController:
                       - self.cost.verify_seconds(rows))
             if self._explore_budget >= deeper:
                 self._explore_budget -= deeper
-                self._exploring_depth = True
+                self._exploring = Exploring.DEPTH
                 self.stats.exploring_drafts += 1
                 depth = self.max_depth
         self.stats.depth_per_step[depth] += 1
         self._drafted_levels = depth
         full_first_pass = steady + catch_up
-        exploring = self._exploring_draft or self._exploring_depth
-        self._cycle = _Cycle(drafted=depth > 0, requests=set(req_ids), weighed=not exploring,
+        self._cycle = _Cycle(drafted=depth > 0, requests=set(req_ids), weighed=self._exploring is Exploring.NO,
                              first_pass_share=first_pass / full_first_pass if full_first_pass > 0 else 1.0,
                              horizon_steps=max(horizon_steps, 1.0))
         self.stats.controller_seconds += time.perf_counter() - started
@@ -428,10 +438,10 @@ class SpeculationController:
                                      best_first_order(chances, tree.parents)))
         candidates = [Candidates(chances, self.max_nodes, path_length(parents)) for _, parents, _, chances in ordered]
         counts = choose_nodes(candidates, self.cost.verify_seconds, other_seconds=0.0)
-        if self._exploring_draft:  # drafted only to explore: each request's best level_width nodes are verified
+        if self._exploring is Exploring.ACCEPTANCE:  # each request's best level_width nodes are verified
             counts = [max(count, min(self.level_width, len(candidate.chances), self.max_nodes))
                       for count, candidate in zip(counts, candidates, strict=True)]
-        elif self._exploring_depth:  # drafted deeper only to explore: each request's top path is verified too
+        elif self._exploring is Exploring.DEPTH:  # each request's top path is verified too
             for index, (tree, count) in enumerate(zip(trees, counts, strict=True)):
                 if not tree.keeps_order:
                     _, parents, _, chances = ordered[index]
@@ -447,6 +457,8 @@ class SpeculationController:
         stats = self.stats
         stats.steps += 1
         stats.lookup_only_steps += levels == 0 and sum(counts) > 0
+        if self._cycle is not None:
+            self._cycle.nodes = sum(counts)
         stats.requests += len(choices)
         for choice in choices:
             stats.nodes_offered += len(choice.tokens)
@@ -504,7 +516,9 @@ class SpeculationController:
         self.cost.observe_verify(rows, seconds, masked_rows, masked_requests)
         cycle, self._cycle = self._cycle, None
         self._explore_budget = min(self._explore_budget + EXPLORE_SHARE * seconds, EXPLORE_MOST_STEPS * seconds)
-        if cycle is not None and cycle.weighed and requests:
+        # the guard weighs cycles that drafted against cycles that verified no node; a cycle that verified prompt-
+        # lookup paths alone is neither (its tokens depend on its requests, where plain cycles' do not)
+        if cycle is not None and cycle.weighed and requests and (cycle.drafted or cycle.nodes == 0):
             self._guard_requests |= cycle.requests
             charged = cycle.charged_seconds(seconds)
             if cycle.drafted:  # it repays a share of earlier catch-ups and leaves part of its own to later cycles
