@@ -27,6 +27,7 @@ from vllm_easyspec.control.planning import (
     Candidates,
     OfferedTree,
     best_first_order,
+    best_nodes,
     choose_depth,
     choose_nodes,
     path_length,
@@ -208,6 +209,41 @@ def test_cheap_rows_buy_every_likely_node_and_expensive_rows_only_the_surest():
     # a row costs as much as the step: only a node that nearly doubles its request's tokens pays
     assert choose_nodes(requests, _linear(0.05), 0.0) == [1, 1, 1, 1]
     assert choose_nodes([Candidates([0.3, 0.1], cap=2)] * 4, _linear(0.05), 0.0) == [0, 0, 0, 0]
+
+
+def _rate_of_best(candidates: list[Candidates], total: int, verify, other_seconds: float) -> float:
+    """The predicted rate of verifying the batch's ``total`` most likely nodes."""
+    counts = best_nodes(candidates, total)
+    gain = sum(sum(c.chances[:n]) for c, n in zip(candidates, counts, strict=True))
+    masked = [c.masked_rows(n) for c, n in zip(candidates, counts, strict=True)]
+    seconds = verify(len(candidates) + total, sum(masked), sum(m > 0 for m in masked)) + other_seconds
+    return (len(candidates) + gain) / seconds
+
+
+def test_the_choice_looks_at_every_count_that_could_still_win_and_stops_only_where_none_can():
+    """Against a scan of every count: a verify curve flat past a steep step (a later count can beat an earlier
+    best), branching trees, and caps."""
+    rng = random.Random(7)
+    steep_then_flat = StepCostModel(CostCurve.from_measurements([1, 8, 9, 40, 41, 400],
+                                                                [0.05, 0.05, 0.08, 0.08, 0.2, 1.0]),
+                                    CostCurve.from_measurements([1], [0.001]), extra_per_masked_row=0.0004,
+                                    extra_per_masked_request=0.002)
+    for _ in range(300):
+        batch = rng.randint(1, 12)
+        candidates = []
+        for _ in range(batch):
+            chances = sorted((rng.random() ** rng.choice([0.3, 1, 3]) for _ in range(rng.randint(0, 12))),
+                             reverse=True)
+            candidates.append(Candidates(chances, rng.randint(1, 12), rng.choice([None, 0, 1, 3])))
+        verify = steep_then_flat.verify_seconds
+        other = rng.choice([0.0, 0.01])
+        offered = sum(min(len(c.chances), c.cap) for c in candidates)
+        rates = [_rate_of_best(candidates, total, verify, other) for total in range(offered + 1)]
+        best = max(range(1, offered + 1), key=lambda total: (rates[total], -total), default=0)
+        expected = best if best and rates[best] > rates[0] * (1 + 1e-9) else 0
+        chosen = choose_nodes(candidates, verify, other)
+        assert sum(chosen) == expected or math.isclose(rates[sum(chosen)], rates[expected], rel_tol=1e-9)
+        assert chosen == best_nodes(candidates, sum(chosen))
 
 
 def test_a_request_whose_drafts_keep_failing_stops_paying_while_its_neighbours_keep_theirs():

@@ -111,7 +111,8 @@ class AcceptanceModel:
 
     def conditional_chance(self, features: NodeFeatures, recent_bin: int) -> float:
         chance = features.prior()
-        for counts in (self.pooled.get(features.pooled_key()), self.bins.get(features.key(recent_bin))):
+        pooled_key = features.pooled_key()
+        for counts in (self.pooled.get(pooled_key), self.bins.get((*pooled_key, recent_bin))):
             if counts is not None:
                 chance = (PRIOR_WEIGHT * chance + counts.accepted) / (PRIOR_WEIGHT + counts.tested)
         return chance

@@ -133,7 +133,7 @@ class StepCostModel:
     # seconds the step took: their ratio is the model's one-step-ahead error.
     predicted_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
     observed_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
-    # (rows, masked rows, masked requests, seconds)
+    # (the verify curve at its rows, rows, masked rows, masked requests, seconds)
     _verify_steps: deque = field(default_factory=lambda: deque(maxlen=VERIFY_HISTORY))
 
     def verify_seconds(self, rows: int, masked_rows: int = 0, masked_requests: int = 0) -> float:
@@ -165,33 +165,37 @@ class StepCostModel:
         the trees of ``masked_requests`` requests that need masked attention, took ``seconds``."""
         if rows > 0 and seconds > 0:
             self._count("verify", self.verify_seconds(rows, masked_rows, masked_requests), seconds)
-            self._verify_steps.append((rows, masked_rows, masked_requests, seconds))
+            self._verify_steps.append((self.verify(rows), rows, masked_rows, masked_requests, seconds))
             self._fit_verify()
 
     def _fit_verify(self) -> None:
         """``scale`` and the three extras by least squares over the recent steps, each weakly pulled towards
         (1, 0, 0, 0), which keeps them determined when every step had the same rows; of the fits whose extras
         are not negative (some extras left out), the one closest to the steps. The fits are nested, so a
-        feasible fit with every extra is that one and the others are not computed."""
-        design = np.array([(self.verify(rows), rows, masked, requests)
-                           for rows, masked, requests, _ in self._verify_steps], dtype=float)
-        seconds = np.array([s for *_, s in self._verify_steps], dtype=float)
+        feasible fit with every extra is that one and the others are not computed. Each fit solves its block
+        of the regularised normal equations (at most 4 x 4); an extra whose column is all zero (no step had
+        such rows) is left out of every fit."""
+        steps = np.array(self._verify_steps, dtype=float)
+        design, seconds = steps[:, :4], steps[:, 4]
         prior = np.array([1.0, 0.0, 0.0, 0.0])
-        weight = np.sqrt(PRIOR_WEIGHT * (design**2).sum(axis=0))
+        squares = (design**2).sum(axis=0)
+        weight_squared = PRIOR_WEIGHT * squares
+        gram = design.T @ design + np.diag(weight_squared)
+        target = design.T @ seconds + weight_squared * prior
+        constant = float(seconds @ seconds + weight_squared @ prior**2)
+        present = [extra for extra in (1, 2, 3) if squares[extra] > 0]
         best: tuple[float, np.ndarray] | None = None
-        for extras in itertools.chain.from_iterable(itertools.combinations((1, 2, 3), k) for k in (3, 2, 1, 0)):
+        for extras in itertools.chain.from_iterable(itertools.combinations(present, k)
+                                                    for k in range(len(present), -1, -1)):
             free = [0, *extras]
-            a = np.vstack([design[:, free], np.diag(weight[free])])
-            b = np.concatenate([seconds, weight[free] * prior[free]])
-            solution = np.linalg.lstsq(a, b, rcond=None)[0]
-            if (solution[1:] < 0).any():
-                continue
             coefficients = np.zeros(4)
-            coefficients[free] = solution
-            loss = float(((design @ coefficients - seconds) ** 2).sum() + ((weight * (coefficients - prior)) ** 2).sum())
+            coefficients[free] = np.linalg.solve(gram[np.ix_(free, free)], target[free])
+            if (coefficients[1:] < 0).any():
+                continue
+            loss = float(coefficients @ gram @ coefficients - 2 * coefficients @ target + constant)
             if best is None or loss < best[0]:
                 best = (loss, coefficients)
-            if len(extras) == 3:  # the unrestricted fit is feasible: no restriction of it fits closer
+            if len(extras) == len(present):  # the unrestricted fit is feasible: no restriction of it fits closer
                 break
         scale, per_row, per_masked_row, per_masked_request = (float(x) for x in best[1])  # scale-only qualifies
         self.verify_scale = max(scale, 0.05)

@@ -23,7 +23,9 @@ Invariant: the chosen nodes of a request are closed under taking parents (chance
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+import heapq
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 
@@ -101,46 +103,54 @@ def running_minimum(values: Sequence[float]) -> list[float]:
     return out
 
 
-def _offered(candidates: Sequence[Candidates]) -> list[tuple[float, int, int]]:
-    """(chance, request, rank) of every node the requests may verify, most likely first (a request's own nodes
-    in its order)."""
-    return sorted(
-        ((chance, request, rank) for request, c in enumerate(candidates)
-         for rank, chance in enumerate(c.chances[: c.cap])),
-        key=lambda item: (-item[0], item[1], item[2]),
-    )
+def _offered(candidates: Sequence[Candidates]) -> Iterator[tuple[float, int, int]]:
+    """(-chance, request, rank) of every node the requests may verify, most likely first (a request's own nodes
+    in its order), lazily: each request's nodes are already best first, so this merges them."""
+    return heapq.merge(*(_keyed(request, c) for request, c in enumerate(candidates)))
+
+
+def _keyed(request: int, candidates: Candidates) -> Iterator[tuple[float, int, int]]:
+    for rank, chance in enumerate(candidates.chances[: candidates.cap]):
+        yield -chance, request, rank
 
 
 def best_nodes(candidates: Sequence[Candidates], total: int) -> list[int]:
     """How many of its candidates each request verifies when the batch verifies its ``total`` most likely."""
     chosen = [0] * len(candidates)
-    for _, request, _ in _offered(candidates)[:total]:
+    for _, request, _ in itertools.islice(_offered(candidates), max(total, 0)):
         chosen[request] += 1
     return chosen
 
 
 # (rows, rows needing masked tree attention, requests whose trees need it) -> seconds
 VerifySeconds = Callable[[int, int, int], float]
+TIE = 1e-12  # relative: rates closer than this are taken as equal when deciding that no later count can win
 
 
 def _best_total(candidates: Sequence[Candidates], verify_seconds: VerifySeconds,
                 other_seconds: float) -> tuple[int, float]:
     """(count, rate): the number of the batch's most likely nodes, at least one, with the best predicted rate
-    ``(B + gain) / (verify(B + count, masked rows, masked requests) + other_seconds)``; (0, 0.0) when no node
-    is offered."""
+    ``(B + gain) / (verify(B + count, masked rows, masked requests) + other_seconds)`` (the first such count);
+    (0, 0.0) when no node is offered. A step's seconds never fall as nodes are added (rows, masked rows and
+    masked requests only grow), so once even every node's gain over this count's seconds cannot beat the best
+    rate, no later count can, and the nodes after it are not looked at."""
     batch = len(candidates)
+    most_gain = sum(sum(c.chances[: c.cap]) for c in candidates)
     chosen = [0] * batch
     best_count, best_rate, gain, masked, masked_requests = 0, 0.0, 0.0, 0, 0
-    for count, (chance, request, _) in enumerate(_offered(candidates), start=1):
-        gain += chance
+    for count, (negative_chance, request, _) in enumerate(_offered(candidates), start=1):
+        gain -= negative_chance
         c = candidates[request]
         before, after = c.masked_rows(chosen[request]), c.masked_rows(chosen[request] + 1)
         masked += after - before
         masked_requests += (after > 0) - (before > 0)
         chosen[request] += 1
-        rate = (batch + gain) / (verify_seconds(batch + count, masked, masked_requests) + other_seconds)
+        seconds = verify_seconds(batch + count, masked, masked_requests) + other_seconds
+        rate = (batch + gain) / seconds
         if rate > best_rate:
             best_count, best_rate = count, rate
+        elif (batch + most_gain) * (1 + TIE) < best_rate * seconds:
+            break
     return best_count, best_rate
 
 
