@@ -106,6 +106,18 @@ def test_the_acceptance_model_learns_the_observed_rate_and_never_exceeds_a_paren
     assert predicted == pytest.approx(observed, abs=0.05)
 
 
+def test_a_lookup_paths_chances_follow_every_observation():
+    model = AcceptanceModel()
+    lookup = [NodeFeatures(True, depth, None) for depth in (1, 2, 3)]
+    rng = random.Random(3)
+    for step in range(40):
+        req_id = f"r{step % 3}"
+        assert model.lookup_path_chances(req_id, 3) == model.path_chances(req_id, lookup, [-1, 0, 1])
+        accepted = {0, 1} if rng.random() < 0.5 else set()
+        model.observe(req_id, lookup, [-1, 0, 1], accepted)
+        model.forget({"r0", "r1"} if step == 20 else {"r0", "r1", "r2"})
+
+
 def test_a_bin_verification_has_not_reached_predicts_what_nodes_like_it_have_shown():
     sure = math.log(0.98)  # a draft sure of itself, right 70% of the time
     model = AcceptanceModel()

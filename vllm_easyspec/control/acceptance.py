@@ -104,6 +104,7 @@ class AcceptanceModel:
     recent: dict[str, float] = field(default_factory=dict)  # request id -> moving acceptance of tested nodes
     conditional: Calibration = field(default_factory=Calibration)  # P(accepted | tested) predictions
     path: Calibration = field(default_factory=Calibration)  # P(accepted) predictions of every offered node
+    _lookup_paths: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # (recent bin, length) -> chances
 
     def recent_bin(self, req_id: str) -> int:
         rate = self.recent.get(req_id)
@@ -126,8 +127,20 @@ class AcceptanceModel:
             chances.append(own * (chances[parent] if parent >= 0 else 1.0))
         return chances
 
+    def lookup_path_chances(self, req_id: str, length: int) -> list[float]:
+        """``P(accepted)`` of each node of a prompt-lookup path of ``length`` nodes offered by ``req_id`` (which
+        depends on the request through its recent-acceptance bin only: kept per bin until the next
+        observation)."""
+        key = (self.recent_bin(req_id), length)
+        chances = self._lookup_paths.get(key)
+        if chances is None:
+            nodes = [NodeFeatures(True, depth, None) for depth in range(1, length + 1)]
+            chances = self._lookup_paths[key] = self.path_chances(req_id, nodes, list(range(-1, length - 1)))
+        return chances
+
     def observe(self, req_id: str, nodes: list[NodeFeatures], parents: list[int], accepted: set[int]) -> None:
         """Verification of one request's scheduled tree: ``accepted`` holds the indices of its accepted nodes."""
+        self._lookup_paths.clear()
         recent_bin = self.recent_bin(req_id)
         path_before = self.path_chances(req_id, nodes, parents)
         tested = accepted_here = 0

@@ -400,8 +400,7 @@ class SpeculationController:
 
     def _lookup_path(self, req_id: str, length: int, ratio: float) -> Candidates:
         """A prompt-lookup path of ``length`` nodes offered alone, priced by the acceptance model."""
-        chances = self.acceptance.path_chances(req_id, [NodeFeatures(True, depth, None) for depth in
-                                                        range(1, length + 1)], list(range(-1, length - 1)))
+        chances = self.acceptance.lookup_path_chances(req_id, length)
         return Candidates([min(ratio * chance, 1.0) for chance in chances[: self.max_nodes]], self.max_nodes)
 
     def _first_offer(self, depth: int) -> Candidates:
