@@ -179,6 +179,8 @@ class StepCostModel:
         design, seconds = steps[:, :4], steps[:, 4]
         prior = np.array([1.0, 0.0, 0.0, 0.0])
         squares = (design**2).sum(axis=0)
+        if squares[0] <= 0:  # a curve of zeros has no scale to fit
+            return
         weight_squared = PRIOR_WEIGHT * squares
         gram = design.T @ design + np.diag(weight_squared)
         target = design.T @ seconds + weight_squared * prior

@@ -122,7 +122,7 @@ def best_nodes(candidates: Sequence[Candidates], total: int) -> list[int]:
     return chosen
 
 
-# (rows, rows needing masked tree attention, requests whose trees need it) -> seconds
+# (rows, rows needing masked tree attention, requests whose trees need it) -> seconds, non-decreasing in each
 VerifySeconds = Callable[[int, int, int], float]
 TIE = 1e-12  # relative: rates closer than this are taken as equal when deciding that no later count can win
 
