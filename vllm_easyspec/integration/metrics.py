@@ -4,7 +4,7 @@ server's ``/metrics``, and a summary line in the engine's log.
 The controller runs in the worker; vLLM's metrics live in the front-end process's Prometheus registry, and vLLM
 carries no plugin figures between the two. So the worker of tensor-parallel rank 0 publishes its controller's
 state after every engine step as a small JSON file, replaced atomically (:class:`ControllerPublisher`; about
-0.05 ms, counted in the controller's overhead), and one collector per front-end process
+0.1 ms on the 2-core CPU, counted in the controller's overhead), and one collector per front-end process
 (:class:`ControllerMetricsCollector`) turns the newest engine's file into metrics when the registry is read:
 the same route prometheus_client's own multiprocess mode takes. The files live under
 ``/dev/shm/vllm-easyspec-metrics-$UID/`` (else the temporary directory), named by vLLM's ``instance_id``; the
