@@ -13,7 +13,10 @@ vocabularies: vLLM's ``draft_model`` chain at k = 1 (its fastest k), that chain 
 lookup nodes, that tree with a table that stops speculating from batch 4, and the controller on a 12 + 4-node
 candidate. A cell is one prompt class at one batch size: ``rounds x batch`` prompts (at least 4) served
 ``batch`` at a time, a finished request replaced by the next prompt, ``--max-tokens`` each. Every engine process times
-every cell in turn (``harness.run_matrix``); each setup runs in ``--repeats`` interleaved processes.
+every cell in turn (``harness.run_matrix``); each setup runs in ``--repeats`` interleaved processes; round r serves
+the classes in their order rotated by r. With ``--side-by-side`` each round's engines are all started at once
+and take turns cell by cell, so the setups' times of a cell are taken minutes apart at most (one pair's five
+setups fit in memory; both pairs' ten do not).
 
 Results: ``benchmarks/results/{stem}.{json,md}``, ``{stem}_speed.png`` (speed against batch per class),
 ``{stem}_calibration.png`` (the controller's predicted against observed acceptance, by bin) and
@@ -116,7 +119,7 @@ def cells(classes: list[str], batches: list[int], max_tokens: int, rounds: int =
             count = max(rounds * batch, 4)
             name = f"{prompt_class}-b{batch}"
             lengths = ragged_lengths(name, count, max_tokens) if ragged else None
-            out.append(Cell(name, list(islice(cycle(pool), count)), batch, max_tokens, lengths))
+            out.append(Cell(name, list(islice(cycle(pool), count)), batch, max_tokens, lengths, prompt_class))
     return out
 
 
@@ -128,6 +131,7 @@ def ragged_lengths(cell_name: str, count: int, mean: int) -> list[int]:
     return [draw.randint(max(mean // 2, 1), mean + mean // 2) for _ in range(count)]
 
 
+SIDE_BY_SIDE_KV_CACHE_GIB = 1  # per engine when a pair's five are resident at once (16 requests need ~0.1 GiB)
 PAIR_OF = {"eagle": "EAGLE-3 head", "smol": "SmolLM2-135M draft"}
 VANILLA_SPREAD_WARNING = 1.10  # vanilla's processes differing more than this flag a machine whose speed drifted
 
@@ -402,6 +406,8 @@ def main(argv: list[str] | None = None) -> None:
                              "requests end on different steps as a server's do")
     parser.add_argument("--rounds", type=int, default=2, help="prompts per cell: rounds x batch (at least 4)")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="each round's engines resident together, taking turns cell by cell")
     parser.add_argument("--only", default=None, help="only the setups whose name matches this regex (and vanilla)")
     parser.add_argument("--stem", default="auto_matrix")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
@@ -412,20 +418,24 @@ def main(argv: list[str] | None = None) -> None:
     chosen = select_setups(setups(args.pairs), args.only)
     names = [s.name for s in chosen]
     matrix = cells(args.classes, args.batches, args.max_tokens, args.rounds, args.ragged)
-    workload = Workload(target=str(fetch_model(QWEN)), prompts=[], batch_size=max(args.batches), dtype=args.dtype)
+    workload = Workload(target=str(fetch_model(QWEN)), prompts=[], batch_size=max(args.batches), dtype=args.dtype,
+                        kv_cache_gib=SIDE_BY_SIDE_KV_CACHE_GIB if args.side_by_side else Workload.kv_cache_gib)
     runs_file = RESULTS_DIR / "logs" / f"{args.stem}.runs.jsonl"
     runs_file.parent.mkdir(parents=True, exist_ok=True)
-    rows_by_cell = run_matrix(chosen, workload, matrix, repeats=args.repeats, runs_file=runs_file)
+    rows_by_cell = run_matrix(chosen, workload, matrix, repeats=args.repeats, runs_file=runs_file,
+                              side_by_side=args.side_by_side)
     states = _auto_states(rows_by_cell)
     table = markdown(rows_by_cell, names)
     described = ", ".join(f"`{s.name}`: {s.description}" for s in chosen)
     lengths = (f"{args.max_tokens // 2} to {args.max_tokens * 3 // 2} tokens each (uniform, the same draw for "
                f"every setup)" if args.ragged else f"{args.max_tokens} tokens each")
+    spread_over = ("rounds, each a process whose engines took turns cell by cell" if args.side_by_side
+                   else "interleaved engine processes")
     md = (f"# The controller against fixed setups, by prompt class and batch\n\nCommand: `{command}`\n\n"
           f"Setups: {described}.\n\nCells: {args.rounds} x batch prompts (at least 4) served batch at a time, "
           f"{lengths}, {args.dtype}, greedy. Ratios: median throughput (output tokens / "
           f"wall time of the cell, prefills included) / vanilla's median "
-          f"[min–max over {args.repeats} interleaved engine processes].\n\n{table}\n\n"
+          f"[min–max over {args.repeats} {spread_over}].\n\n{table}\n\n"
           f"Goals (auto >= vanilla beyond the spread, >= 0.97x the best fixed setup of its pair):\n\n"
           f"{goals(rows_by_cell)}\n")
     stem = RESULTS_DIR / args.stem

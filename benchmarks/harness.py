@@ -7,6 +7,13 @@ Invariants:
   setup runs in ``repeats`` processes, interleaved: round r runs every setup once before round r+1 starts,
   and the order within round r is the setup list rotated by r (``interleaved_order``), so no setup always
   runs first. Machine drift then spreads over all setups instead of landing on one.
+- A matrix run side by side (``run_matrix(side_by_side=True)``) starts every setup's engine in one child
+  per round and times each cell on every engine in turn before the next cell (the setups rotated by round
+  and cell), so the setups' times of one cell lie within a minute or two of each other, not a whole
+  process apart: the machine's drift over minutes then moves them together. The engines wait between their
+  turns (an idle engine took about 1.5% of one core here) and never run at once. In both modes, round r
+  serves the prompt classes (``Cell.group``) in the order rotated by r (``cell_order``), so no class is
+  always the first an engine serves.
 - Per setup a row reports the median speed over its runs, with the min, the max and every run's value;
   ``speedup_vs_vanilla`` is median(setup) / median(vanilla) and the range ``speedup_min`` / ``speedup_max``
   is min(setup) / median(vanilla) and max(setup) / median(vanilla). Per-step times (drafting, verify, whole
@@ -120,6 +127,7 @@ class Cell:
     batch_size: int
     max_tokens: int
     lengths: list[int] | None = None  # each prompt's max_tokens, in order; None: max_tokens for every prompt
+    group: str = ""  # the prompt class: rounds rotate the order of the groups (``cell_order``)
 
     def __post_init__(self) -> None:
         if self.lengths is not None and len(self.lengths) != len(self.prompts):
@@ -183,6 +191,17 @@ def interleaved_order(names: list[str], repeats: int) -> list[tuple[int, str]]:
     return order
 
 
+def cell_order(cells: list[Cell], round_index: int) -> list[Cell]:
+    """The cells round ``round_index`` serves: their groups (first appearance order) rotated by the round, each
+    group's cells in their order, so no group is always the first an engine serves."""
+    groups: dict[str, list[Cell]] = {}
+    for cell in cells:
+        groups.setdefault(cell.group, []).append(cell)
+    names = list(groups)
+    shift = round_index % len(names) if names else 0
+    return [cell for name in names[shift:] + names[:shift] for cell in groups[name]]
+
+
 def run_setups(
     setups: list[Setup], workload: Workload, repeats: int = DEFAULT_REPEATS, progress: bool = True
 ) -> list[dict[str, Any]]:
@@ -196,18 +215,22 @@ def run_setups(
 
 def run_matrix(
     setups: list[Setup], workload: Workload, cells: list[Cell], repeats: int = DEFAULT_REPEATS,
-    runs_file: Path | None = None, progress: bool = True,
+    runs_file: Path | None = None, progress: bool = True, side_by_side: bool = False,
 ) -> dict[str, list[dict[str, Any]]]:
     """Like ``run_setups``, but each engine process times every cell in turn (engine start-up is paid once per
     process, not per cell); the engine's ``max_num_seqs`` is ``workload.batch_size``, at least every cell's
     batch. Returns one list of rows per cell, each aggregated exactly as ``run_setups`` aggregates its runs.
+    With ``side_by_side``, each round's engines are resident together and take turns cell by cell (module
+    docstring).
 
-    ``runs_file`` (JSON lines) keeps every finished run; a run already there is not run again, so an
-    interrupted matrix resumes where it stopped. Rows are of ``MATRIX_SPEED`` (module docstring)."""
+    ``runs_file`` (JSON lines) keeps every finished run; a run already there is not run again (side by side:
+    a round whose every setup is there), so an interrupted matrix resumes where it stopped. Rows are of
+    ``MATRIX_SPEED`` (module docstring)."""
     if max(cell.batch_size for cell in cells) > workload.batch_size:
         raise ValueError(f"workload.batch_size {workload.batch_size} is below a cell's batch")
     names = [s.name for s in setups]
-    raw = _run_interleaved(setups, workload, repeats, progress, cells, runs_file)
+    run = _run_side_by_side if side_by_side else _run_interleaved
+    raw = run(setups, workload, repeats, progress, cells, runs_file)
     rows_by_cell = {}
     for cell in cells:
         rows = finalize_rows([run["cells"][cell.name] | {"round": run["round"]} for run in raw], order=names,
@@ -225,15 +248,8 @@ def _run_interleaved(
     """Every setup's runs in ``interleaved_order``, each in its own engine process, with its ``round``; runs
     that ``runs_file`` already holds (for the same cells) are read, not run, and new ones are appended to it."""
     names = [s.name for s in setups]
-    if len(set(names)) != len(names):
-        raise ValueError(f"setup names must be unique, got {names}")
     by_name = {s.name: s for s in setups}
-    done: dict[tuple[int, str], dict[str, Any]] = {}
-    if runs_file is not None and runs_file.exists():
-        for line in runs_file.read_text().splitlines():
-            run = json.loads(line)
-            if run["setup"] in by_name and set(run.get("cells", ())) >= {cell.name for cell in cells or ()}:
-                done[(run["round"], run["setup"])] = run
+    done = _recorded_runs(setups, cells, runs_file)
     raw: list[dict[str, Any]] = []
     bar = tqdm(interleaved_order(names, repeats), desc="runs", unit="run", disable=not progress)
     for round_index, name in bar:
@@ -247,6 +263,43 @@ def _run_interleaved(
                 with runs_file.open("a") as out:
                     out.write(json.dumps(run) + "\n")
         raw.append(run)
+    return raw
+
+
+def _recorded_runs(setups: list[Setup], cells: list[Cell] | None,
+                   runs_file: Path | None) -> dict[tuple[int, str], dict[str, Any]]:
+    """(round, setup) -> run, of the runs ``runs_file`` holds for these setups and cells."""
+    names = [s.name for s in setups]
+    if len(set(names)) != len(names):
+        raise ValueError(f"setup names must be unique, got {names}")
+    done: dict[tuple[int, str], dict[str, Any]] = {}
+    if runs_file is not None and runs_file.exists():
+        for line in runs_file.read_text().splitlines():
+            run = json.loads(line)
+            if run["setup"] in names and set(run.get("cells", ())) >= {cell.name for cell in cells or ()}:
+                done[(run["round"], run["setup"])] = run
+    return done
+
+
+def _run_side_by_side(
+    setups: list[Setup], workload: Workload, repeats: int, progress: bool, cells: list[Cell] | None = None,
+    runs_file: Path | None = None,
+) -> list[dict[str, Any]]:
+    """Every round in one child whose engines, one per setup, take turns cell by cell (module docstring); the
+    runs as ``_run_interleaved`` returns them. A round ``runs_file`` holds for every setup is read, not run."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    done = _recorded_runs(setups, cells, runs_file)
+    raw: list[dict[str, Any]] = []
+    for round_index in tqdm(range(repeats), desc="rounds", unit="round", disable=not progress):
+        runs = [done.get((round_index, setup.name)) for setup in setups]
+        if any(run is None for run in runs):
+            runs = [run | {"round": round_index}
+                    for run in _run_round_in_child(setups, workload, round_index, cells or [])]
+            if runs_file is not None:
+                with runs_file.open("a") as out:
+                    out.writelines(json.dumps(run) + "\n" for run in runs)
+        raw += runs
     return raw
 
 
@@ -485,43 +538,59 @@ def _run_in_child(
     setup: Setup, workload: Workload, round_index: int = 0, record_top_logits: bool = False,
     cells: list[Cell] | None = None,
 ) -> dict[str, Any]:
+    request = {"setup": asdict(setup), "workload": asdict(workload), "record_top_logits": record_top_logits,
+               "cells": [asdict(cell) for cell in cells or []], "round": round_index}
+    env = os.environ | engine_env(setup.tensor_parallel_size) | setup.env
+    return _child(request, env, workload, f"{setup.name}-r{round_index}", f"setup {setup.name!r}")
+
+
+def _run_round_in_child(setups: list[Setup], workload: Workload, round_index: int,
+                        cells: list[Cell]) -> list[dict[str, Any]]:
+    """One side-by-side round: a run per setup, in the order of ``setups``."""
+    request = {"setups": [asdict(setup) for setup in setups], "workload": asdict(workload),
+               "cells": [asdict(cell) for cell in cells], "round": round_index}
+    return _child(request, dict(os.environ), workload, f"side-by-side-r{round_index}",
+                  f"round {round_index}")["runs"]
+
+
+def _child(request: dict[str, Any], env: dict[str, str], workload: Workload, log_name: str,
+           what: str) -> dict[str, Any]:
+    """Runs ``request`` in a child process (``_child_main``) and returns its result."""
     with tempfile.TemporaryDirectory(prefix="easyspec-bench-") as scratch:
-        request = Path(scratch) / "request.json"
+        request_path = Path(scratch) / "request.json"
         result = Path(scratch) / "result.json"
-        request.write_text(
-            json.dumps(
-                {"setup": asdict(setup), "workload": asdict(workload), "record_top_logits": record_top_logits,
-                 "cells": [asdict(cell) for cell in cells or []]}
-            )
-        )
-        env = os.environ | engine_env(setup.tensor_parallel_size) | setup.env
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(workload.kv_cache_gib)
-        log_path = RESULTS_DIR / "logs" / f"{os.getpid()}-{setup.name}-r{round_index}.log"
+        request_path.write_text(json.dumps(request))
+        env = env | {"VLLM_CPU_KVCACHE_SPACE": str(workload.kv_cache_gib)}
+        log_path = RESULTS_DIR / "logs" / f"{os.getpid()}-{log_name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("w") as log:
             completed = subprocess.run(
-                [sys.executable, "-m", "benchmarks.harness", "--child", str(request), str(result)],
+                [sys.executable, "-m", "benchmarks.harness", "--child", str(request_path), str(result)],
                 cwd=BENCHMARKS_DIR.parent, env=env, stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
         if completed.returncode != 0:
             tail = "\n".join(log_path.read_text().splitlines()[-15:])
-            raise RuntimeError(
-                f"setup {setup.name!r} failed (exit {completed.returncode}); log {log_path}:\n{tail}"
-            )
+            raise RuntimeError(f"{what} failed (exit {completed.returncode}); log {log_path}:\n{tail}")
         return json.loads(result.read_text())
 
 
 def _child_main(request_path: Path, result_path: Path) -> None:
-    """Runs inside the child process: build the engine, then time the workload, or each of its cells."""
+    """Runs inside the child process: build the engine, then time the workload, or each of its cells; or,
+    side by side, build every setup's engine and time each cell on each of them in turn."""
     request = json.loads(request_path.read_text())
-    setup = Setup(**request["setup"])
     workload = Workload(**request["workload"])
     record_top_logits = bool(request.get("record_top_logits"))
+    round_index = int(request.get("round", 0))
+    cells = cell_order([Cell(**cell) for cell in request.get("cells") or []], round_index)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(workload.target)
+    if "setups" in request:
+        result_path.write_text(json.dumps({"runs": _side_by_side_round(
+            [Setup(**setup) for setup in request["setups"]], workload, tokenizer, cells, round_index)}))
+        return
+    setup = Setup(**request["setup"])
     llm, engine_start = _start_engine(setup, workload)
-    cells = [Cell(**cell) for cell in request.get("cells") or []]
     if not cells:
         result = _measure(llm, tokenizer, setup, workload,
                           Cell("", workload.prompts, workload.batch_size, workload.max_tokens),
@@ -534,6 +603,32 @@ def _child_main(request_path: Path, result_path: Path) -> None:
             measured = _measure(llm, tokenizer, setup, workload, cell, record_top_logits, limit_in_flight=True)
             result["cells"][cell.name] = measured | {"engine_start_seconds": engine_start}
     result_path.write_text(json.dumps(result))
+
+
+def _side_by_side_round(setups: list[Setup], workload: Workload, tokenizer, cells: list[Cell],
+                        round_index: int) -> list[dict[str, Any]]:
+    """Every setup's engine started (each with its own environment), then each cell timed on each engine in
+    turn, the setups rotated by round and cell; vanilla records its top logits in round 0."""
+    engines = {}
+    base = dict(os.environ)
+    try:
+        for setup in setups:  # the engine's processes inherit the environment it starts in
+            os.environ.clear()
+            os.environ.update(base | engine_env(setup.tensor_parallel_size) | setup.env)
+            engines[setup.name] = _start_engine(setup, workload)
+    finally:
+        os.environ.clear()
+        os.environ.update(base)
+    runs = {setup.name: {"setup": setup.name, "cells": {}} for setup in setups}
+    for position, cell in enumerate(cells):
+        shift = (round_index + position) % len(setups)
+        for setup in setups[shift:] + setups[:shift]:
+            llm, engine_start = engines[setup.name]
+            llm.reset_prefix_cache()
+            measured = _measure(llm, tokenizer, setup, workload, cell,
+                                record_top_logits=setup.name == VANILLA and round_index == 0, limit_in_flight=True)
+            runs[setup.name]["cells"][cell.name] = measured | {"engine_start_seconds": engine_start}
+    return [runs[setup.name] for setup in setups]
 
 
 def _start_engine(setup: Setup, workload: Workload) -> tuple[Any, float]:

@@ -9,6 +9,7 @@ from benchmarks.harness import (
     Cell,
     Setup,
     Workload,
+    cell_order,
     classify_identity,
     counter_delta,
     finalize_rows,
@@ -243,6 +244,73 @@ def test_a_matrix_aggregates_each_cell_and_resumes_from_its_runs_file(tmp_path, 
     assert again["chat-b1"][1]["repeats"] == 3
     with pytest.raises(ValueError, match="below a cell's batch"):
         run_matrix(setups, Workload(target="t", prompts=[], batch_size=2), cells, runs_file=None, progress=False)
+
+
+def test_each_round_serves_the_classes_rotated_so_none_is_always_first():
+    cells = [Cell(f"{group}-b{batch}", ["p"] * 4, batch, 8, group=group)
+             for group in ("chat", "edit", "mixed") for batch in (1, 4)]
+    orders = [[c.name for c in cell_order(cells, r)] for r in range(4)]
+    assert orders[0] == [c.name for c in cells]
+    assert orders[1] == ["edit-b1", "edit-b4", "mixed-b1", "mixed-b4", "chat-b1", "chat-b4"]
+    assert orders[3] == orders[0]
+    assert {order[0] for order in orders[:3]} == {"chat-b1", "edit-b1", "mixed-b1"}
+    assert all(sorted(order) == sorted(orders[0]) for order in orders)
+
+
+def test_side_by_side_every_engine_takes_each_cell_in_turn_before_the_next_cell(monkeypatch):
+    started, measured = [], []
+
+    def fake_start(setup, workload):
+        started.append((setup.name, harness.os.environ.get("BENCH_MARK")))
+        return setup.name, 1.0
+
+    def fake_measure(llm, tokenizer, setup, workload, cell, record_top_logits, limit_in_flight):
+        measured.append((cell.name, setup.name, record_top_logits))
+        return {"throughput_tok_per_s": 1.0}
+
+    class Engine(str):
+        def reset_prefix_cache(self):
+            pass
+
+    monkeypatch.setattr(harness, "_start_engine", lambda s, w: (Engine(fake_start(s, w)[0]), 1.0))
+    monkeypatch.setattr(harness, "_measure", fake_measure)
+    monkeypatch.delenv("BENCH_MARK", raising=False)
+    setups = [Setup("vanilla"), Setup("a", env={"BENCH_MARK": "a"}), Setup("b")]
+    cells = [Cell("chat-b1", ["p"] * 4, 1, 8, group="chat"), Cell("edit-b1", ["p"] * 4, 1, 8, group="edit")]
+    runs = harness._side_by_side_round(setups, Workload(target="t", prompts=[]), None, cells, round_index=1)
+    assert [r["setup"] for r in runs] == ["vanilla", "a", "b"]
+    assert all(set(r["cells"]) == {"chat-b1", "edit-b1"} for r in runs)
+    assert started == [("vanilla", None), ("a", "a"), ("b", None)]  # each engine starts under its setup's env
+    assert "BENCH_MARK" not in harness.os.environ
+    # cell by cell, the setups rotated by round and cell; vanilla records top logits in round 0 only
+    assert measured == [("chat-b1", "a", False), ("chat-b1", "b", False), ("chat-b1", "vanilla", False),
+                        ("edit-b1", "b", False), ("edit-b1", "vanilla", False), ("edit-b1", "a", False)]
+    measured.clear()
+    harness._side_by_side_round(setups, Workload(target="t", prompts=[]), None, cells[:1], round_index=0)
+    assert measured[0] == ("chat-b1", "vanilla", True)
+
+
+def test_a_side_by_side_matrix_runs_whole_rounds_and_resumes_from_its_runs_file(tmp_path, monkeypatch):
+    cells = [Cell("chat-b1", ["p"] * 4, 1, 8)]
+    rounds = []
+
+    def fake_round(setups, workload, round_index, cells_asked):
+        rounds.append(round_index)
+        return [{"setup": s.name, "cells": {"chat-b1": _raw(s.name, 1.0, [[1]], throughput_tok_per_s=10.0
+                                                             * (1 + (s.name == "spec")) + round_index)}}
+                for s in setups]
+
+    monkeypatch.setattr(harness, "_run_round_in_child", fake_round)
+    runs = tmp_path / "runs.jsonl"
+    setups = [Setup("vanilla"), Setup("spec")]
+    workload = Workload(target="t", prompts=[], batch_size=1)
+    first = run_matrix(setups, workload, cells, repeats=2, runs_file=runs, progress=False, side_by_side=True)
+    assert rounds == [0, 1] and len(runs.read_text().splitlines()) == 4
+    assert first["chat-b1"][1]["throughput_tok_per_s_runs"] == [20.0, 21.0]
+    assert first["chat-b1"][1]["speedup_vs_vanilla"] == pytest.approx(20.5 / 10.5)
+    rounds.clear()
+    again = run_matrix(setups, workload, cells, repeats=3, runs_file=runs, progress=False, side_by_side=True)
+    assert rounds == [2] and again["chat-b1"][1]["repeats"] == 3
 
 
 def test_a_matrix_cell_is_measured_by_throughput_and_older_runs_get_it_from_their_totals():
