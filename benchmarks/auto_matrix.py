@@ -169,6 +169,8 @@ def cell_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "auto_vs_best_fixed": auto[MATRIX_SPEED] / best[MATRIX_SPEED],
             "auto_vs_best_fixed_range": [auto[f"{MATRIX_SPEED}_min"] / best[MATRIX_SPEED],
                                          auto[f"{MATRIX_SPEED}_max"] / best[MATRIX_SPEED]],
+            "auto_vs_vanilla_by_round": paired_ratios(auto, by_name[VANILLA]),
+            "auto_vs_best_fixed_by_round": paired_ratios(auto, best),
             "predicted_accepted_per_step": controller.get("predicted_accepted", 0) / steps if steps else None,
             "realised_accepted_per_step": controller.get("realised_accepted", 0) / steps if steps else None,
             "nodes_per_request_step": (controller.get("nodes_chosen", 0) / controller["requests"]
@@ -177,6 +179,23 @@ def cell_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "cost_predicted_over_observed": _cost_error(controller),
         }
     return summary
+
+
+def paired_ratios(row: dict[str, Any], reference: dict[str, Any]) -> list[float]:
+    """``row``'s speed over ``reference``'s in each round (the runs of both rows are in round order), sorted;
+    empty when either lacks a round. Side by side, a round's two speeds were taken minutes apart at most, so
+    their ratio carries little of the machine's drift."""
+    mine, theirs = row.get(f"{MATRIX_SPEED}_runs") or [], reference.get(f"{MATRIX_SPEED}_runs") or []
+    if len(mine) != len(theirs) or not all(mine) or not all(theirs):
+        return []
+    return sorted(a / b for a, b in zip(mine, theirs, strict=True))
+
+
+def _paired(ratios: list[float]) -> str:
+    """``median [min–max]`` of per-round ratios; – without them."""
+    if not ratios:
+        return "–"
+    return f"{statistics.median(ratios):.2f} [{ratios[0]:.2f}–{ratios[-1]:.2f}]"
 
 
 def _controller_share(row: dict[str, Any]) -> float | None:
@@ -215,9 +234,10 @@ def markdown(rows_by_cell: dict[str, list[dict[str, Any]]], names: list[str]) ->
             + " | ".join(_ratio(by_name.get(n)) for n in names if n != VANILLA) + " |"
         )
     lines += ["", "| cell | pair | best fixed | its ratio | auto vs vanilla | auto vs best fixed | "
+              "by round: auto / vanilla, auto / best fixed | "
               "predicted / realised accepted per step | nodes per request-step | controller share "
               "| cost model predicted / observed: verify, levels, first pass, host work |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for cell, rows in rows_by_cell.items():
         summary = cell_summary(rows)
         for prefix, label in PAIR_OF.items():
@@ -229,6 +249,7 @@ def markdown(rows_by_cell: dict[str, list[dict[str, Any]]], names: list[str]) ->
             lines.append(
                 f"| {cell} | {label} | {s['best_fixed']} | {s['best_fixed_vs_vanilla']:.2f} "
                 f"| {s['auto_vs_vanilla']:.2f} | {s['auto_vs_best_fixed']:.2f} [{low:.2f}–{high:.2f}] "
+                f"| {_paired(s['auto_vs_vanilla_by_round'])}, {_paired(s['auto_vs_best_fixed_by_round'])} "
                 f"| {_num(predicted)} / {_num(realised)} | {_num(s['nodes_per_request_step'])} "
                 f"| {_pct(s['controller_share_of_step'])} "
                 f"| {', '.join(_num(s['cost_predicted_over_observed'].get(p)) for p in ('verify', 'draft', 'first_pass', 'overhead'))} |"
@@ -250,6 +271,7 @@ def goals(rows_by_cell: dict[str, list[dict[str, Any]]]) -> str:
     lines = []
     for prefix, label in PAIR_OF.items():
         below_vanilla, below_best, cells_seen = [], [], 0
+        paired_below_vanilla, paired_below_best, paired_cells = [], [], 0
         for cell, rows in rows_by_cell.items():
             s = cell_summary(rows).get(prefix)
             if s is None:
@@ -261,10 +283,22 @@ def goals(rows_by_cell: dict[str, list[dict[str, Any]]]) -> str:
                 below_vanilla.append(f"{cell} ({s['auto_vs_vanilla']:.2f})")
             if s["auto_vs_best_fixed"] < 0.97:
                 below_best.append(f"{cell} ({s['auto_vs_best_fixed']:.2f} of {s['best_fixed']})")
+            by_vanilla, by_best = s["auto_vs_vanilla_by_round"], s["auto_vs_best_fixed_by_round"]
+            if by_vanilla and by_best:
+                paired_cells += 1
+                if by_vanilla[-1] < 1.0:  # slower than vanilla in every round
+                    paired_below_vanilla.append(f"{cell} ({statistics.median(by_vanilla):.2f})")
+                if statistics.median(by_best) < 0.97:
+                    paired_below_best.append(f"{cell} ({statistics.median(by_best):.2f} of {s['best_fixed']})")
         if cells_seen:
             lines.append(f"- {label}: {cells_seen} cells; auto below vanilla's spread in "
                          f"{len(below_vanilla)}: {', '.join(below_vanilla) or 'none'}; below 0.97x the best fixed "
                          f"setup in {len(below_best)}: {', '.join(below_best) or 'none'}")
+            if paired_cells:
+                lines.append(f"  - by round (each round's auto over the other setup's in the same round): slower than "
+                             f"vanilla in every round in {len(paired_below_vanilla)}: "
+                             f"{', '.join(paired_below_vanilla) or 'none'}; median below 0.97x the best fixed "
+                             f"setup in {len(paired_below_best)}: {', '.join(paired_below_best) or 'none'}")
             one_config = batch1_over_classes(rows_by_cell, prefix)
             if one_config:
                 lines.append("  - batch 1, geometric mean over the classes apart (one configuration for all): "
