@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(BIN)/python -m benchmarks.main_job
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
