@@ -575,6 +575,26 @@ def test_exploring_costs_at_most_its_share_and_a_dear_catch_up_makes_it_rare():
     assert cheap.stats.exploring_drafts + cheap.stats.steps_without_drafting == 800  # the models never draft
 
 
+def test_a_buckets_realised_over_predicted_rests_on_its_recent_steps_whatever_the_batch():
+    # one request verifies one node per step, accepted on every third step; at batch 16 fifteen neighbours
+    # verify nothing. Their empty verifications must not wear the memory down 16 times faster.
+    cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.05 + 63 * 1e-5]),
+                         CostCurve.from_measurements([1, 64], [0.001, 0.002]))
+    ratios = []
+    for batch in (1, 16):
+        controller = SpeculationController(cost, max_depth=1, max_nodes=1, level_width=1)
+        idle = [f"idle{i}" for i in range(batch - 1)]
+        for step in range(60):
+            trees = [RequestTree("r0", [5], [-1], [_features(1, -0.1)], keeps_order=False)]
+            trees += [RequestTree(req_id, [], [], [], keeps_order=False) for req_id in idle]
+            for tree, choice in zip(trees, controller.choose(trees), strict=True):
+                accepted = {0} if choice.count and step % 3 == 0 else set()
+                controller.observe(tree.req_id, choice.features[: choice.count], choice.parents[: choice.count],
+                                   accepted)
+        ratios.append(controller.ratio_at(batch))
+    assert ratios[0] < 0.9 and ratios[1] == pytest.approx(ratios[0])
+
+
 def test_realised_over_predicted_is_kept_per_batch_size():
     cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.05 + 63 * 0.0005]),
                          CostCurve.from_measurements([1, 64], [0.001, 0.002]))

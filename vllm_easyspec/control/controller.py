@@ -88,7 +88,8 @@ SHARED_OFFER_WEIGHT = 0.05  # ... of any request's newest tree in the average of
 EXPLORE_EVERY = 16  # one step in this many verifies a random number of the best nodes, or drafts the whole depth
 EXPLORE_SHARE = 0.02  # share of decode verify time that exploring steps get
 EXPLORE_MOST_STEPS = 4  # the exploration budget holds at most this many verify steps' time
-RATIO_MEMORY = 0.98  # decay per verified request of the sums behind realised / predicted accepted nodes
+RATIO_MEMORY = 0.98  # decay per step of a batch-size bucket of the sums behind its realised / predicted accepted
+# nodes: per step, not per request, so a bucket's ratio rests on its last ~50 steps at any batch size
 GUARD_MEMORY = 0.9  # decay per decode cycle of the sums behind a bucket's tokens per second
 GUARD_MIN_CYCLES = 8  # cycles of a kind a bucket needs before its measured rate is trusted
 GUARD_STANDARD_ERRORS = 1.0  # how far below plain cycles drafted ones must be for the guard to hold back
@@ -423,6 +424,8 @@ class SpeculationController:
         ordered: list[_OrderedTree] = []
         bucket = OutcomeGuard.bucket(len(trees))
         ratio = self.ratio_at(len(trees))
+        sums = self._ratio_sums.setdefault(bucket, [1.0, 1.0])  # this step's observations join decayed ones
+        sums[0], sums[1] = RATIO_MEMORY * sums[0], RATIO_MEMORY * sums[1]
         levels = self._drafted_levels
         for tree in trees:
             model_chances = self.acceptance.path_chances(tree.req_id, tree.features, tree.parents)
@@ -477,8 +480,8 @@ class SpeculationController:
         if predicted is not None:
             chances, bucket = predicted
             sums = self._ratio_sums.setdefault(bucket, [1.0, 1.0])
-            sums[0] = RATIO_MEMORY * sums[0] + len(accepted)
-            sums[1] = RATIO_MEMORY * sums[1] + chances
+            sums[0] += len(accepted)
+            sums[1] += chances
         self.stats.realised_accepted += len(accepted)
         if self._cycle is not None:
             self._cycle.accepted += len(accepted)
