@@ -11,7 +11,8 @@ Invariants:
   per round and times each cell on every engine in turn before the next cell (the setups rotated by round
   and cell), so the setups' times of one cell lie within a minute or two of each other, not a whole
   process apart: the machine's drift over minutes then moves them together. The engines wait between their
-  turns (an idle engine took about 1.5% of one core here) and never run at once. In both modes, round r
+  turns (an idle engine took about 1.5% of one core here) and never run at once. vLLM's acceptance counters
+  are read for the last setup only (each new engine unregisters the metrics of those built before it). In both modes, round r
   serves the prompt classes (``Cell.group``) in the order rotated by r (``cell_order``), so no class is
   always the first an engine serves.
 - Per setup a row reports the median speed over its runs, with the min, the max and every run's value;
@@ -608,7 +609,8 @@ def _child_main(request_path: Path, result_path: Path) -> None:
 def _side_by_side_round(setups: list[Setup], workload: Workload, tokenizer, cells: list[Cell],
                         round_index: int) -> list[dict[str, Any]]:
     """Every setup's engine started (each with its own environment), then each cell timed on each engine in
-    turn, the setups rotated by round and cell; vanilla records its top logits in round 0."""
+    turn, the setups rotated by round and cell; vanilla records its top logits in round 0. vLLM's acceptance
+    counters are read for the last setup only: each engine unregisters the metrics of those built before it."""
     engines = {}
     base = dict(os.environ)
     try:
@@ -626,7 +628,8 @@ def _side_by_side_round(setups: list[Setup], workload: Workload, tokenizer, cell
             llm, engine_start = engines[setup.name]
             llm.reset_prefix_cache()
             measured = _measure(llm, tokenizer, setup, workload, cell,
-                                record_top_logits=setup.name == VANILLA and round_index == 0, limit_in_flight=True)
+                                record_top_logits=setup.name == VANILLA and round_index == 0, limit_in_flight=True,
+                                counters_readable=setup is setups[-1])
             runs[setup.name]["cells"][cell.name] = measured | {"engine_start_seconds": engine_start}
     return [runs[setup.name] for setup in setups]
 
@@ -665,10 +668,11 @@ def _start_engine(setup: Setup, workload: Workload) -> tuple[Any, float]:
 
 
 def _measure(llm, tokenizer, setup: Setup, workload: Workload, cell: Cell, record_top_logits: bool,
-             limit_in_flight: bool) -> dict[str, Any]:
+             limit_in_flight: bool, counters_readable: bool = True) -> dict[str, Any]:
     """Warm up, then time one generate over ``cell``'s prompts (at most ``cell.batch_size`` in flight when
     ``limit_in_flight``, else as many as the engine's ``max_num_seqs``); counters are differences of
-    snapshots around the timed call."""
+    snapshots around the timed call. Without ``counters_readable`` (an engine built before another in the same
+    process, whose vLLM metrics the newer one unregistered) vLLM's acceptance counters are reported as None."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -688,7 +692,7 @@ def _measure(llm, tokenizer, setup: Setup, workload: Workload, cell: Cell, recor
     started = time.perf_counter()
     outputs = _generate(llm, prompts, params, in_flight)
     generate_seconds = time.perf_counter() - started
-    counters = read_spec_decode_counters(llm) - counters_before
+    counters = read_spec_decode_counters(llm) - counters_before if counters_readable else None
     steps_after = _step_stats(llm)
     drafting_after = _drafting_seconds_and_steps(llm)
 
@@ -723,12 +727,12 @@ def _measure(llm, tokenizer, setup: Setup, workload: Workload, cell: Cell, recor
         "decode_seconds": decode_seconds,
         "decode_tok_per_s": decode_tokens / decode_seconds if decode_seconds else None,
         "throughput_tok_per_s": output_tokens / generate_seconds,
-        "mean_acceptance_length": counters.mean_acceptance_length,
-        "acceptance_rate": counters.acceptance_rate,
-        "per_position_acceptance": counters.per_position_acceptance,
-        "num_drafts": counters.num_drafts,
+        "mean_acceptance_length": counters and counters.mean_acceptance_length,
+        "acceptance_rate": counters and counters.acceptance_rate,
+        "per_position_acceptance": counters and counters.per_position_acceptance,
+        "num_drafts": counters and counters.num_drafts,
         # tree nodes (or chain drafts) verified per speculative step, from vLLM's counters
-        "nodes_per_step": counters.nodes_per_step,
+        "nodes_per_step": counters and counters.nodes_per_step,
         "drafting_seconds_per_step": drafting_seconds_per_step,
         "drafting_share_of_decode": drafting_share,
         **_step_split(steps_before, steps_after),

@@ -264,8 +264,9 @@ def test_side_by_side_every_engine_takes_each_cell_in_turn_before_the_next_cell(
         started.append((setup.name, harness.os.environ.get("BENCH_MARK")))
         return setup.name, 1.0
 
-    def fake_measure(llm, tokenizer, setup, workload, cell, record_top_logits, limit_in_flight):
+    def fake_measure(llm, tokenizer, setup, workload, cell, record_top_logits, limit_in_flight, counters_readable):
         measured.append((cell.name, setup.name, record_top_logits))
+        assert counters_readable == (setup.name == "b")  # the newest engine's metrics alone are registered
         return {"throughput_tok_per_s": 1.0}
 
     class Engine(str):
