@@ -415,7 +415,8 @@ def plot_cost(states: dict[str, dict[str, Any]], path: Path) -> None:
         axes[0].plot(verify["rows"], [1e3 * s * verify["scale"] for s in verify["seconds"]], marker="o",
                      label=f"{name} (scale {verify['scale']:.2f}, +{1e3 * verify['extra_per_masked_row']:.2f} "
                            f"ms per masked row, +{1e3 * verify.get('extra_per_masked_request', 0.0):.2f} ms "
-                           "per masked tree)")
+                           f"per masked tree, +{1e3 * verify.get('extra_per_speculating_row', 0.0):.2f} ms per "
+                           "row of a step with nodes)")
         axes[1].plot(level["rows"], [1e3 * s * level["scale"] for s in level["seconds"]], marker="o",
                      label=f"{name} (scale {level['scale']:.2f})")
     axes[0].set_title("target verify: start-up curve x current scale", fontsize=9)

@@ -33,7 +33,7 @@ def steps_cost_nothing(worker) -> bool:
     cost = controller.cost
     cost.verify = CostCurve.from_measurements([1], [0.01])
     cost.verify_scale, cost.extra_per_row, cost.extra_per_masked_row = 1.0, 0.0, 0.0
-    cost.extra_per_masked_request = 0.0
+    cost.extra_per_masked_request = cost.extra_per_speculating_row = 0.0
     controller.observe_verify = lambda *arguments, **keywords: None
     return True
 

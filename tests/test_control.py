@@ -61,6 +61,35 @@ def test_the_cost_model_follows_a_machine_that_slows_down_and_learns_what_calibr
     assert per_row.verify_seconds(17) == pytest.approx(0.12, rel=0.05)
 
 
+def test_the_cost_model_learns_what_a_step_with_nodes_costs_beyond_its_rows():
+    # batch 16: a plain step costs the curve; a step verifying any node also samples and attends dearer, 1 ms
+    # per row of the whole batch (so one node costs 17 ms more, not the curve's 3 ms)
+    curve = CostCurve.from_measurements([1, 16, 64], [0.06, 0.08, 0.22])
+    model = StepCostModel(curve, CostCurve.from_measurements([1], [0.005]))
+    rng = random.Random(2)
+    for _ in range(64):
+        requests = rng.randint(12, 16)
+        rows = requests + rng.choice([0, 0, rng.randint(1, 4)])
+        model.observe_verify(rows, curve(rows) + 0.001 * rows * (rows > requests), requests=requests)
+    assert model.extra_per_speculating_row == pytest.approx(0.001, rel=0.15)
+    assert model.verify_seconds(16) == pytest.approx(curve(16), rel=0.03)  # plain: no speculation's cost
+    assert model.verify_seconds(17, requests=16) == pytest.approx(curve(17) + 0.017, rel=0.03)
+    assert model.verify_seconds(16, requests=16) == pytest.approx(model.verify_seconds(16))
+    assert "ms per row of a step with nodes" in model.describe()
+
+
+def test_a_node_that_pays_for_its_row_but_not_for_speculating_at_all_is_not_verified():
+    batch = [Candidates([0.9], cap=1)] + [Candidates([], cap=1)] * 15
+    rows_only = _linear(0.004, fixed=0.1)  # 16 rows: 164 ms; one more row 4 ms for 0.9 tokens: pays
+    assert choose_nodes(batch, rows_only, 0.0) == [1] + [0] * 15
+    speculating = _linear(0.004, fixed=0.1, per_speculating_row=0.001)  # ... but any node costs 17 ms more
+    assert choose_nodes(batch, speculating, 0.0) == [0] * 16
+    assert choose_nodes([Candidates([0.9] * 4, cap=4)], speculating, 0.0) == [4]  # at batch 1 it still pays
+    chains = _chains([[0.9]] + [[0.0]] * 15, 1)
+    assert choose_depth(chains, rows_only, lambda depth: 0.001).depth == 1
+    assert choose_depth(chains, speculating, lambda depth: 0.001).depth == 0
+
+
 def test_the_cost_model_learns_what_a_row_of_a_branching_tree_adds():
     curve = CostCurve.from_measurements([1, 8, 64], [0.01, 0.02, 0.05])
     model = StepCostModel(curve, CostCurve.from_measurements([1], [0.005]))
@@ -143,9 +172,11 @@ def test_nodes_are_best_first_and_parents_come_first():
     assert running_minimum([0.5, 0.7, 0.2, 0.4]) == [0.5, 0.5, 0.2, 0.2]
 
 
-def _linear(per_row: float, fixed: float = 0.05, per_masked_row: float = 0.0, per_masked_request: float = 0.0):
-    return lambda rows, masked_rows, masked_requests: (fixed + per_row * rows + per_masked_row * masked_rows
-                                                       + per_masked_request * masked_requests)
+def _linear(per_row: float, fixed: float = 0.05, per_masked_row: float = 0.0, per_masked_request: float = 0.0,
+            per_speculating_row: float = 0.0):
+    return lambda rows, masked_rows, masked_requests, requests: (
+        fixed + per_row * rows + per_masked_row * masked_rows + per_masked_request * masked_requests
+        + per_speculating_row * rows * (rows > requests))
 
 
 def _chains(expected_by_depth: list[list[float]], cap: int = 8,

@@ -360,7 +360,8 @@ class SpeculationController:
             else:  # explore acceptance: one level, each request's best nodes, not a cycle the guard weighs
                 explore_depth, explore_rows = 1, batch * self.level_width
             exploring = (steady + catch_up + overhead + self.cost.draft_seconds(explore_depth - 1, level_rows)
-                         + self.cost.verify_seconds(batch + explore_rows) - self.cost.verify_seconds(batch))
+                         + self.cost.verify_seconds(batch + explore_rows, requests=batch)
+                         - self.cost.verify_seconds(batch))
             if self._explore_budget >= exploring:
                 self._explore_budget -= exploring
                 self._exploring = Exploring.NO if held_back else Exploring.ACCEPTANCE
@@ -373,10 +374,10 @@ class SpeculationController:
         elif req_ids and depth < self.max_depth and self._explore.random() * EXPLORE_EVERY < 1:
             # explore depth: what is accepted deeper is seen only where it is drafted and verified, so the step
             # drafts the levels the plan left out and verifies each request's top path besides the plan's nodes
-            rows = len(req_ids) + plan.nodes
+            batch, rows = len(req_ids), len(req_ids) + plan.nodes
             deeper = (self.cost.draft_seconds(self.max_depth - depth, level_rows)
-                      + self.cost.verify_seconds(rows + len(req_ids) * min(self.max_depth, self.max_nodes))
-                      - self.cost.verify_seconds(rows))
+                      + self.cost.verify_seconds(rows + batch * min(self.max_depth, self.max_nodes), requests=batch)
+                      - self.cost.verify_seconds(rows, requests=batch))
             if self._explore_budget >= deeper:
                 self._explore_budget -= deeper
                 self._exploring = Exploring.DEPTH
@@ -515,7 +516,7 @@ class SpeculationController:
         branching trees of ``masked_requests`` requests) took ``seconds``: it keeps the cost model current and
         closes the decode cycle that the last :meth:`plan_depth` opened."""
         started = time.perf_counter()
-        self.cost.observe_verify(rows, seconds, masked_rows, masked_requests)
+        self.cost.observe_verify(rows, seconds, masked_rows, masked_requests, requests)
         cycle, self._cycle = self._cycle, None
         self._explore_budget = min(self._explore_budget + EXPLORE_SHARE * seconds, EXPLORE_MOST_STEPS * seconds)
         # the guard weighs cycles that drafted against cycles that verified no node; a cycle that verified prompt-

@@ -4,12 +4,15 @@ they run, kept current by the engine's own step timings.
 The start-up measurement times bare forwards (attention without context, no sampling); a real verify step
 also pays, per row, attention over the context and the sampler, and for a tree that branches, masked tree
 attention (a path's rows go to vLLM's own kernel), which costs per row and, more, per request whose tree
-branches (its context is gathered and attended apart, in every layer). So the verify prediction is
-``scale * curve(rows) + extra_per_row * rows + extra_per_masked_row * masked_rows + extra_per_masked_request *
-masked_requests``, all four fitted (least squares over the last decode steps, pulled towards scale 1 and no
-extra) to what the engine's steps took; steps with different row counts (batches that change, and the
-controller's occasional exploration) and steps with and without branching trees of different sizes separate
-them.
+branches (its context is gathered and attended apart, in every layer). A step that verifies any node at all
+pays, besides, per row of the whole batch: the sampling of a speculative step (probabilities of every row, the
+rejection of drafts) and attention over rows of several tokens cost more than a plain step's (on the 2-core CPU
+at batch 16, one node made the step about 20% dearer). So the verify prediction is ``scale * curve(rows) +
+extra_per_row * rows + extra_per_masked_row * masked_rows + extra_per_masked_request * masked_requests +
+extra_per_speculating_row * rows`` (the last only where the step verifies nodes), all five fitted (least
+squares over the last decode steps, pulled towards scale 1 and no extra) to what the engine's steps took;
+steps with different row counts (batches that change, and the controller's occasional exploration), steps
+with and without nodes, and steps with and without branching trees of different sizes separate them.
 
 Drafting costs the drafter's first pass (one forward over the tokens the last step verified, plus any rows
 deferred from steps that drafted nothing, then the logits of each request's root) and one forward per further
@@ -125,6 +128,7 @@ class StepCostModel:
     extra_per_row: float = 0.0  # verify seconds per row that the bare forwards do not show
     extra_per_masked_row: float = 0.0  # ... and per row of a tree that needs masked attention (not a path)
     extra_per_masked_request: float = 0.0  # ... and per request whose tree needs it
+    extra_per_speculating_row: float = 0.0  # ... and per row of a step that verifies any node
     draft_scale: float = 1.0
     first_pass_scale: float = 1.0
     overhead_per_request: float = 0.0  # a drafting stage's seconds beyond its forwards, per request
@@ -133,14 +137,17 @@ class StepCostModel:
     # seconds the step took: their ratio is the model's one-step-ahead error.
     predicted_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
     observed_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
-    # (the verify curve at its rows, rows, masked rows, masked requests, seconds)
+    # (the verify curve at its rows, rows, masked rows, masked requests, rows if speculating else 0, seconds)
     _verify_steps: deque = field(default_factory=lambda: deque(maxlen=VERIFY_HISTORY))
 
-    def verify_seconds(self, rows: int, masked_rows: int = 0, masked_requests: int = 0) -> float:
-        """The verify of ``rows`` rows, ``masked_rows`` of them in the trees of ``masked_requests`` requests
-        that need masked attention."""
+    def verify_seconds(self, rows: int, masked_rows: int = 0, masked_requests: int = 0,
+                       requests: int | None = None) -> float:
+        """The verify of ``rows`` rows of ``requests`` requests (None: one row each, no node), ``masked_rows``
+        of them in the trees of ``masked_requests`` requests that need masked attention."""
+        speculating_rows = rows if requests is not None and rows > requests else 0
         return (self.verify_scale * self.verify(rows) + self.extra_per_row * rows
-                + self.extra_per_masked_row * masked_rows + self.extra_per_masked_request * masked_requests)
+                + self.extra_per_masked_row * masked_rows + self.extra_per_masked_request * masked_requests
+                + self.extra_per_speculating_row * speculating_rows)
 
     def draft_seconds(self, levels: int, rows_per_level: int) -> float:
         return self.draft_scale * levels * self.draft_level(rows_per_level) if levels > 0 else 0.0
@@ -160,24 +167,28 @@ class StepCostModel:
         logits = max(self.draft_level(requests) - self.draft_forward(requests), 0.0) if requests > 0 else 0.0
         return self.draft_forward(rows) + logits
 
-    def observe_verify(self, rows: int, seconds: float, masked_rows: int = 0, masked_requests: int = 0) -> None:
-        """An engine step's verify (target forward and sampling) over ``rows`` rows, ``masked_rows`` of them in
-        the trees of ``masked_requests`` requests that need masked attention, took ``seconds``."""
+    def observe_verify(self, rows: int, seconds: float, masked_rows: int = 0, masked_requests: int = 0,
+                       requests: int | None = None) -> None:
+        """An engine step's verify (target forward and sampling) over ``rows`` rows of ``requests`` requests
+        (None: one row each), ``masked_rows`` of them in the trees of ``masked_requests`` requests that need
+        masked attention, took ``seconds``."""
         if rows > 0 and seconds > 0:
-            self._count("verify", self.verify_seconds(rows, masked_rows, masked_requests), seconds)
-            self._verify_steps.append((self.verify(rows), rows, masked_rows, masked_requests, seconds))
+            self._count("verify", self.verify_seconds(rows, masked_rows, masked_requests, requests), seconds)
+            speculating_rows = rows if requests is not None and rows > requests else 0
+            self._verify_steps.append((self.verify(rows), rows, masked_rows, masked_requests, speculating_rows,
+                                       seconds))
             self._fit_verify()
 
     def _fit_verify(self) -> None:
-        """``scale`` and the three extras by least squares over the recent steps, each weakly pulled towards
-        (1, 0, 0, 0), which keeps them determined when every step had the same rows; of the fits whose extras
+        """``scale`` and the four extras by least squares over the recent steps, each weakly pulled towards
+        (1, 0, 0, 0, 0), which keeps them determined when every step had the same rows; of the fits whose extras
         are not negative (some extras left out), the one closest to the steps. The fits are nested, so a
         feasible fit with every extra is that one and the others are not computed. Each fit solves its block
-        of the regularised normal equations (at most 4 x 4); an extra whose column is all zero (no step had
+        of the regularised normal equations (at most 5 x 5); an extra whose column is all zero (no step had
         such rows) is left out of every fit."""
         steps = np.array(self._verify_steps, dtype=float)
-        design, seconds = steps[:, :4], steps[:, 4]
-        prior = np.array([1.0, 0.0, 0.0, 0.0])
+        design, seconds = steps[:, :5], steps[:, 5]
+        prior = np.array([1.0, 0.0, 0.0, 0.0, 0.0])
         squares = (design**2).sum(axis=0)
         if squares[0] <= 0:  # a curve of zeros has no scale to fit
             return
@@ -185,12 +196,12 @@ class StepCostModel:
         gram = design.T @ design + np.diag(weight_squared)
         target = design.T @ seconds + weight_squared * prior
         constant = float(seconds @ seconds + weight_squared @ prior**2)
-        present = [extra for extra in (1, 2, 3) if squares[extra] > 0]
+        present = [extra for extra in (1, 2, 3, 4) if squares[extra] > 0]
         best: tuple[float, np.ndarray] | None = None
         for extras in itertools.chain.from_iterable(itertools.combinations(present, k)
                                                     for k in range(len(present), -1, -1)):
             free = [0, *extras]
-            coefficients = np.zeros(4)
+            coefficients = np.zeros(5)
             coefficients[free] = np.linalg.solve(gram[np.ix_(free, free)], target[free])
             if (coefficients[1:] < 0).any():
                 continue
@@ -199,10 +210,11 @@ class StepCostModel:
                 best = (loss, coefficients)
             if len(extras) == len(present):  # the unrestricted fit is feasible: no restriction of it fits closer
                 break
-        scale, per_row, per_masked_row, per_masked_request = (float(x) for x in best[1])  # scale-only qualifies
+        scale, per_row, per_masked_row, per_masked_request, per_speculating_row = (
+            float(x) for x in best[1])  # the scale-only fit qualifies
         self.verify_scale = max(scale, 0.05)
         self.extra_per_row, self.extra_per_masked_row = per_row, per_masked_row
-        self.extra_per_masked_request = per_masked_request
+        self.extra_per_masked_request, self.extra_per_speculating_row = per_masked_request, per_speculating_row
 
     def observe_draft(self, levels: int, rows_per_level: int, seconds: float) -> None:
         """A drafting step's ``levels`` level forwards over ``rows_per_level`` rows took ``seconds``."""
@@ -237,7 +249,8 @@ class StepCostModel:
         """One log line: the current verify and draft-level curves in ms by rows."""
         return (f"verify ms by rows {{{self.verify.describe()}}} x{self.verify_scale:.2f} "
                 f"+ {self.extra_per_row * 1e3:.2f} ms per row + {self.extra_per_masked_row * 1e3:.2f} ms per "
-                f"masked tree row + {self.extra_per_masked_request * 1e3:.2f} ms per masked tree; "
+                f"masked tree row + {self.extra_per_masked_request * 1e3:.2f} ms per masked tree + "
+                f"{self.extra_per_speculating_row * 1e3:.2f} ms per row of a step with nodes; "
                 f"draft level ms by rows {{{self.draft_level.describe()}}} x{self.draft_scale:.2f}"
                 + ("" if self.draft_forward is None else
                    f", without logits {{{self.draft_forward.describe()}}}")

@@ -2,7 +2,8 @@
 
 A step emits, per request, its accepted nodes plus one token; it costs the target's verify over every row of
 the batch (one per request plus one per chosen node; a request whose chosen nodes branch needs masked tree
-attention over its rows, a path does not) and, when it drafts, the drafter's first pass and level forwards. So for
+attention over its rows, a path does not; a step with any node samples and attends dearer than one without)
+and, when it drafts, the drafter's first pass and level forwards. So for
 chosen nodes ``S`` the step's rate is ``(B + sum of P(v accepted) over S) / (verify(B + |S|, masked rows) + draft)``.
 
 * :func:`choose_depth` runs before drafting: how deep to draft, if at all (``depth`` ``d`` costs the first pass and
@@ -122,15 +123,16 @@ def best_nodes(candidates: Sequence[Candidates], total: int) -> list[int]:
     return chosen
 
 
-# (rows, rows needing masked tree attention, requests whose trees need it) -> seconds, non-decreasing in each
-VerifySeconds = Callable[[int, int, int], float]
+# (rows, rows needing masked tree attention, requests whose trees need it, requests) -> seconds, non-decreasing
+# in each of the first three; a step of more rows than requests verifies nodes
+VerifySeconds = Callable[[int, int, int, int], float]
 TIE = 1e-12  # relative: rates closer than this are taken as equal when deciding that no later count can win
 
 
 def _best_total(candidates: Sequence[Candidates], verify_seconds: VerifySeconds,
                 other_seconds: float) -> tuple[int, float]:
     """(count, rate): the number of the batch's most likely nodes, at least one, with the best predicted rate
-    ``(B + gain) / (verify(B + count, masked rows, masked requests) + other_seconds)`` (the first such count);
+    ``(B + gain) / (verify(B + count, masked rows, masked requests, B) + other_seconds)`` (the first such count);
     (0, 0.0) when no node is offered. A step's seconds never fall as nodes are added (rows, masked rows and
     masked requests only grow), so once even every node's gain over this count's seconds cannot beat the best
     rate, no later count can, and the nodes after it are not looked at."""
@@ -145,7 +147,7 @@ def _best_total(candidates: Sequence[Candidates], verify_seconds: VerifySeconds,
         masked += after - before
         masked_requests += (after > 0) - (before > 0)
         chosen[request] += 1
-        seconds = verify_seconds(batch + count, masked, masked_requests) + other_seconds
+        seconds = verify_seconds(batch + count, masked, masked_requests, batch) + other_seconds
         rate = (batch + gain) / seconds
         if rate > best_rate:
             best_count, best_rate = count, rate
@@ -157,12 +159,12 @@ def _best_total(candidates: Sequence[Candidates], verify_seconds: VerifySeconds,
 def choose_nodes(candidates: Sequence[Candidates], verify_seconds: VerifySeconds,
                  other_seconds: float) -> list[int]:
     """How many of its candidates each request verifies (module docstring). ``verify_seconds(rows, masked,
-    masked_requests)``: the target's verify over ``rows`` rows, ``masked`` of them in the branching trees of
-    ``masked_requests`` requests; ``other_seconds``: the rest of the step, whatever is chosen (drafting
-    already spent)."""
+    masked_requests, requests)``: the target's verify over ``rows`` rows of ``requests`` requests, ``masked``
+    of them in the branching trees of ``masked_requests`` requests; ``other_seconds``: the rest of the step,
+    whatever is chosen (drafting already spent)."""
     batch = len(candidates)
     count, rate = _best_total(candidates, verify_seconds, other_seconds)
-    if rate <= batch / (verify_seconds(batch, 0, 0) + other_seconds):
+    if rate <= batch / (verify_seconds(batch, 0, 0, batch) + other_seconds):
         count = 0
     return best_nodes(candidates, count)
 
@@ -246,7 +248,7 @@ def choose_depth(candidates_by_depth: Sequence[Sequence[Candidates]], verify_sec
     """The drafting depth with the best predicted rate, or depth 0 when no depth beats drafting nothing.
     ``candidates_by_depth[d - 1][i]``: the nodes request ``i`` would offer when the step drafts ``d`` levels
     (its prompt-lookup nodes at every depth: they need no level forward); ``verify_seconds(rows, masked,
-    masked_requests)``: the target's verify; ``draft_seconds(depth)``: drafting that deep (first pass
+    masked_requests, requests)``: the target's verify; ``draft_seconds(depth)``: drafting that deep (first pass
     included); ``without_drafting[i]``: the nodes request ``i`` offers with no drafting at all (its
     prompt-lookup path, known before drafting; None: none).
 
@@ -259,7 +261,7 @@ def choose_depth(candidates_by_depth: Sequence[Sequence[Candidates]], verify_sec
     if batch == 0:
         return DepthPlan(0, 0)
     verify_seconds = functools.cache(verify_seconds)  # every depth prices the same row counts
-    best, best_rate = DepthPlan(0, 0), batch / verify_seconds(batch, 0, 0)
+    best, best_rate = DepthPlan(0, 0), batch / verify_seconds(batch, 0, 0, batch)
     if without_drafting is not None:
         count, rate = _best_total(without_drafting, verify_seconds, 0.0)
         if count and rate > best_rate:

@@ -66,7 +66,8 @@ def read_controller_stats(worker) -> dict[str, Any] | None:
         "verify_curve": {"rows": list(cost.verify.rows), "seconds": list(cost.verify.seconds),
                          "scale": cost.verify_scale, "extra_per_row": cost.extra_per_row,
                          "extra_per_masked_row": cost.extra_per_masked_row,
-                         "extra_per_masked_request": cost.extra_per_masked_request},
+                         "extra_per_masked_request": cost.extra_per_masked_request,
+                         "extra_per_speculating_row": cost.extra_per_speculating_row},
         "draft_level_curve": {"rows": list(cost.draft_level.rows), "seconds": list(cost.draft_level.seconds),
                               "scale": cost.draft_scale},
         "draft_forward_curve": None if cost.draft_forward is None else {
