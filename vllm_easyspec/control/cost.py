@@ -115,6 +115,11 @@ def time_forwards(rows: Sequence[int], forward: Callable[[int], tuple[float, flo
     return timings
 
 
+def _speculating_rows(rows: int, requests: int | None) -> int:
+    """The rows of a step that verifies any node (more rows than requests), else 0 (None: a plain step)."""
+    return rows if requests is not None and rows > requests else 0
+
+
 @dataclass
 class StepCostModel:
     """A decode step's cost: the target's verify forward over all rows of the batch, plus, when the step drafts,
@@ -144,10 +149,9 @@ class StepCostModel:
                        requests: int | None = None) -> float:
         """The verify of ``rows`` rows of ``requests`` requests (None: one row each, no node), ``masked_rows``
         of them in the trees of ``masked_requests`` requests that need masked attention."""
-        speculating_rows = rows if requests is not None and rows > requests else 0
         return (self.verify_scale * self.verify(rows) + self.extra_per_row * rows
                 + self.extra_per_masked_row * masked_rows + self.extra_per_masked_request * masked_requests
-                + self.extra_per_speculating_row * speculating_rows)
+                + self.extra_per_speculating_row * _speculating_rows(rows, requests))
 
     def draft_seconds(self, levels: int, rows_per_level: int) -> float:
         return self.draft_scale * levels * self.draft_level(rows_per_level) if levels > 0 else 0.0
@@ -174,9 +178,8 @@ class StepCostModel:
         masked attention, took ``seconds``."""
         if rows > 0 and seconds > 0:
             self._count("verify", self.verify_seconds(rows, masked_rows, masked_requests, requests), seconds)
-            speculating_rows = rows if requests is not None and rows > requests else 0
-            self._verify_steps.append((self.verify(rows), rows, masked_rows, masked_requests, speculating_rows,
-                                       seconds))
+            self._verify_steps.append((self.verify(rows), rows, masked_rows, masked_requests,
+                                       _speculating_rows(rows, requests), seconds))
             self._fit_verify()
 
     def _fit_verify(self) -> None:
