@@ -15,8 +15,8 @@ candidate. A cell is one prompt class at one batch size: ``rounds x batch`` prom
 ``batch`` at a time, a finished request replaced by the next prompt, ``--max-tokens`` each. Every engine process times
 every cell in turn (``harness.run_matrix``); each setup runs in ``--repeats`` interleaved processes; round r serves
 the classes in their order rotated by r. With ``--side-by-side`` each round's engines are all started at once
-and take turns cell by cell, so the setups' times of a cell are taken minutes apart at most (one pair's five
-setups fit in memory; both pairs' ten do not).
+and take turns cell by cell, so the setups' times of a cell are taken minutes apart at most (four engines of
+one pair fit in 24 GiB; five came within 1 GiB of it, so choose four setups with ``--only``).
 
 Results: ``benchmarks/results/{stem}.{json,md}``, ``{stem}_speed.png`` (speed against batch per class),
 ``{stem}_calibration.png`` (the controller's predicted against observed acceptance, by bin) and
@@ -131,7 +131,7 @@ def ragged_lengths(cell_name: str, count: int, mean: int) -> list[int]:
     return [draw.randint(max(mean // 2, 1), mean + mean // 2) for _ in range(count)]
 
 
-SIDE_BY_SIDE_KV_CACHE_GIB = 1  # per engine when a pair's five are resident at once (16 requests need ~0.1 GiB)
+SIDE_BY_SIDE_KV_CACHE_GIB = 1  # per engine when a round's engines are resident at once (16 requests need ~0.1 GiB)
 PAIR_OF = {"eagle": "EAGLE-3 head", "smol": "SmolLM2-135M draft"}
 VANILLA_SPREAD_WARNING = 1.10  # vanilla's processes differing more than this flag a machine whose speed drifted
 

@@ -12,9 +12,9 @@ Invariants:
   and cell), so the setups' times of one cell lie within a minute or two of each other, not a whole
   process apart: the machine's drift over minutes then moves them together. The engines wait between their
   turns (an idle engine took about 1.5% of one core here) and never run at once. vLLM's acceptance counters
-  are read for the last setup only (each new engine unregisters the metrics of those built before it). In both modes, round r
-  serves the prompt classes (``Cell.group``) in the order rotated by r (``cell_order``), so no class is
-  always the first an engine serves.
+  are read for the last setup only (each new engine unregisters the metrics of those built before it). In
+  both modes, round r serves the prompt classes (``Cell.group``) in the order rotated by r (``cell_order``),
+  so no class is always the first an engine serves.
 - Per setup a row reports the median speed over its runs, with the min, the max and every run's value;
   ``speedup_vs_vanilla`` is median(setup) / median(vanilla) and the range ``speedup_min`` / ``speedup_max``
   is min(setup) / median(vanilla) and max(setup) / median(vanilla). Per-step times (drafting, verify, whole
@@ -541,8 +541,13 @@ def _run_in_child(
 ) -> dict[str, Any]:
     request = {"setup": asdict(setup), "workload": asdict(workload), "record_top_logits": record_top_logits,
                "cells": [asdict(cell) for cell in cells or []], "round": round_index}
-    env = os.environ | engine_env(setup.tensor_parallel_size) | setup.env
+    env = os.environ | _engine_environment(setup)
     return _child(request, env, workload, f"{setup.name}-r{round_index}", f"setup {setup.name!r}")
+
+
+def _engine_environment(setup: Setup) -> dict[str, str]:
+    """The variables a setup's engine starts under, on top of the caller's environment."""
+    return engine_env(setup.tensor_parallel_size) | setup.env
 
 
 def _run_round_in_child(setups: list[Setup], workload: Workload, round_index: int,
@@ -616,7 +621,7 @@ def _side_by_side_round(setups: list[Setup], workload: Workload, tokenizer, cell
     try:
         for setup in setups:  # the engine's processes inherit the environment it starts in
             os.environ.clear()
-            os.environ.update(base | engine_env(setup.tensor_parallel_size) | setup.env)
+            os.environ.update(base | _engine_environment(setup))
             engines[setup.name] = _start_engine(setup, workload)
     finally:
         os.environ.clear()
