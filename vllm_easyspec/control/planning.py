@@ -4,7 +4,7 @@ A step emits, per request, its accepted nodes plus one token; it costs the targe
 the batch (one per request plus one per chosen node; a request whose chosen nodes branch needs masked tree
 attention over its rows, a path does not; a step with any node samples and attends dearer than one without)
 and, when it drafts, the drafter's first pass and level forwards. So for
-chosen nodes ``S`` the step's rate is ``(B + sum of P(v accepted) over S) / (verify(B + |S|, masked rows) + draft)``.
+chosen nodes ``S`` the step's rate is ``(B + sum of P(v accepted) over S) / (verify(B + |S|, masked rows, B) + draft)``.
 
 * :func:`choose_depth` runs before drafting: how deep to draft, if at all (``depth`` ``d`` costs the first pass and
   ``d - 1`` level forwards), from the nodes each request would offer at each depth (:class:`AveragedOffer`: a
