@@ -47,6 +47,7 @@ from benchmarks.harness import (
     cpu_native_dtype,
     run_matrix,
     select_setups,
+    steps_by_drafts_table,
 )
 from vllm_easyspec.models import fetch_model
 
@@ -480,6 +481,11 @@ def main(argv: list[str] | None = None) -> None:
          "cells": {c.name: {"batch": c.batch_size, "prompts": len(c.prompts), "lengths": c.lengths} for c in matrix},
          "summary": {cell: cell_summary(rows) for cell, rows in rows_by_cell.items()},
          "rows": rows_by_cell}, indent=1) + "\n")
+    Path(f"{stem}_steps.md").write_text(
+        f"# Decode steps by the draft tokens they verify\n\nCommand: `{command}`\n\nEach setup's first "
+        "round; verify = the step less its drafting stage; a drafting stage is counted under the drafts it "
+        "produced (those the next step verifies).\n\n"
+        + "\n\n".join(f"## {cell}\n\n{steps_by_drafts_table(rows)}" for cell, rows in rows_by_cell.items()) + "\n")
     plot_speed(rows_by_cell, names, Path(f"{stem}_speed.png"))
     if states:
         plot_calibration(states, Path(f"{stem}_calibration.png"))

@@ -75,7 +75,7 @@ ROW_FIELDS = (
     "drafting_seconds_per_step", "drafting_share_of_decode", "engine_steps", "step_seconds_per_step",
     "verify_seconds_per_step", "decode_steps", "verify_seconds_per_decode_step",
     "drafting_seconds_per_decode_step", "forward_seconds_per_decode_step", "nodes_per_step",
-    "engine_start_seconds", "controller", "tree_stats",
+    "engine_start_seconds", "controller", "tree_stats", "decode_steps_by_drafts",
 )  # fmt: skip
 # Timing fields reported as the median over a setup's runs; every other field comes from its first run.
 MEDIAN_FIELDS = (
@@ -694,9 +694,11 @@ def _measure(llm, tokenizer, setup: Setup, workload: Workload, cell: Cell, recor
     counters_before = read_spec_decode_counters(llm)
     controller_before = llm.collective_rpc("easyspec_controller_stats")[0]
     tree_before = llm.collective_rpc("easyspec_tree_stats")[0]
+    llm.collective_rpc("easyspec_take_step_log")  # the log starts empty with the timed call
     started = time.perf_counter()
     outputs = _generate(llm, prompts, params, in_flight)
     generate_seconds = time.perf_counter() - started
+    step_log = llm.collective_rpc("easyspec_take_step_log")[0]
     counters = read_spec_decode_counters(llm) - counters_before if counters_readable else None
     steps_after = _step_stats(llm)
     drafting_after = _drafting_seconds_and_steps(llm)
@@ -741,6 +743,7 @@ def _measure(llm, tokenizer, setup: Setup, workload: Workload, cell: Cell, recor
         "drafting_seconds_per_step": drafting_seconds_per_step,
         "drafting_share_of_decode": drafting_share,
         **_step_split(steps_before, steps_after),
+        "decode_steps_by_drafts": None if step_log is None else steps_by_drafts(step_log),
         "token_ids": token_ids,
         # easyspec.tree.auto: the controller's counters over the timed call, its cost curves and calibration
         # tables as they stand after it (None without it)
@@ -874,6 +877,67 @@ def _step_split(before: dict[str, float] | None, after: dict[str, float] | None)
         split["drafting_seconds_per_decode_step"] = delta["decode_drafting_seconds"] / decode_steps
         split["forward_seconds_per_decode_step"] = delta["decode_forward_seconds"] / decode_steps
     return split
+
+
+DRAFT_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)  # a bucket holds draft-token counts from its bound to the next's
+
+
+def _draft_bucket(draft_tokens: int) -> str:
+    lower = max(bound for bound in DRAFT_BUCKETS if bound <= draft_tokens)
+    upper = next((bound - 1 for bound in DRAFT_BUCKETS if bound > draft_tokens), None)
+    return str(lower) if upper == lower else f"{lower}-{upper if upper is not None else ''}"
+
+
+def steps_by_drafts(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """The timed call's decode-only steps (``StepRecord`` dicts, oldest first) by the draft tokens they
+    verify, in :data:`DRAFT_BUCKETS`: per bucket, the steps, their mean draft tokens and requests with
+    drafts, and the median of their verify (step less drafting stage) and forward seconds; and the drafting
+    stages by the draft tokens they produced (those the next step verifies): how many and their median
+    seconds. A step's drafting stage runs at its end and drafts for the next step."""
+    decode = [r for r in records if r["decode"]]
+    buckets: dict[str, dict[str, list[float]]] = {}
+
+    def bucket(draft_tokens: int) -> dict[str, list[float]]:
+        return buckets.setdefault(_draft_bucket(draft_tokens), {
+            "verify": [], "forward": [], "draft_tokens": [], "requests_with_drafts": [], "drafting": []})
+
+    for record in decode:
+        entry = bucket(record["draft_tokens"])
+        entry["verify"].append(record["seconds"] - record["drafting_seconds"])
+        entry["forward"].append(record["forward_seconds"])
+        entry["draft_tokens"].append(record["draft_tokens"])
+        entry["requests_with_drafts"].append(record["requests_with_drafts"])
+    for record, following in zip(records, records[1:], strict=False):
+        if record["decode"] and following["decode"]:
+            bucket(following["draft_tokens"])["drafting"].append(record["drafting_seconds"])
+    summary = {}
+    for name in sorted(buckets, key=lambda key: int(key.split("-")[0])):
+        entry = buckets[name]
+        summary[name] = {
+            "steps": len(entry["verify"]),
+            "draft_tokens": statistics.fmean(entry["draft_tokens"]) if entry["draft_tokens"] else 0.0,
+            "requests_with_drafts": (statistics.fmean(entry["requests_with_drafts"])
+                                     if entry["requests_with_drafts"] else 0.0),
+            "verify_seconds": _median_or_none(entry["verify"]),
+            "forward_seconds": _median_or_none(entry["forward"]),
+            "drafting_stages": len(entry["drafting"]),
+            "drafting_seconds": _median_or_none(entry["drafting"]),
+        }
+    return summary
+
+
+def steps_by_drafts_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown: each row's decode steps by the draft tokens they verify (:func:`steps_by_drafts`)."""
+    lines = ["| setup | drafts verified | steps | mean drafts | requests with drafts | verify ms (median) | "
+             "forward ms | drafting stages producing them | drafting ms (median) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        for name, entry in (row.get("decode_steps_by_drafts") or {}).items():
+            lines.append(
+                f"| {row['setup']} | {name} | {entry['steps']} | {entry['draft_tokens']:.1f} | "
+                f"{entry['requests_with_drafts']:.1f} | {_ms(entry['verify_seconds'])} | "
+                f"{_ms(entry['forward_seconds'])} | {entry['drafting_stages']} | {_ms(entry['drafting_seconds'])} |")
+    return "\n".join(lines)
 
 
 # ---- reports ----

@@ -320,3 +320,62 @@ def test_a_matrix_cell_is_measured_by_throughput_and_older_runs_get_it_from_thei
     vanilla, spec = finalize_rows(runs, speed="throughput_tok_per_s")
     assert vanilla["throughput_tok_per_s"] == 16.0 and spec["throughput_tok_per_s"] == 32.0
     assert spec["speedup_vs_vanilla"] == 2.0  # not the decode tok/s (10 against 99)
+
+
+def test_the_step_log_records_each_steps_drafts_and_times_and_empties_when_taken():
+    from types import SimpleNamespace
+
+    from vllm_easyspec.instruments.drafting_timer import take_step_log, time_steps
+
+    class Runner:
+        drafter = None
+
+        def execute_model(self, scheduler_output):
+            return None
+
+        def sample_tokens(self, grammar_output=None):
+            return "sampled"
+
+    worker = SimpleNamespace(model_runner=Runner())
+    assert take_step_log(worker) is None  # not timed
+    assert time_steps(worker)
+
+    def step(scheduled, drafts, new=()):
+        output = SimpleNamespace(num_scheduled_tokens=scheduled, scheduled_spec_decode_tokens=drafts,
+                                 scheduled_new_reqs=list(new), total_num_scheduled_tokens=sum(scheduled.values()))
+        assert worker.model_runner.execute_model(output) is None
+        assert worker.model_runner.sample_tokens() == "sampled"
+
+    step({"a": 5, "b": 1}, {"a": [1, 2, 3, 4]})
+    step({"a": 1, "b": 3}, {"b": [7, 8]})
+    step({"c": 30}, {}, new=["c"])
+    log = take_step_log(worker)
+    assert [(r["requests"], r["draft_tokens"], r["requests_with_drafts"], r["decode"]) for r in log] == [
+        (2, 4, 1, True), (2, 2, 1, True), (1, 0, 0, False)]
+    assert all(r["seconds"] >= r["forward_seconds"] >= 0 and r["drafting_seconds"] == 0 for r in log)
+    assert take_step_log(worker) == []
+
+
+def test_steps_by_drafts_groups_decode_steps_and_files_each_drafting_stage_under_the_drafts_it_produced():
+    def record(drafts, seconds, drafting, decode=True):
+        return {"requests": 1, "draft_tokens": drafts, "requests_with_drafts": int(drafts > 0), "decode": decode,
+                "seconds": seconds, "forward_seconds": seconds / 2, "drafting_seconds": drafting}
+
+    records = [record(0, 0.500, 0.0, decode=False),  # a prefill: neither a verify nor a drafting stage counted
+               record(0, 0.050, 0.003),   # drafted nothing for the next step
+               record(0, 0.052, 0.012),   # drafted 5 for the next step
+               record(5, 0.070, 0.011),   # drafted 7
+               record(7, 0.074, 0.002),   # drafted nothing
+               record(0, 0.051, 0.0)]
+    summary = harness.steps_by_drafts(records)
+    assert list(summary) == ["0", "4-7"]
+    none, some = summary["0"], summary["4-7"]
+    assert none["steps"] == 3 and none["draft_tokens"] == 0
+    assert none["verify_seconds"] == pytest.approx(0.047)  # median of 0.047, 0.040, 0.051
+    assert none["drafting_stages"] == 2 and none["drafting_seconds"] == pytest.approx(0.0025)  # 0.003, 0.002
+    assert some["steps"] == 2 and some["draft_tokens"] == 6 and some["requests_with_drafts"] == 1
+    assert some["verify_seconds"] == pytest.approx((0.059 + 0.072) / 2)
+    assert some["drafting_stages"] == 2 and some["drafting_seconds"] == pytest.approx((0.012 + 0.011) / 2)
+    table = harness.steps_by_drafts_table([{"setup": "auto", "decode_steps_by_drafts": summary}])
+    assert "| auto | 4-7 | 2 | 6.0 | 1.0 | 65.5 |" in table
+    assert harness._draft_bucket(64) == "64-" and harness._draft_bucket(1) == "1" and harness._draft_bucket(3) == "2-3"

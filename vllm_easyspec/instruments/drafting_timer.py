@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -68,6 +69,7 @@ def read_timed_drafting_stats(worker: Any) -> dict[str, Any] | None:
 # ---- whole engine steps (any setup, vanilla included) ----
 
 _STEP_TIMER_ATTRIBUTE = "_easyspec_step_timer"
+_STEP_CLOCK_ATTRIBUTE = "_easyspec_step_clock"
 
 
 @dataclass
@@ -90,6 +92,32 @@ class StepStats:
     # time inside execute_model alone (inputs, attention metadata, the target forward, logits)
     forward_seconds: float = 0.0
     decode_forward_seconds: float = 0.0
+
+
+STEP_LOG_LENGTH = 100_000  # the newest engine steps kept in a timed worker's step log
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step of a timed worker: its requests, the draft tokens scheduled for verification (tree
+    nodes or chain drafts) and how many requests had any, whether it was decode-only, and its seconds: the whole
+    step, ``execute_model`` alone (the forward), and the drafting stage inside it."""
+
+    requests: int
+    draft_tokens: int
+    requests_with_drafts: int
+    decode: bool
+    seconds: float
+    forward_seconds: float
+    drafting_seconds: float
+
+
+def _scheduled_drafts(scheduler_output: Any) -> tuple[int, int, int]:
+    """(requests, draft tokens, requests with drafts) that a step schedules."""
+    scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+    drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+    counts = [len(drafts.get(req_id, ())) for req_id in scheduled]
+    return len(scheduled), sum(counts), sum(count > 0 for count in counts)
 
 
 def _cumulative_drafting_seconds(runner: Any) -> float:
@@ -118,6 +146,8 @@ class _StepClock:
     def __init__(self, runner: Any, stats: StepStats) -> None:
         self.runner = runner
         self.stats = stats
+        self.log: deque[StepRecord] = deque(maxlen=STEP_LOG_LENGTH)
+        self.scheduled = (0, 0, 0)
         self.open = False
         self.counted = False
         self.decode = False
@@ -129,6 +159,7 @@ class _StepClock:
         self.open = True
         self.counted = getattr(scheduler_output, "total_num_scheduled_tokens", 1) > 0
         self.decode = self.counted and _is_decode_only(scheduler_output)
+        self.scheduled = _scheduled_drafts(scheduler_output)
         self.seconds = 0.0
         self.forward_seconds = 0.0
         self.drafting_at_start = _cumulative_drafting_seconds(self.runner)
@@ -145,6 +176,7 @@ class _StepClock:
         stats.step_seconds += self.seconds
         stats.drafting_seconds += drafting
         stats.forward_seconds += self.forward_seconds
+        self.log.append(StepRecord(*self.scheduled, self.decode, self.seconds, self.forward_seconds, drafting))
         if self.decode:
             stats.decode_steps += 1
             stats.decode_step_seconds += self.seconds
@@ -182,8 +214,9 @@ def time_steps(worker: Any) -> bool:
             result = untimed_execute_model(scheduler_output, *args, **kwargs)
             _synchronize(runner)
         finally:
-            clock.seconds += time.perf_counter() - start
-            clock.forward_seconds += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            clock.seconds += elapsed
+            clock.forward_seconds += elapsed
         if result is not None:
             clock.close()  # the step ended here (nothing to sample, or an intermediate pipeline rank)
         return result
@@ -204,6 +237,7 @@ def time_steps(worker: Any) -> bool:
     runner.execute_model = timed_execute_model
     runner.sample_tokens = timed_sample_tokens
     setattr(runner, _STEP_TIMER_ATTRIBUTE, stats)
+    setattr(runner, _STEP_CLOCK_ATTRIBUTE, clock)
     return True
 
 
@@ -211,3 +245,14 @@ def read_step_stats(worker: Any) -> dict[str, Any] | None:
     """Worker-side: the counters of ``time_steps`` (cumulative), or None when this rank is not timed."""
     stats: StepStats | None = getattr(worker.model_runner, _STEP_TIMER_ATTRIBUTE, None)
     return None if stats is None else asdict(stats)
+
+
+def take_step_log(worker: Any) -> list[dict[str, Any]] | None:
+    """Worker-side: the steps timed since the last call (at most :data:`STEP_LOG_LENGTH`, the newest), oldest
+    first, and an empty log after it; None when this rank is not timed."""
+    clock: _StepClock | None = getattr(worker.model_runner, _STEP_CLOCK_ATTRIBUTE, None)
+    if clock is None:
+        return None
+    records = [asdict(record) for record in clock.log]
+    clock.log.clear()
+    return records

@@ -1,7 +1,8 @@
 """A worker extension (``worker_extension_cls``) that lets the front end read the plugin's per-worker
 counters through ``LLM.collective_rpc("easyspec_drafting_stats")`` without sending code to workers, and
 time the drafting stage of any speculative method (``LLM.collective_rpc("easyspec_time_drafter")``) and whole
-engine steps of any setup (``easyspec_time_steps`` / ``easyspec_step_stats``).
+engine steps of any setup (``easyspec_time_steps`` / ``easyspec_step_stats``, and one record per step from
+``easyspec_take_step_log``).
 
 The ``read_*`` functions take a vLLM worker; tests and benchmarks also send them to workers directly
 (``LLM.collective_rpc(read_tree_stats)``).
@@ -107,6 +108,13 @@ class EasySpecWorkerExtension:
         from vllm_easyspec.instruments.drafting_timer import read_step_stats
 
         return read_step_stats(self)
+
+    def easyspec_take_step_log(self) -> list[dict[str, Any]] | None:
+        """This rank's engine steps timed since the last call, one record each (``StepRecord``), and an empty
+        log after it; None when not timed."""
+        from vllm_easyspec.instruments.drafting_timer import take_step_log
+
+        return take_step_log(self)
 
     def easyspec_tree_stats(self) -> dict[str, int] | None:
         """This rank's token-tree counters (steps, tree requests, nodes verified, accepted, fallbacks)."""
