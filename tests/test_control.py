@@ -26,6 +26,7 @@ from vllm_easyspec.control.planning import (
     AveragedOffer,
     Candidates,
     OfferedTree,
+    at_least,
     best_first_order,
     best_nodes,
     choose_depth,
@@ -199,8 +200,10 @@ def _chain_tree(chances: list[float], lookup: list[float] = ()) -> OfferedTree:
 
 
 def _offer(controller: SpeculationController, req_id: str, tree: OfferedTree) -> None:
-    """``req_id``'s average offer at every depth ``tree`` drafted becomes what it offered there."""
-    controller.offered[req_id] = {depth: AveragedOffer.of(offer)
+    """``req_id``'s average offer at every depth ``tree`` drafted becomes what it offered there (at steps with a
+    lookup path where ``tree`` has lookup nodes)."""
+    with_lookup = any(tree.from_lookup)
+    controller.offered[req_id] = {(depth, with_lookup): AveragedOffer.of(offer)
                                   for depth, offer in enumerate(tree.by_depth(controller.max_nodes), start=1)}
 
 
@@ -410,7 +413,7 @@ def test_the_controller_reorders_a_tree_and_learns_from_what_was_accepted():
     assert kept.tokens == [7, 8, 9]  # i.i.d. children keep their order
     offered = sorted(controller.acceptance.path_chances("a", tree.features, tree.parents), reverse=True)
     first = [FIRST_DEPTH_RATE, FIRST_DEPTH_RATE**2, 0.0]  # the average every request starts from, at depth 2
-    assert controller.offered["a"][2].chances == pytest.approx(  # moved a quarter of the way to what it offered
+    assert controller.offered["a"][2, False].chances == pytest.approx(  # moved a quarter of the way to what it offered
         [0.75 * before + 0.25 * now for before, now in zip(first, offered, strict=True)])
     controller.observe("a", choice.features, choice.parents, accepted={0, 1})
     assert controller.stats.realised_accepted == 2
@@ -743,10 +746,11 @@ def test_a_catch_up_first_pass_is_spread_over_the_steps_the_requests_can_still_r
                          CostCurve.from_measurements([1, 2, 512], [0.02, 0.02, 0.02 + 510 * 0.0007]))
     controller = SpeculationController(cost, max_depth=1, max_nodes=4, level_width=4)
     _offer(controller, "a", _chain_tree([0.8], lookup=[0.6, 0.5, 0.4, 0.3]))
-    assert controller.plan_depth(["a"], first_pass_rows=2) == 1  # drafting every step pays
+    path = [4]  # a step with a lookup path, as the offer's
+    assert controller.plan_depth(["a"], first_pass_rows=2, lookup_lengths=path) == 1  # drafting every step pays
     # its 500-row prompt still to catch up: 350 ms at once never pays in one step, spread over 40 steps it does
-    assert controller.plan_depth(["a"], first_pass_rows=500) == 0
-    assert controller.plan_depth(["a"], first_pass_rows=500, horizon_steps=40) == 1
+    assert controller.plan_depth(["a"], first_pass_rows=500, lookup_lengths=path) == 0
+    assert controller.plan_depth(["a"], first_pass_rows=500, horizon_steps=40, lookup_lengths=path) == 1
 
 
 def test_the_guard_charges_a_catch_up_first_pass_at_the_share_the_plan_charges_it():
@@ -814,3 +818,30 @@ def test_the_top_path_goes_first_and_the_order_stays_parents_first():
     assert order == [0, 2, 4, 1, 3, 5] and count == 4
     assert all(parents[n] < 0 or order.index(parents[n]) < order.index(n) for n in order)
     assert with_top_path_first(chances, parents, count=2, cap=3)[1] == 3
+
+
+def test_a_step_with_a_lookup_path_and_one_without_are_each_planned_from_steps_like_them():
+    # an edit: where the prompt repeats, the lookup path carries the step and one level pays best; where it does
+    # not, the drafted chain must carry it, three levels deep
+    cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.05 + 63 * 0.0002]),
+                         CostCurve.from_measurements([1, 64], [0.004, 0.004]))
+    controller = SpeculationController(cost, max_depth=3, max_nodes=6, level_width=1)
+    for _ in range(20):
+        controller.remember_offer("edit", _chain_tree([0.5, 0.02, 0.01], lookup=[0.95, 0.9, 0.85]), with_lookup=True)
+        controller.remember_offer("edit", _chain_tree([0.9, 0.85, 0.8]), with_lookup=False)
+    assert controller.plan_depth(["edit"], first_pass_rows=2, lookup_lengths=[3]) == 1
+    assert controller.plan_depth(["edit"], first_pass_rows=2, lookup_lengths=[0]) == 3
+
+
+def test_a_deeper_depth_is_never_planned_as_offering_less_than_a_shallower_one():
+    # verify flat at 50 ms, first pass 10 ms, a level 2 ms: a second node of chance 0.1 repays its level
+    cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.05]),
+                         CostCurve.from_measurements([1, 64], [0.002, 0.002]),
+                         CostCurve.from_measurements([1, 64], [0.01, 0.01]))
+    controller = SpeculationController(cost, max_depth=2, max_nodes=2, level_width=1)
+    _offer(controller, "a", _chain_tree([0.9, 0.1]))
+    # drafting one level has lately offered 0.9; the two-level average is older, from when the request did worse
+    controller.offered["a"][2, False] = AveragedOffer([0.2, 0.1], None)
+    assert controller.plan_depth(["a"], first_pass_rows=2) == 2
+    assert at_least(Candidates([0.2, 0.1], 2, None), Candidates([0.9], 2, None)).chances == [0.9, 0.1]
+    assert at_least(Candidates([0.3], 3, 1), Candidates([0.2, 0.1], 3, None)) == Candidates([0.3, 0.1], 3, 1)

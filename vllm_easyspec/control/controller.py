@@ -24,9 +24,13 @@ One step, as the drafter and the runner call it:
    (:func:`~vllm_easyspec.control.planning.choose_depth`), each depth priced by a moving average of the nodes
    the request offered when it drafted that deep (:class:`~vllm_easyspec.control.planning.AveragedOffer`, with
    the chances the acceptance model gave them then; a request starts from the average over every request's
-   offers, which starts from a chain of :data:`FIRST_DEPTH_RATE` powers), so a depth's acceptance costs the
-   rows the choice after drafting will spend on it (a depth-1 token that one of four root children usually
-   hits costs four rows, not one), and prompt-lookup nodes count at every depth without level forwards; or no
+   offers, which starts from a chain of :data:`FIRST_DEPTH_RATE` powers), kept apart for steps with a
+   prompt-lookup path and steps without one (a path, offered at every depth, makes shallow drafting enough
+   where there is one and says nothing where there is none), and never below a shallower depth's offer
+   (drafting deeper offers those nodes too; the average of a depth drafted less often is older), so a
+   depth's acceptance costs the rows the choice after drafting will spend on it (a depth-1 token that one of
+   four root children usually hits costs four rows, not one), and prompt-lookup nodes count at every depth
+   without level forwards; or no
    drafting at all when no node is expected to repay it, first pass included, or when the requests'
    prompt-lookup paths alone pay more (the drafter then skips the step, its first pass deferred, and offers
    those paths alone), unless the step explores;
@@ -72,6 +76,7 @@ from vllm_easyspec.control.planning import (
     Candidates,
     DepthPlan,
     OfferedTree,
+    at_least,
     best_first_order,
     best_nodes,
     choose_depth,
@@ -82,6 +87,7 @@ from vllm_easyspec.control.planning import (
     with_top_path_first,
 )
 
+OfferKey = tuple[int, bool]  # (drafted depth, whether the step had a prompt-lookup path)
 FIRST_DEPTH_RATE = 0.6  # before any tree was offered: a chain whose node at depth j has chance FIRST_DEPTH_RATE ** j
 OWN_OFFER_WEIGHT = 0.25  # weight of a request's newest offered tree in its average offer at each depth
 SHARED_OFFER_WEIGHT = 0.05  # ... of any request's newest tree in the average offer a request starts from
@@ -291,9 +297,11 @@ class SpeculationController:
         self.max_nodes = max_nodes
         self.level_width = level_width
         self.acceptance = AcceptanceModel()
-        # per request, and over every request: depth -> the average offer of drafting that deep
-        self.offered: dict[str, dict[int, AveragedOffer]] = {}
-        self.offered_by_anyone: dict[int, AveragedOffer] = {}
+        # per request, and over every request: (depth, with a prompt-lookup path) -> the average offer of
+        # drafting that deep at steps with / without a lookup path
+        self.offered: dict[str, dict[OfferKey, AveragedOffer]] = {}
+        self.offered_by_anyone: dict[OfferKey, AveragedOffer] = {}
+        self._with_lookup: dict[str, bool] = {}  # request -> whether this step's plan saw a lookup path
         self._drafted_levels = max_depth  # the depth plan_depth chose this step
         self.stats = ControllerStats()
         self._explore = random.Random(0)  # independent of every verification: choices stay lossless
@@ -344,8 +352,10 @@ class SpeculationController:
             return first_pass + overhead + self.cost.draft_seconds(depth - 1, level_rows)
 
         ratio = self.ratio_at(len(req_ids))
-        by_depth = [[self._offered_at(req_id, depth, ratio) for req_id in req_ids]
-                    for depth in range(1, self.max_depth + 1)]
+        for index, req_id in enumerate(req_ids):
+            self._with_lookup[req_id] = bool(lookup_lengths and lookup_lengths[index])
+        by_request = [self._offers_by_depth(req_id, ratio) for req_id in req_ids]
+        by_depth = [[offers[depth] for offers in by_request] for depth in range(self.max_depth)]
         without_drafting = None if lookup_lengths is None else [
             self._lookup_path(req_id, length, ratio) for req_id, length in zip(req_ids, lookup_lengths, strict=True)]
         plan = (choose_depth(by_depth, self.cost.verify_seconds, draft_seconds, without_drafting) if req_ids
@@ -392,13 +402,22 @@ class SpeculationController:
         self.stats.controller_seconds += time.perf_counter() - started
         return depth
 
-    def _offered_at(self, req_id: str, depth: int, ratio: float) -> Candidates:
-        """The nodes ``req_id`` would offer when drafting ``depth`` levels: its average offer there, else every
-        request's, else a chain of :data:`FIRST_DEPTH_RATE` powers."""
-        average = self.offered.get(req_id, {}).get(depth) or self.offered_by_anyone.get(depth)
-        if average is not None:
-            return average.candidates(ratio, self.max_nodes)
-        return self._first_offer(depth)
+    def _offers_by_depth(self, req_id: str, ratio: float) -> list[Candidates]:
+        """The nodes ``req_id`` would offer when drafting 1, 2, ..., ``max_depth`` levels this step: at each depth
+        its average offer at steps like this one (with or without a prompt-lookup path), else every request's,
+        else a chain of :data:`FIRST_DEPTH_RATE` powers; each at least as good, node by node, as every shallower
+        depth's (drafting deeper offers the shallower nodes and more: an average the request has not refreshed
+        lately, because the plan drafted less deep, must not make a deeper step look worse)."""
+        with_lookup = self._with_lookup.get(req_id, False)
+        own = self.offered.get(req_id, {})
+        offers: list[Candidates] = []
+        for depth in range(1, self.max_depth + 1):
+            average = own.get((depth, with_lookup)) or self.offered_by_anyone.get((depth, with_lookup))
+            offer = self._first_offer(depth) if average is None else average.candidates(ratio, self.max_nodes)
+            if offers:
+                offer = at_least(offer, offers[-1])
+            offers.append(offer)
+        return offers
 
     def _lookup_path(self, req_id: str, length: int, ratio: float) -> Candidates:
         """A prompt-lookup path of ``length`` nodes offered alone, priced by the acceptance model."""
@@ -408,15 +427,20 @@ class SpeculationController:
     def _first_offer(self, depth: int) -> Candidates:
         return Candidates([FIRST_DEPTH_RATE ** (j + 1) for j in range(min(depth, self.max_nodes))], self.max_nodes)
 
-    def remember_offer(self, req_id: str, tree: OfferedTree) -> None:
+    def remember_offer(self, req_id: str, tree: OfferedTree, with_lookup: bool | None = None) -> None:
         """Moves ``req_id``'s average offer at every depth ``tree`` drafted toward what it offered there (from
-        every request's average on its first offer), and every request's average by a smaller weight."""
+        every request's average on its first offer), and every request's average by a smaller weight; the
+        averages of steps with a prompt-lookup path (``with_lookup``; None: whether ``tree`` has lookup nodes)
+        apart from those without, since a lookup path, when there is one, is offered at every depth."""
+        if with_lookup is None:
+            with_lookup = any(tree.from_lookup)
         own = self.offered.setdefault(req_id, {})
         for depth, offer in enumerate(tree.by_depth(self.max_nodes), start=1):
-            shared = self.offered_by_anyone.setdefault(depth, AveragedOffer.of(self._first_offer(depth)))
-            if depth not in own:
-                own[depth] = AveragedOffer(list(shared.chances), shared.path_length)
-            own[depth].add(offer, OWN_OFFER_WEIGHT)
+            key = (depth, with_lookup)
+            shared = self.offered_by_anyone.setdefault(key, AveragedOffer.of(self._first_offer(depth)))
+            if key not in own:
+                own[key] = AveragedOffer(list(shared.chances), shared.path_length)
+            own[key].add(offer, OWN_OFFER_WEIGHT)
             shared.add(offer, SHARED_OFFER_WEIGHT)
 
     # ------------------------------------------------------------------------------------------ after drafting
@@ -432,7 +456,8 @@ class SpeculationController:
             model_chances = self.acceptance.path_chances(tree.req_id, tree.features, tree.parents)
             self.remember_offer(tree.req_id, OfferedTree(
                 levels, tuple(model_chances), tuple(tree.parents),
-                tuple(feature.from_lookup for feature in tree.features), tree.keeps_order))
+                tuple(feature.from_lookup for feature in tree.features), tree.keeps_order),
+                self._with_lookup.get(tree.req_id))
             chances = [min(ratio * chance, 1.0) for chance in model_chances]
             if tree.keeps_order:
                 ordered.append((tree.tokens, tree.parents, tree.features, running_minimum(chances)))
@@ -495,7 +520,7 @@ class SpeculationController:
             self.guard.forget_drafted()
             self._first_pass_debt = 0.0
         self._guard_requests &= live
-        for state in (self.offered, self._predicted):
+        for state in (self.offered, self._predicted, self._with_lookup):
             for req_id in [r for r in state if r not in live]:
                 del state[req_id]
 

@@ -239,6 +239,18 @@ class AveragedOffer:
         return Candidates([min(ratio * chance, 1.0) for chance in self.chances[:cap]], cap, self.path_length)
 
 
+def at_least(offer: Candidates, shallower: Candidates) -> Candidates:
+    """``offer`` with each k-th best chance raised to ``shallower``'s k-th where that is higher (and its nodes
+    extended to as many): what drafting deeper offers, which holds every node drafting less deep offers."""
+    longer = max(len(offer.chances), len(shallower.chances))
+    own = list(offer.chances) + [0.0] * (longer - len(offer.chances))
+    floor = list(shallower.chances) + [0.0] * (longer - len(shallower.chances))
+    chances = [max(a, b) for a, b in zip(own, floor, strict=True)]
+    if chances == list(offer.chances):
+        return offer
+    return Candidates(chances, offer.cap, offer.path_length)
+
+
 NEGLIGIBLE_CHANCE = 1e-3  # an averaged node less likely than this is not worth keeping
 
 
