@@ -47,18 +47,6 @@ CALIBRATION_SECONDS_PER_POINT = 0.5  # ... which stop once they took this long; 
 # whose forward took this long
 
 
-def monotone_fit(values: Sequence[float]) -> list[float]:
-    """The non-decreasing sequence closest to ``values`` in least squares (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [sum, count] of runs pooled to one value
-    for value in values:
-        blocks.append([value, 1])
-        while len(blocks) > 1 and blocks[-2][0] * blocks[-1][1] > blocks[-1][0] * blocks[-2][1]:
-            total, count = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += count
-    return [total / count for total, count in blocks for _ in range(int(count))]
-
-
 @dataclass(frozen=True)
 class CostCurve:
     """Seconds as a piecewise-linear function of rows through measured points (rows ascending)."""
@@ -68,13 +56,14 @@ class CostCurve:
 
     @classmethod
     def from_measurements(cls, rows: Sequence[int], seconds: Sequence[float]) -> CostCurve:
-        """Points sorted by rows, made non-decreasing by the least-squares monotone fit (neighbours out of order
-        pooled to their mean): timing noise never makes more rows cheaper, and one slow timing is not carried
-        to every larger row count (which would put the whole step of it between two row counts)."""
+        """Points sorted by rows, each at least the one before (timing noise never makes more rows cheaper)."""
         if not rows or len(rows) != len(seconds):
             raise ValueError(f"need one time per row count; got {len(rows)} row counts and {len(seconds)} times")
         ordered = sorted(zip(rows, seconds, strict=True))
-        return cls(tuple(r for r, _ in ordered), tuple(monotone_fit([value for _, value in ordered])))
+        monotone: list[float] = []
+        for _, value in ordered:
+            monotone.append(max(value, monotone[-1]) if monotone else value)
+        return cls(tuple(r for r, _ in ordered), tuple(monotone))
 
     def __call__(self, rows: float) -> float:
         xs, ys = self.rows, self.seconds
