@@ -66,8 +66,10 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from enum import Enum
+from typing import Any
 
 from vllm_easyspec.control.acceptance import AcceptanceModel, NodeFeatures
 from vllm_easyspec.control.cost import StepCostModel
@@ -75,6 +77,7 @@ from vllm_easyspec.control.planning import (
     AveragedOffer,
     Candidates,
     DepthPlan,
+    DepthRate,
     OfferedTree,
     at_least,
     best_first_order,
@@ -314,6 +317,8 @@ class SpeculationController:
         self._first_pass_debt = 0.0  # catch-up first-pass seconds that drafted cycles have yet to repay to the guard
         self._explore_budget = 0.0  # seconds exploring steps may still spend
         self._exploring = Exploring.NO  # what this step's drafting explores
+        # receives one record per plan_depth call when set (instruments.plan_log: VLLM_EASYSPEC_PLAN_LOG)
+        self.plan_log: Callable[[dict[str, Any]], None] | None = None
 
     @property
     def realised_over_predicted(self) -> float:
@@ -358,8 +363,9 @@ class SpeculationController:
         by_depth = [[offers[depth] for offers in by_request] for depth in range(self.max_depth)]
         without_drafting = None if lookup_lengths is None else [
             self._lookup_path(req_id, length, ratio) for req_id, length in zip(req_ids, lookup_lengths, strict=True)]
-        plan = (choose_depth(by_depth, self.cost.verify_seconds, draft_seconds, without_drafting) if req_ids
-                else DepthPlan(0, 0))
+        options: list[DepthRate] | None = [] if self.plan_log is not None else None
+        plan = (choose_depth(by_depth, self.cost.verify_seconds, draft_seconds, without_drafting, options)
+                if req_ids else DepthPlan(0, 0))
         depth = plan.depth
         held_back = depth > 0 and self.guard.holds_back(len(req_ids), self.cost.verify_seconds(len(req_ids)))
         self._exploring = Exploring.NO
@@ -395,6 +401,11 @@ class SpeculationController:
                 depth = self.max_depth
         self.stats.depth_per_step[depth] += 1
         self._drafted_levels = depth
+        if self.plan_log is not None:
+            self.plan_log({"requests": len(req_ids), "with_lookup": sum(self._with_lookup[r] for r in req_ids),
+                           "first_pass_rows": first_pass_rows, "planned": plan.depth, "drafted": depth,
+                           "held_back": held_back, "exploring": self._exploring.value,
+                           "options": [asdict(option) for option in options or []]})
         full_first_pass = steady + catch_up
         self._cycle = _Cycle(drafted=depth > 0, requests=set(req_ids), weighed=self._exploring is Exploring.NO,
                              first_pass_share=first_pass / full_first_pass if full_first_pass > 0 else 1.0,

@@ -254,9 +254,22 @@ def at_least(offer: Candidates, shallower: Candidates) -> Candidates:
 NEGLIGIBLE_CHANCE = 1e-3  # an averaged node less likely than this is not worth keeping
 
 
+@dataclass(frozen=True)
+class DepthRate:
+    """What :func:`choose_depth` predicted for one option: ``depth`` levels (0: no drafting, the prompt-lookup
+    paths alone), the batch's best ``nodes`` at that depth, their expected accepted ``gain`` and the step's
+    ``rate`` (tokens per second)."""
+
+    depth: int
+    nodes: int
+    gain: float
+    rate: float
+
+
 def choose_depth(candidates_by_depth: Sequence[Sequence[Candidates]], verify_seconds: VerifySeconds,
                  draft_seconds: Callable[[int], float],
-                 without_drafting: Sequence[Candidates] | None = None) -> DepthPlan:
+                 without_drafting: Sequence[Candidates] | None = None,
+                 record: list[DepthRate] | None = None) -> DepthPlan:
     """The drafting depth with the best predicted rate, or depth 0 when no depth beats drafting nothing.
     ``candidates_by_depth[d - 1][i]``: the nodes request ``i`` would offer when the step drafts ``d`` levels
     (its prompt-lookup nodes at every depth: they need no level forward); ``verify_seconds(rows, masked,
@@ -268,18 +281,30 @@ def choose_depth(candidates_by_depth: Sequence[Sequence[Candidates]], verify_sec
     against a step that drafts nothing and verifies ``B`` rows, or its prompt-lookup nodes where they pay:
     drafting is paid only when nodes are verified, so a level whose nodes would not be verified (they cost
     more rows than they gain, as at a large batch) is not drafted, and neither is a first pass whose nodes do
-    not repay it."""
+    not repay it. ``record``, when given, receives every option's :class:`DepthRate` (drafting nothing first,
+    as depth 0 with no nodes; the prompt-lookup paths alone next, as depth 0 with their nodes)."""
     batch = len(candidates_by_depth[0]) if candidates_by_depth else 0
     if batch == 0:
         return DepthPlan(0, 0)
     verify_seconds = functools.cache(verify_seconds)  # every depth prices the same row counts
     best, best_rate = DepthPlan(0, 0), batch / verify_seconds(batch, 0, 0, batch)
+    if record is not None:
+        record.append(DepthRate(0, 0, 0.0, best_rate))
     if without_drafting is not None:
         count, rate = _best_total(without_drafting, verify_seconds, 0.0)
+        if record is not None:
+            record.append(DepthRate(0, count, _gain(without_drafting, count), rate))
         if count and rate > best_rate:
             best, best_rate = DepthPlan(0, count), rate
     for depth, candidates in enumerate(candidates_by_depth, start=1):
         count, rate = _best_total(candidates, verify_seconds, draft_seconds(depth))
+        if record is not None:
+            record.append(DepthRate(depth, count, _gain(candidates, count), rate))
         if count and rate > best_rate * (1 + 1e-9):
             best, best_rate = DepthPlan(depth, count), rate
     return best
+
+
+def _gain(candidates: Sequence[Candidates], total: int) -> float:
+    """The expected accepted nodes of the batch's ``total`` most likely candidates."""
+    return sum(-negative_chance for negative_chance, _, _ in itertools.islice(_offered(candidates), max(total, 0)))

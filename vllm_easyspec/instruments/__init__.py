@@ -6,4 +6,6 @@
   per-worker counters (drafting time, tree steps) with ``LLM.collective_rpc``.
 * :mod:`.drafting_timer`: drafting and whole-step timers for any speculative method, vLLM's own included.
 * :mod:`.step_trace`: ``VLLM_EASYSPEC_STEP_TRACE`` traces every tree verify step; its command checks a trace.
+* :mod:`.plan_log`: ``VLLM_EASYSPEC_PLAN_LOG`` logs the ``tree.auto`` controller's depth plan every step (each
+  option's predicted gain and rate); its command summarises a log by batch size.
 """

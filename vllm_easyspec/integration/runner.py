@@ -31,6 +31,7 @@ import torch
 
 from vllm_easyspec.control.controller import SpeculationController
 from vllm_easyspec.control.cost import CostCurve, ForwardTimings, StepCostModel, time_forwards
+from vllm_easyspec.instruments.plan_log import appender, plan_log_path
 from vllm_easyspec.instruments.step_trace import step_trace_path, trace_tree_step
 from vllm_easyspec.integration.compat import plugin_logger
 from vllm_easyspec.integration.metrics import ControllerPublisher
@@ -245,7 +246,12 @@ class TreeRunnerMixin:
         )
         logger.info("easyspec.tree.auto: step cost measured in %.1f s: %s", time.perf_counter() - started,
                     cost.describe())
-        return SpeculationController(cost, max_depth=tree.max_depth, max_nodes=max_nodes, level_width=level_width)
+        controller = SpeculationController(cost, max_depth=tree.max_depth, max_nodes=max_nodes,
+                                           level_width=level_width)
+        plan_log = plan_log_path()
+        if plan_log is not None:
+            controller.plan_log = appender(plan_log)
+        return controller
 
     def _forward_timings(self, rows: list[int], draft: bool) -> ForwardTimings:
         """Forwards of the target, or of the drafter's model, timed as :func:`time_forwards` says; attention runs
