@@ -130,16 +130,16 @@ TIE = 1e-12  # relative: rates closer than this are taken as equal when deciding
 
 
 def _best_total(candidates: Sequence[Candidates], verify_seconds: VerifySeconds,
-                other_seconds: float) -> tuple[int, float]:
-    """(count, rate): the number of the batch's most likely nodes, at least one, with the best predicted rate
-    ``(B + gain) / (verify(B + count, masked rows, masked requests, B) + other_seconds)`` (the first such count);
-    (0, 0.0) when no node is offered. A step's seconds never fall as nodes are added (rows, masked rows and
+                other_seconds: float) -> tuple[int, float, float]:
+    """(count, rate, gain): the number of the batch's most likely nodes, at least one, with the best predicted
+    rate ``(B + gain) / (verify(B + count, masked rows, masked requests, B) + other_seconds)`` (the first such
+    count), and the expected accepted nodes among them; (0, 0.0, 0.0) when no node is offered. A step's seconds never fall as nodes are added (rows, masked rows and
     masked requests only grow), so once even every node's gain over this count's seconds cannot beat the best
     rate, no later count can, and the nodes after it are not looked at."""
     batch = len(candidates)
     most_gain = sum(sum(c.chances[: c.cap]) for c in candidates)
     chosen = [0] * batch
-    best_count, best_rate, gain, masked, masked_requests = 0, 0.0, 0.0, 0, 0
+    best_count, best_rate, best_gain, gain, masked, masked_requests = 0, 0.0, 0.0, 0.0, 0, 0
     for count, (negative_chance, request, _) in enumerate(_offered(candidates), start=1):
         gain -= negative_chance
         c = candidates[request]
@@ -150,10 +150,10 @@ def _best_total(candidates: Sequence[Candidates], verify_seconds: VerifySeconds,
         seconds = verify_seconds(batch + count, masked, masked_requests, batch) + other_seconds
         rate = (batch + gain) / seconds
         if rate > best_rate:
-            best_count, best_rate = count, rate
+            best_count, best_rate, best_gain = count, rate, gain
         elif (batch + most_gain) * (1 + TIE) < best_rate * seconds:
             break
-    return best_count, best_rate
+    return best_count, best_rate, best_gain
 
 
 def choose_nodes(candidates: Sequence[Candidates], verify_seconds: VerifySeconds,
@@ -163,7 +163,7 @@ def choose_nodes(candidates: Sequence[Candidates], verify_seconds: VerifySeconds
     of them in the branching trees of ``masked_requests`` requests; ``other_seconds``: the rest of the step,
     whatever is chosen (drafting already spent)."""
     batch = len(candidates)
-    count, rate = _best_total(candidates, verify_seconds, other_seconds)
+    count, rate, _ = _best_total(candidates, verify_seconds, other_seconds)
     if rate <= batch / (verify_seconds(batch, 0, 0, batch) + other_seconds):
         count = 0
     return best_nodes(candidates, count)
@@ -291,20 +291,15 @@ def choose_depth(candidates_by_depth: Sequence[Sequence[Candidates]], verify_sec
     if record is not None:
         record.append(DepthRate(0, 0, 0.0, best_rate))
     if without_drafting is not None:
-        count, rate = _best_total(without_drafting, verify_seconds, 0.0)
+        count, rate, gain = _best_total(without_drafting, verify_seconds, 0.0)
         if record is not None:
-            record.append(DepthRate(0, count, _gain(without_drafting, count), rate))
+            record.append(DepthRate(0, count, gain, rate))
         if count and rate > best_rate:
             best, best_rate = DepthPlan(0, count), rate
     for depth, candidates in enumerate(candidates_by_depth, start=1):
-        count, rate = _best_total(candidates, verify_seconds, draft_seconds(depth))
+        count, rate, gain = _best_total(candidates, verify_seconds, draft_seconds(depth))
         if record is not None:
-            record.append(DepthRate(depth, count, _gain(candidates, count), rate))
+            record.append(DepthRate(depth, count, gain, rate))
         if count and rate > best_rate * (1 + 1e-9):
             best, best_rate = DepthPlan(depth, count), rate
     return best
-
-
-def _gain(candidates: Sequence[Candidates], total: int) -> float:
-    """The expected accepted nodes of the batch's ``total`` most likely candidates."""
-    return sum(-negative_chance for negative_chance, _, _ in itertools.islice(_offered(candidates), max(total, 0)))
