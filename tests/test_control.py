@@ -39,9 +39,17 @@ from vllm_easyspec.control.planning import (
 
 def test_a_cost_curve_is_monotone_and_extrapolates_its_last_segment():
     curve = CostCurve.from_measurements([4, 1, 2, 8], [0.012, 0.010, 0.009, 0.020])
-    assert curve.rows == (1, 2, 4, 8) and curve.seconds == (0.010, 0.010, 0.012, 0.020)
-    assert curve(3) == pytest.approx(0.011) and curve(16) == pytest.approx(0.036) and curve(0) == 0.010
+    assert curve.rows == (1, 2, 4, 8) and curve.seconds == (0.009, 0.009, 0.012, 0.020)
+    assert curve(3) == pytest.approx(0.0105) and curve(16) == pytest.approx(0.036) and curve(0) == 0.009
     assert curve.per_extra_row(8) == pytest.approx(0.002)
+
+
+def test_one_slow_timing_does_not_raise_the_cost_curve_at_larger_row_counts():
+    # as measured on a 2-core CPU at batch 1: two rows slower than four to six, then about 2 ms per row
+    curve = CostCurve.from_measurements([1, 2, 3, 4, 5, 6, 7, 8, 16],
+                                        [0.046, 0.062, 0.046, 0.044, 0.044, 0.045, 0.050, 0.053, 0.069])
+    assert curve.seconds[:6] == (0.044,) * 4 + (0.044, 0.045)
+    assert curve(8) - curve(5) == pytest.approx(0.009)  # the slope where it is, not flattened by the 2-row point
 
 
 def test_the_cost_model_follows_a_machine_that_slows_down_and_learns_what_calibration_missed():

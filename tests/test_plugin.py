@@ -57,6 +57,14 @@ def test_the_plugin_proposers_are_built_only_where_the_options_ask_for_them():
     assert issubclass(EasySpecDraftProposer, DraftModelProposer) and issubclass(EasySpecEagleProposer, EagleProposer)
 
 
+def test_the_start_up_cost_curves_time_every_small_row_count_then_powers_of_two_up_to_the_most():
+    from vllm_easyspec.integration.runner import _calibration_rows
+
+    assert _calibration_rows(1) == [1] and _calibration_rows(5) == [1, 2, 3, 4, 5]
+    assert _calibration_rows(21) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 21]
+    assert _calibration_rows(64) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64]
+
+
 @pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "0.32.1+cpu", "1.0.0"])
 def test_version_check_refuses_other_vllm(version):
     with pytest.raises(UnsupportedVLLMVersionError, match="supports only vLLM 0.32.0"):

@@ -23,7 +23,7 @@ so the first pass is a cost of speculating at all, not a constant of the step. T
 prompt lookup, choosing nodes, handing the trees over) is kept per request of the batch, a moving average of
 what the stage took beyond its forwards.
 
-Invariants: a :class:`CostCurve` is non-decreasing in its rows (measured points are made monotone) and
+Invariants: a :class:`CostCurve` is non-decreasing in its rows (the lower envelope of its points) and
 extrapolates linearly past its last point; the fitted scale is positive and no extra cost is negative (an
 extra the fit would make negative is left out of it); each drafting prediction (first pass, level) is the draft
 curve times a scale, an exponential moving average of observed over predicted seconds.
@@ -56,14 +56,18 @@ class CostCurve:
 
     @classmethod
     def from_measurements(cls, rows: Sequence[int], seconds: Sequence[float]) -> CostCurve:
-        """Points sorted by rows, each at least the one before (timing noise never makes more rows cheaper)."""
+        """Points sorted by rows, each the least time measured at its rows or more: the lower envelope that
+        is non-decreasing. Timing noise is one-sided (a pause only ever slows a forward), so a row count
+        measured slower than a larger one is priced at the larger one's time, and one slow timing does not
+        raise every larger row count (some GEMM shapes are slower than larger ones as well; the planning
+        needs a non-decreasing cost, and the engine's steps correct the level through the fit)."""
         if not rows or len(rows) != len(seconds):
             raise ValueError(f"need one time per row count; got {len(rows)} row counts and {len(seconds)} times")
         ordered = sorted(zip(rows, seconds, strict=True))
-        monotone: list[float] = []
-        for _, value in ordered:
-            monotone.append(max(value, monotone[-1]) if monotone else value)
-        return cls(tuple(r for r, _ in ordered), tuple(monotone))
+        envelope: list[float] = []
+        for _, value in reversed(ordered):
+            envelope.append(min(value, envelope[-1]) if envelope else value)
+        return cls(tuple(r for r, _ in ordered), tuple(reversed(envelope)))
 
     def __call__(self, rows: float) -> float:
         xs, ys = self.rows, self.seconds

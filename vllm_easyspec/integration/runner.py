@@ -45,6 +45,7 @@ from vllm_easyspec.tree.config import TreeConfig
 from vllm_easyspec.tree.verify_step import TreeRequest, TreeVerifyStep
 
 logger = plugin_logger(__name__)
+DENSE_CALIBRATION_ROWS = 8  # start-up cost curves: every row count up to this one is timed
 
 
 class TreeRunnerMixin:
@@ -305,11 +306,14 @@ class TreeRunnerMixin:
 
 
 def _calibration_rows(most: int) -> list[int]:
-    """Row counts a cost curve is measured at: powers of two up to ``most``, and ``most``."""
-    rows = [1]
+    """Row counts a cost curve is measured at: every count up to :data:`DENSE_CALIBRATION_ROWS` (where a
+    lone request's nodes fall, and where the cost of a row count is least regular), powers of two past it, and
+    ``most``; none above ``most``."""
+    most = max(most, 1)
+    rows = list(range(1, min(most, DENSE_CALIBRATION_ROWS) + 1))
     while rows[-1] * 2 < most:
-        rows.append(rows[-1] * 2)
-    return sorted(set(rows) | {max(most, 1)})
+        rows.append(1 << rows[-1].bit_length())
+    return sorted(set(rows) | {most})
 
 
 def _cpu_runner_class():
