@@ -305,6 +305,10 @@ class SpeculationController:
         self.offered: dict[str, dict[OfferKey, AveragedOffer]] = {}
         self.offered_by_anyone: dict[OfferKey, AveragedOffer] = {}
         self._with_lookup: dict[str, bool] = {}  # request -> whether this step's plan saw a lookup path
+        self._offers_version = 0  # counts the offers remembered: each changes the shared averages
+        # request -> ((offers version, ratio, with lookup), its offers by depth then): a request's offers change
+        # only when some request remembers an offer or the ratio changes, not at steps that draft nothing
+        self._offers_cache: dict[str, tuple[tuple[int, float, bool], list[Candidates]]] = {}
         self._drafted_levels = max_depth  # the depth plan_depth chose this step
         self.stats = ControllerStats()
         self._explore = random.Random(0)  # independent of every verification: choices stay lossless
@@ -420,6 +424,10 @@ class SpeculationController:
         depth's (drafting deeper offers the shallower nodes and more: an average the request has not refreshed
         lately, because the plan drafted less deep, must not make a deeper step look worse)."""
         with_lookup = self._with_lookup.get(req_id, False)
+        key = (self._offers_version, ratio, with_lookup)
+        cached = self._offers_cache.get(req_id)
+        if cached is not None and cached[0] == key:
+            return cached[1]
         own = self.offered.get(req_id, {})
         offers: list[Candidates] = []
         for depth in range(1, self.max_depth + 1):
@@ -428,6 +436,7 @@ class SpeculationController:
             if offers:
                 offer = at_least(offer, offers[-1])
             offers.append(offer)
+        self._offers_cache[req_id] = (key, offers)
         return offers
 
     def _lookup_path(self, req_id: str, length: int, ratio: float) -> Candidates:
@@ -453,6 +462,7 @@ class SpeculationController:
                 own[key] = AveragedOffer(list(shared.chances), shared.path_length)
             own[key].add(offer, OWN_OFFER_WEIGHT)
             shared.add(offer, SHARED_OFFER_WEIGHT)
+            self._offers_version += 1
 
     # ------------------------------------------------------------------------------------------ after drafting
     def choose(self, trees: list[RequestTree]) -> list[Choice]:
@@ -531,7 +541,7 @@ class SpeculationController:
             self.guard.forget_drafted()
             self._first_pass_debt = 0.0
         self._guard_requests &= live
-        for state in (self.offered, self._predicted, self._with_lookup):
+        for state in (self.offered, self._predicted, self._with_lookup, self._offers_cache):
             for req_id in [r for r in state if r not in live]:
                 del state[req_id]
 

@@ -24,9 +24,8 @@ Invariant: the chosen nodes of a request are closed under taking parents (chance
 from __future__ import annotations
 
 import functools
-import heapq
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -104,15 +103,11 @@ def running_minimum(values: Sequence[float]) -> list[float]:
     return out
 
 
-def _offered(candidates: Sequence[Candidates]) -> Iterator[tuple[float, int, int]]:
-    """(-chance, request, rank) of every node the requests may verify, most likely first (a request's own nodes
-    in its order), lazily: each request's nodes are already best first, so this merges them."""
-    return heapq.merge(*(_keyed(request, c) for request, c in enumerate(candidates)))
-
-
-def _keyed(request: int, candidates: Candidates) -> Iterator[tuple[float, int, int]]:
-    for rank, chance in enumerate(candidates.chances[: candidates.cap]):
-        yield -chance, request, rank
+def _offered(candidates: Sequence[Candidates]) -> list[tuple[float, int, int]]:
+    """(-chance, request, rank) of every node the requests may verify, most likely first (ties: by request):
+    each request's own nodes stay in its order, which is already best first."""
+    return sorted((-chance, request, rank) for request, c in enumerate(candidates)
+                  for rank, chance in enumerate(c.chances[: c.cap]))
 
 
 def best_nodes(candidates: Sequence[Candidates], total: int) -> list[int]:
@@ -281,8 +276,10 @@ def choose_depth(candidates_by_depth: Sequence[Sequence[Candidates]], verify_sec
     against a step that drafts nothing and verifies ``B`` rows, or its prompt-lookup nodes where they pay:
     drafting is paid only when nodes are verified, so a level whose nodes would not be verified (they cost
     more rows than they gain, as at a large batch) is not drafted, and neither is a first pass whose nodes do
-    not repay it. ``record``, when given, receives every option's :class:`DepthRate` (drafting nothing first,
-    as depth 0 with no nodes; the prompt-lookup paths alone next, as depth 0 with their nodes)."""
+    not repay it. A depth that offers the same nodes as the one before it is not priced (drafting it costs
+    more; ``draft_seconds`` never falls with depth) unless ``record`` is given, which receives every option's
+    :class:`DepthRate` (drafting nothing first, as depth 0 with no nodes; the prompt-lookup paths alone next, as
+    depth 0 with their nodes)."""
     batch = len(candidates_by_depth[0]) if candidates_by_depth else 0
     if batch == 0:
         return DepthPlan(0, 0)
@@ -296,7 +293,11 @@ def choose_depth(candidates_by_depth: Sequence[Sequence[Candidates]], verify_sec
             record.append(DepthRate(0, count, gain, rate))
         if count and rate > best_rate:
             best, best_rate = DepthPlan(0, count), rate
+    shallower: Sequence[Candidates] | None = None
     for depth, candidates in enumerate(candidates_by_depth, start=1):
+        if record is None and candidates == shallower:  # the same nodes, dearer to draft: a lower rate
+            continue
+        shallower = candidates
         count, rate, gain = _best_total(candidates, verify_seconds, draft_seconds(depth))
         if record is not None:
             record.append(DepthRate(depth, count, gain, rate))

@@ -370,7 +370,9 @@ class TreeDrafting:
         nodes verifies as vLLM verifies a chain, greedy or sampled."""
         verifier = self.verifier
         req_ids = self._request_ids(batch_size)
-        no_drafts = {req_id for req_id in req_ids if verifier.fallback_reason(req_id) is not None}
+        # a request without a path has nothing to choose from, as one that may not speculate
+        no_drafts = {req_id for req_id, path in zip(req_ids, paths, strict=True)
+                     if not path or verifier.fallback_reason(req_id) is not None}
         offered = []
         for req_id, path in zip(req_ids, paths, strict=True):
             if req_id not in no_drafts:
