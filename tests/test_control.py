@@ -483,6 +483,19 @@ def test_the_guard_is_charged_a_catch_up_first_pass_in_full_spread_over_the_draf
     assert sum(charged) == pytest.approx(1.01 + 0.05 + 200 * 0.06)  # every second of drafting, once
 
 
+def test_a_request_offering_nodes_is_priced_in_its_whole_batch_not_alone():
+    # 3 ms a row on a 50 ms step: a lookup path pays for a lone request, not among 15 others that verify a row each
+    cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.05 + 63 * 0.003]),
+                         CostCurve.from_measurements([1, 64], [0.01, 0.02]))
+    controller = SpeculationController(cost, max_depth=2, max_nodes=4, level_width=2)
+    features = [NodeFeatures(True, depth, None) for depth in (1, 2, 3)]
+    path = RequestTree("edit", [5, 6, 7], [-1, 0, 1], features, keeps_order=False)
+    controller._explore.random = lambda: 1.0  # no exploring step
+    (alone,) = controller.choose([path])
+    (in_batch,) = controller.choose([path], batch_size=16)
+    assert alone.count > 0 and in_batch.count == 0
+
+
 def test_cycles_that_verified_lookup_paths_alone_are_not_the_plain_cycles_drafting_is_held_against():
     controller = _cheap_drafting_controller()
     cheap = controller.cost

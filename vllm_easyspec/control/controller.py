@@ -465,11 +465,14 @@ class SpeculationController:
             self._offers_version += 1
 
     # ------------------------------------------------------------------------------------------ after drafting
-    def choose(self, trees: list[RequestTree]) -> list[Choice]:
+    def choose(self, trees: list[RequestTree], batch_size: int | None = None) -> list[Choice]:
+        """Each tree's nodes best first and how many of them it verifies, in a batch of ``batch_size`` requests
+        (None: the trees' requests alone; the others offer nothing but verify a row each)."""
         started = time.perf_counter()
+        batch = len(trees) if batch_size is None else max(batch_size, len(trees))
         ordered: list[_OrderedTree] = []
-        bucket = OutcomeGuard.bucket(len(trees))
-        ratio = self.ratio_at(len(trees))
+        bucket = OutcomeGuard.bucket(batch)
+        ratio = self.ratio_at(batch)
         sums = self._ratio_sums.setdefault(bucket, [1.0, 1.0])  # this step's observations join decayed ones
         sums[0], sums[1] = RATIO_MEMORY * sums[0], RATIO_MEMORY * sums[1]
         levels = self._drafted_levels
@@ -486,7 +489,8 @@ class SpeculationController:
             ordered.append(_in_order((tree.tokens, tree.parents, tree.features, chances),
                                      best_first_order(chances, tree.parents)))
         candidates = [Candidates(chances, self.max_nodes, path_length(parents)) for _, parents, _, chances in ordered]
-        counts = choose_nodes(candidates, self.cost.verify_seconds, other_seconds=0.0)
+        batch_candidates = candidates + [Candidates([], self.max_nodes)] * (batch - len(trees))  # rows, no node
+        counts = choose_nodes(batch_candidates, self.cost.verify_seconds, other_seconds=0.0)[: len(trees)]
         if self._exploring is Exploring.ACCEPTANCE:  # each request's best level_width nodes are verified
             counts = [max(count, min(self.level_width, len(candidate.chances), self.max_nodes))
                       for count, candidate in zip(counts, candidates, strict=True)]

@@ -382,18 +382,19 @@ class TreeDrafting:
                 tree = RequestTree(req_id, path, parents, _node_features(parents, (True,) * len(path), None),
                                    keeps_order=False)
                 offered.append((tree, ChildDrawMode.WITHOUT_REPLACEMENT, None))
-        pending = self._chosen(offered)
+        pending = self._chosen(offered, batch_size)
         verifier.propose(pending, no_drafts, node_limit=node_limit, chain=False)
         out = torch.zeros(batch_size, self.config.num_nodes, dtype=torch.long, device=next_token_ids.device)
         return _with_pending_tokens(out, req_ids, pending)
 
-    def _chosen(self, offered: list[tuple[RequestTree, ChildDrawMode, torch.Tensor | None]]
-                ) -> dict[str, PendingTree]:
+    def _chosen(self, offered: list[tuple[RequestTree, ChildDrawMode, torch.Tensor | None]],
+                batch_size: int) -> dict[str, PendingTree]:
         """``easyspec.tree.auto``: each offered tree (with its draw mode and draft probabilities) cut to the
-        nodes the controller chooses, best first."""
+        nodes the controller chooses, best first; the batch's ``batch_size`` requests all verify a row, those
+        offering nothing included."""
         if not offered:
             return {}
-        choices = self.verifier.controller.choose([tree for tree, _, _ in offered])
+        choices = self.verifier.controller.choose([tree for tree, _, _ in offered], batch_size)
         return {tree.req_id: PendingTree.within(choice.count, choice.tokens, choice.parents, mode, probs,
                                                 tuple(f.from_lookup for f in choice.features), choice.features)
                 for (tree, mode, probs), choice in zip(offered, choices, strict=True)}
@@ -454,7 +455,7 @@ class TreeDrafting:
             features = _node_features(row_parents, from_lookup, logprobs)
             offered.append((RequestTree(req_id, row_tokens, row_parents, features,
                                         keeps_order=mode is ChildDrawMode.IID_FROM_DRAFT), mode, probs))
-        pending |= self._chosen(offered)
+        pending |= self._chosen(offered, batch_size)
         verifier.propose(pending, no_drafts, node_limit=node_limit, chain=False)
         if lookup_paths is None and self.retokenizer is None and controller is None:
             return tokens
