@@ -494,6 +494,8 @@ def test_a_request_offering_nodes_is_priced_in_its_whole_batch_not_alone():
     (alone,) = controller.choose([path])
     (in_batch,) = controller.choose([path], batch_size=16)
     assert alone.count > 0 and in_batch.count == 0
+    stats = controller.stats  # every request of both batches counted, those that offered nothing with no node
+    assert stats.requests == 17 and stats.nodes_per_request[0] == 16 == stats.requests_without_nodes
 
 
 def test_cycles_that_verified_lookup_paths_alone_are_not_the_plain_cycles_drafting_is_held_against():

@@ -512,7 +512,9 @@ class SpeculationController:
         stats.lookup_only_steps += levels == 0 and sum(counts) > 0
         if self._cycle is not None:
             self._cycle.nodes = sum(counts)
-        stats.requests += len(choices)
+        stats.requests += batch
+        stats.requests_without_nodes += batch - len(choices)  # the batch's requests that offered nothing
+        stats.nodes_per_request[0] += batch - len(choices)
         for choice in choices:
             stats.nodes_offered += len(choice.tokens)
             stats.nodes_chosen += choice.count
