@@ -46,7 +46,7 @@ def test_auto_trees_equal_vanilla(llm_pool, tree_llama_dir, tiny_llama_draft_dir
     stats = llm.collective_rpc(read_controller_stats)[0]
     tree = llm.collective_rpc(read_tree_stats)[0]
     # the controller chose nodes every drafting step, verification taught it, and its cost model was measured
-    # at start-up (rows 1, 2, 4, ...) and kept current by the engine's steps
+    # at start-up (rows 1, 2, 3, ...) and kept current by the engine's steps
     assert stats["steps"] > 0 and stats["nodes_chosen"] > 0 and stats["realised_accepted"] > 0
     assert stats["predicted_accepted"] > 0 and sum(stats["nodes_per_request"].values()) == stats["requests"]
     assert stats["verify_curve"]["rows"][:2] == [1, 2] and stats["cost_observations"]["verify"] > 0
