@@ -128,9 +128,10 @@ def _best_total(candidates: Sequence[Candidates], verify_seconds: VerifySeconds,
                 other_seconds: float) -> tuple[int, float, float]:
     """(count, rate, gain): the number of the batch's most likely nodes, at least one, with the best predicted
     rate ``(B + gain) / (verify(B + count, masked rows, masked requests, B) + other_seconds)`` (the first such
-    count), and the expected accepted nodes among them; (0, 0.0, 0.0) when no node is offered. A step's seconds never fall as nodes are added (rows, masked rows and
-    masked requests only grow), so once even every node's gain over this count's seconds cannot beat the best
-    rate, no later count can, and the nodes after it are not looked at."""
+    count), and the expected accepted nodes among them; (0, 0.0, 0.0) when no node is offered. A step's seconds
+    never fall as nodes are added (rows, masked rows and masked requests only grow), so once even every node's
+    gain over this count's seconds cannot beat the best rate, no later count can, and the nodes after it are not
+    looked at."""
     batch = len(candidates)
     most_gain = sum(sum(c.chances[: c.cap]) for c in candidates)
     chosen = [0] * batch
