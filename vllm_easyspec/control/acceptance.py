@@ -105,17 +105,23 @@ class AcceptanceModel:
     conditional: Calibration = field(default_factory=Calibration)  # P(accepted | tested) predictions
     path: Calibration = field(default_factory=Calibration)  # P(accepted) predictions of every offered node
     _lookup_paths: dict[tuple[int, int], list[float]] = field(default_factory=dict)  # (recent bin, length) -> chances
+    # (features, recent bin) -> conditional chance, until the next observation changes the counts
+    _conditional: dict[tuple[NodeFeatures, int], float] = field(default_factory=dict)
 
     def recent_bin(self, req_id: str) -> int:
         rate = self.recent.get(req_id)
         return len(RECENT_EDGES) + 1 if rate is None else bisect.bisect_right(RECENT_EDGES, rate)
 
     def conditional_chance(self, features: NodeFeatures, recent_bin: int) -> float:
-        chance = features.prior()
-        pooled_key = features.pooled_key()
-        for counts in (self.pooled.get(pooled_key), self.bins.get((*pooled_key, recent_bin))):
-            if counts is not None:
-                chance = (PRIOR_WEIGHT * chance + counts.accepted) / (PRIOR_WEIGHT + counts.tested)
+        key = (features, recent_bin)
+        chance = self._conditional.get(key)
+        if chance is None:
+            chance = features.prior()
+            pooled_key = features.pooled_key()
+            for counts in (self.pooled.get(pooled_key), self.bins.get((*pooled_key, recent_bin))):
+                if counts is not None:
+                    chance = (PRIOR_WEIGHT * chance + counts.accepted) / (PRIOR_WEIGHT + counts.tested)
+            self._conditional[key] = chance
         return chance
 
     def path_chances(self, req_id: str, nodes: list[NodeFeatures], parents: list[int]) -> list[float]:
@@ -140,16 +146,18 @@ class AcceptanceModel:
 
     def observe(self, req_id: str, nodes: list[NodeFeatures], parents: list[int], accepted: set[int]) -> None:
         """Verification of one request's scheduled tree: ``accepted`` holds the indices of its accepted nodes."""
-        self._lookup_paths.clear()
         recent_bin = self.recent_bin(req_id)
         path_before = self.path_chances(req_id, nodes, parents)
+        conditional_before = [self.conditional_chance(features, recent_bin) for features in nodes]
+        self._lookup_paths.clear()
+        self._conditional.clear()
         tested = accepted_here = 0
         for index, (features, parent) in enumerate(zip(nodes, parents, strict=True)):
             was_accepted = index in accepted
             self.path.add(path_before[index], was_accepted)
             if parent >= 0 and parent not in accepted:
                 continue  # never tested: its parent was rejected
-            self.conditional.add(self.conditional_chance(features, recent_bin), was_accepted)
+            self.conditional.add(conditional_before[index], was_accepted)
             for counts in (self.bins.setdefault(features.key(recent_bin), _Bin()),
                            self.pooled.setdefault(features.pooled_key(), _Bin())):
                 counts.tested += 1

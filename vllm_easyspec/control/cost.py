@@ -37,8 +37,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 PARTS = ("verify", "draft", "first_pass", "overhead")  # the parts of a step the model predicts and observes
 VERIFY_HISTORY = 64  # decode steps the verify fit reads
 PRIOR_WEIGHT = 0.05  # how strongly the fit is pulled towards scale 1 and no extra cost per row
@@ -148,6 +146,11 @@ class StepCostModel:
     observed_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
     # (the verify curve at its rows, rows, masked rows, masked requests, rows if speculating else 0, seconds)
     _verify_steps: deque = field(default_factory=lambda: deque(maxlen=VERIFY_HISTORY))
+    # over those steps, with x the first five: sum of x x^T, of x * seconds, of seconds^2 (the fit's normal
+    # equations, kept as steps come and go, and summed afresh every VERIFY_HISTORY steps against rounding drift)
+    _verify_sums: tuple[list[list[float]], list[float], float] = field(
+        default_factory=lambda: ([[0.0] * 5 for _ in range(5)], [0.0] * 5, 0.0))
+    _verify_steps_seen: int = 0
 
     def verify_seconds(self, rows: int, masked_rows: int = 0, masked_requests: int = 0,
                        requests: int | None = None) -> float:
@@ -182,43 +185,60 @@ class StepCostModel:
         masked attention, took ``seconds``."""
         if rows > 0 and seconds > 0:
             self._count("verify", self.verify_seconds(rows, masked_rows, masked_requests, requests), seconds)
-            self._verify_steps.append((self.verify(rows), rows, masked_rows, masked_requests,
-                                       _speculating_rows(rows, requests), seconds))
+            self._add_verify_step((self.verify(rows), rows, masked_rows, masked_requests,
+                                   _speculating_rows(rows, requests), seconds))
             self._fit_verify()
+
+    def _add_verify_step(self, step: tuple[float, ...]) -> None:
+        """``step`` joins the recent steps (the oldest leaves once there are :data:`VERIFY_HISTORY`), and their
+        sums; every :data:`VERIFY_HISTORY` steps the sums are taken afresh, so rounding never accumulates."""
+        gram, moment, seconds_squared = self._verify_sums
+        if len(self._verify_steps) == self._verify_steps.maxlen:
+            seconds_squared = _add_products(gram, moment, seconds_squared, self._verify_steps[0], -1.0)
+        self._verify_steps.append(step)
+        self._verify_steps_seen += 1
+        if self._verify_steps_seen % VERIFY_HISTORY == 0:
+            gram, moment, seconds_squared = [[0.0] * 5 for _ in range(5)], [0.0] * 5, 0.0
+            for kept in self._verify_steps:
+                seconds_squared = _add_products(gram, moment, seconds_squared, kept, 1.0)
+        else:
+            seconds_squared = _add_products(gram, moment, seconds_squared, step, 1.0)
+        self._verify_sums = (gram, moment, seconds_squared)
 
     def _fit_verify(self) -> None:
         """``scale`` and the four extras by least squares over the recent steps, each weakly pulled towards
         (1, 0, 0, 0, 0), which keeps them determined when every step had the same rows; of the fits whose extras
         are not negative (some extras left out), the one closest to the steps. The fits are nested, so a
         feasible fit with every extra is that one and the others are not computed. Each fit solves its block
-        of the regularised normal equations (at most 5 x 5); an extra whose column is all zero (no step had
-        such rows) is left out of every fit."""
-        steps = np.array(self._verify_steps, dtype=float)
-        design, seconds = steps[:, :5], steps[:, 5]
-        prior = np.array([1.0, 0.0, 0.0, 0.0, 0.0])
-        squares = (design**2).sum(axis=0)
+        of the regularised normal equations (at most 5 x 5, in plain Python: a library call per fit costs more
+        than the arithmetic); an extra whose column is all zero (no step had such rows) is left out of every
+        fit."""
+        products, moment, seconds_squared = self._verify_sums
+        squares = [products[i][i] for i in range(5)]
         if squares[0] <= 0:  # a curve of zeros has no scale to fit
             return
-        weight_squared = PRIOR_WEIGHT * squares
-        gram = design.T @ design + np.diag(weight_squared)
-        target = design.T @ seconds + weight_squared * prior
-        constant = float(seconds @ seconds + weight_squared @ prior**2)
+        gram = [[products[i][j] + (PRIOR_WEIGHT * squares[i] if i == j else 0.0) for j in range(5)]
+                for i in range(5)]
+        target = [moment[0] + PRIOR_WEIGHT * squares[0], *moment[1:]]  # the pull towards scale 1
+        constant = seconds_squared + PRIOR_WEIGHT * squares[0]
         present = [extra for extra in (1, 2, 3, 4) if squares[extra] > 0]
-        best: tuple[float, np.ndarray] | None = None
+        best: tuple[float, list[float]] | None = None
         for extras in itertools.chain.from_iterable(itertools.combinations(present, k)
                                                     for k in range(len(present), -1, -1)):
             free = [0, *extras]
-            coefficients = np.zeros(5)
-            coefficients[free] = np.linalg.solve(gram[np.ix_(free, free)], target[free])
-            if (coefficients[1:] < 0).any():
+            solved = _solve_positive_definite([[gram[i][j] for j in free] for i in free], [target[i] for i in free])
+            if any(value < 0 for value in solved[1:]):
                 continue
-            loss = float(coefficients @ gram @ coefficients - 2 * coefficients @ target + constant)
+            # the loss is |design c - seconds|^2 plus the pull: c' G c - 2 c' t + constant, and G c = t here
+            loss = constant - sum(value * target[i] for value, i in zip(solved, free, strict=True))
             if best is None or loss < best[0]:
+                coefficients = [0.0] * 5
+                for value, i in zip(solved, free, strict=True):
+                    coefficients[i] = value
                 best = (loss, coefficients)
             if len(extras) == len(present):  # the unrestricted fit is feasible: no restriction of it fits closer
                 break
-        scale, per_row, per_masked_row, per_masked_request, per_speculating_row = (
-            float(x) for x in best[1])  # the scale-only fit qualifies
+        scale, per_row, per_masked_row, per_masked_request, per_speculating_row = best[1]  # scale-only qualifies
         self.verify_scale = max(scale, 0.05)
         self.extra_per_row, self.extra_per_masked_row = per_row, per_masked_row
         self.extra_per_masked_request, self.extra_per_speculating_row = per_masked_request, per_speculating_row
@@ -263,3 +283,34 @@ class StepCostModel:
                    f", without logits {{{self.draft_forward.describe()}}}")
                 + f" (first pass x{self.first_pass_scale:.2f}); drafting host work "
                 f"{self.overhead_per_request * 1e3:.2f} ms per request")
+
+
+def _add_products(gram: list[list[float]], moment: list[float], seconds_squared: float, step: Sequence[float],
+                  sign: float) -> float:
+    """Adds (``sign`` 1) or removes (-1) one step ``(x0..x4, seconds)`` to ``gram`` (sum of x x^T) and ``moment``
+    (sum of x * seconds) in place; returns the sum of seconds^2 so changed."""
+    *x, seconds = step
+    for i in range(5):
+        if x[i]:
+            row, weighted = gram[i], sign * x[i]
+            for j in range(5):
+                row[j] += weighted * x[j]
+            moment[i] += weighted * seconds
+    return seconds_squared + sign * seconds * seconds
+
+
+def _solve_positive_definite(matrix: list[list[float]], vector: list[float]) -> list[float]:
+    """``matrix^-1 vector`` for a small symmetric positive definite ``matrix``, by Cholesky decomposition."""
+    size = len(vector)
+    lower = [[0.0] * size for _ in range(size)]
+    for i in range(size):
+        for j in range(i + 1):
+            total = matrix[i][j] - sum(lower[i][k] * lower[j][k] for k in range(j))
+            lower[i][j] = total ** 0.5 if i == j else total / lower[j][j]
+    forward = [0.0] * size
+    for i in range(size):
+        forward[i] = (vector[i] - sum(lower[i][k] * forward[k] for k in range(i))) / lower[i][i]
+    solution = [0.0] * size
+    for i in reversed(range(size)):
+        solution[i] = (forward[i] - sum(lower[k][i] * solution[k] for k in range(i + 1, size))) / lower[i][i]
+    return solution
