@@ -18,6 +18,7 @@ from vllm_easyspec.control.controller import (
 from vllm_easyspec.control.cost import (
     CALIBRATION_REPEATS,
     CALIBRATION_SECONDS_PER_POINT,
+    VERIFY_HISTORY,
     CostCurve,
     StepCostModel,
     time_forwards,
@@ -68,6 +69,27 @@ def test_the_cost_model_follows_a_machine_that_slows_down_and_learns_what_calibr
     for _ in range(64):  # steps of one size only: the prediction there is right, whatever the split
         per_row.observe_verify(17, 0.12)
     assert per_row.verify_seconds(17) == pytest.approx(0.12, rel=0.05)
+
+
+def test_the_verify_fit_reads_the_last_steps_only_however_many_came_before():
+    curve = CostCurve.from_measurements([1, 8, 64], [0.01, 0.02, 0.05])
+    rng = random.Random(3)
+    steps = []
+    for index in range(VERIFY_HISTORY * 7 + 5):  # the machine's speed and the dear rows change as it goes
+        requests = rng.randint(1, 16)
+        rows = requests + rng.choice([0, rng.randint(1, 20)])
+        masked = rng.choice([0, rows - requests + 1]) if rows > requests else 0
+        slow = 1 + index // VERIFY_HISTORY * 0.3
+        steps.append((rows, slow * curve(rows) + 0.002 * masked + rng.uniform(0, 0.004), masked, int(masked > 0),
+                      requests))
+    served, fresh = (StepCostModel(curve, CostCurve.from_measurements([1], [0.005])) for _ in range(2))
+    for step in steps:
+        served.observe_verify(*step)
+    for step in steps[-VERIFY_HISTORY:]:
+        fresh.observe_verify(*step)
+    for name in ("verify_scale", "extra_per_row", "extra_per_masked_row", "extra_per_masked_request",
+                 "extra_per_speculating_row"):
+        assert getattr(served, name) == pytest.approx(getattr(fresh, name), rel=1e-9, abs=1e-12), name
 
 
 def test_the_cost_model_learns_what_a_step_with_nodes_costs_beyond_its_rows():
