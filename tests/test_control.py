@@ -322,6 +322,41 @@ def test_the_choice_looks_at_every_count_that_could_still_win_and_stops_only_whe
         assert chosen == best_nodes(candidates, sum(chosen))
 
 
+def test_the_depth_plan_is_the_best_of_a_scan_of_every_depth_and_count():
+    """Against a scan of every option: each depth's best count over a verify curve flat past a steep step,
+    chances with ties across requests, lookup paths alone as depth 0; the plan stops pricing a depth's counts
+    once none can beat the best option so far, and must still find the best one."""
+    rng = random.Random(11)
+    verify = StepCostModel(CostCurve.from_measurements([1, 8, 9, 40, 41, 400], [0.05, 0.05, 0.08, 0.08, 0.2, 1.0]),
+                           CostCurve.from_measurements([1], [0.001]), extra_per_masked_row=0.0004,
+                           extra_per_masked_request=0.002).verify_seconds
+    for _ in range(300):
+        batch, depths = rng.randint(1, 16), rng.randint(1, 5)
+        by_depth: list[list[Candidates]] = [[] for _ in range(depths)]
+        for _ in range(batch):
+            chances: list[float] = []
+            for depth in range(depths):  # each depth offers what the shallower one did, and more
+                chances = sorted(chances + [round(rng.random() ** rng.choice([0.5, 1, 3]), 1)
+                                            for _ in range(rng.randint(0, 4))], reverse=True)
+                by_depth[depth].append(Candidates(chances, rng.randint(4, 12), rng.choice([None, 1, 3])))
+        lookup = [Candidates([0.6] * rng.choice([0, 0, 3]), 4) for _ in range(batch)]
+        draft_seconds = rng.choice([0.0, 0.004, 0.02]) * rng.random()
+
+        def drafting(depth: int, per_level: float = draft_seconds) -> float:
+            return 0.003 + per_level * depth
+
+        options = [(batch / verify(batch, 0, 0, batch), 0)]
+        for depth, candidates in [(0, lookup)] + list(enumerate(by_depth, start=1)):
+            other = drafting(depth) if depth else 0.0
+            offered = sum(min(len(c.chances), c.cap) for c in candidates)
+            options += [(_rate_of_best(candidates, total, verify, other), depth) for total in range(1, offered + 1)]
+        best_rate = max(rate for rate, _ in options)
+        plan = choose_depth(by_depth, verify, drafting, lookup)
+        planned = max((rate for rate, depth in options if depth == plan.depth and (depth or plan.nodes)),
+                      default=options[0][0])
+        assert planned == pytest.approx(best_rate, rel=1e-6)
+
+
 def test_a_request_whose_drafts_keep_failing_stops_paying_while_its_neighbours_keep_theirs():
     good, failing = Candidates([0.9, 0.8, 0.7], cap=3), Candidates([0.05, 0.01, 0.0], cap=3)
     assert choose_nodes([good, failing, good], _linear(0.004), 0.0) == [3, 0, 3]

@@ -24,8 +24,9 @@ Invariant: the chosen nodes of a request are closed under taking parents (chance
 from __future__ import annotations
 
 import functools
+import heapq
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 
@@ -110,6 +111,22 @@ def _offered(candidates: Sequence[Candidates]) -> list[tuple[float, int, int]]:
                   for rank, chance in enumerate(c.chances[: c.cap]))
 
 
+def _offered_lazily(candidates: Sequence[Candidates]) -> Iterator[tuple[float, int, int]]:
+    """:func:`_offered`'s nodes in its order, each found when asked for (a heap of each request's next node):
+    a caller that stops after a few nodes of a large batch does not sort the rest."""
+    heap = [(-c.chances[0], request, 0) for request, c in enumerate(candidates) if c.chances and c.cap > 0]
+    heapq.heapify(heap)
+    while heap:
+        node = heap[0]
+        yield node
+        _, request, rank = node
+        c = candidates[request]
+        if rank + 1 < min(len(c.chances), c.cap):
+            heapq.heapreplace(heap, (-c.chances[rank + 1], request, rank + 1))
+        else:
+            heapq.heappop(heap)
+
+
 def best_nodes(candidates: Sequence[Candidates], total: int) -> list[int]:
     """How many of its candidates each request verifies when the batch verifies its ``total`` most likely."""
     chosen = [0] * len(candidates)
@@ -125,18 +142,19 @@ TIE = 1e-12  # relative: rates closer than this are taken as equal when deciding
 
 
 def _best_total(candidates: Sequence[Candidates], verify_seconds: VerifySeconds,
-                other_seconds: float) -> tuple[int, float, float]:
+                other_seconds: float, to_beat: float = 0.0) -> tuple[int, float, float]:
     """(count, rate, gain): the number of the batch's most likely nodes, at least one, with the best predicted
     rate ``(B + gain) / (verify(B + count, masked rows, masked requests, B) + other_seconds)`` (the first such
     count), and the expected accepted nodes among them; (0, 0.0, 0.0) when no node is offered. A step's seconds
     never fall as nodes are added (rows, masked rows and masked requests only grow), so once even every node's
-    gain over this count's seconds cannot beat the best rate, no later count can, and the nodes after it are not
-    looked at."""
+    gain over this count's seconds cannot beat the best rate, or ``to_beat``, no later count can, and the nodes
+    after it are not looked at: where the best rate is below ``to_beat``, what is returned is a count with a rate
+    below it, not necessarily the best."""
     batch = len(candidates)
     most_gain = sum(sum(c.chances[: c.cap]) for c in candidates)
     chosen = [0] * batch
     best_count, best_rate, best_gain, gain, masked, masked_requests = 0, 0.0, 0.0, 0.0, 0, 0
-    for count, (negative_chance, request, _) in enumerate(_offered(candidates), start=1):
+    for count, (negative_chance, request, _) in enumerate(_offered_lazily(candidates), start=1):
         gain -= negative_chance
         c = candidates[request]
         before, after = c.masked_rows(chosen[request]), c.masked_rows(chosen[request] + 1)
@@ -147,7 +165,7 @@ def _best_total(candidates: Sequence[Candidates], verify_seconds: VerifySeconds,
         rate = (batch + gain) / seconds
         if rate > best_rate:
             best_count, best_rate, best_gain = count, rate, gain
-        elif (batch + most_gain) * (1 + TIE) < best_rate * seconds:
+        if (batch + most_gain) * (1 + TIE) < max(best_rate, to_beat) * seconds:
             break
     return best_count, best_rate, best_gain
 
@@ -299,7 +317,9 @@ def choose_depth(candidates_by_depth: Sequence[Sequence[Candidates]], verify_sec
         if record is None and candidates == shallower:  # the same nodes, dearer to draft: a lower rate
             continue
         shallower = candidates
-        count, rate, gain = _best_total(candidates, verify_seconds, draft_seconds(depth))
+        # only a rate above the best so far matters, unless every option's own best is recorded
+        count, rate, gain = _best_total(candidates, verify_seconds, draft_seconds(depth),
+                                        0.0 if record is not None else best_rate)
         if record is not None:
             record.append(DepthRate(depth, count, gain, rate))
         if count and rate > best_rate * (1 + 1e-9):
