@@ -151,6 +151,7 @@ class StepCostModel:
     _verify_sums: tuple[list[list[float]], list[float], float] = field(
         default_factory=lambda: ([[0.0] * 5 for _ in range(5)], [0.0] * 5, 0.0))
     _verify_steps_seen: int = 0
+    _verify_extras: tuple[int, ...] = (1, 2, 3, 4)  # the extras free in the last fit (indices into the five)
 
     def verify_seconds(self, rows: int, masked_rows: int = 0, masked_requests: int = 0,
                        requests: int | None = None) -> float:
@@ -209,7 +210,9 @@ class StepCostModel:
         """``scale`` and the four extras by least squares over the recent steps, each weakly pulled towards
         (1, 0, 0, 0, 0), which keeps them determined when every step had the same rows; of the fits whose extras
         are not negative (some extras left out), the one closest to the steps. The fits are nested, so a
-        feasible fit with every extra is that one and the others are not computed. Each fit solves its block
+        feasible fit with every extra is that one and the others are not computed; and the extras of the last
+        step's fit are tried first: where that fit is feasible and no extra it leaves out would lower the loss
+        (the problem is convex), it is the one, at one solve a step. Each fit solves its block
         of the regularised normal equations (at most 5 x 5, in plain Python: a library call per fit costs more
         than the arithmetic); an extra whose column is all zero (no step had such rows) is left out of every
         fit."""
@@ -222,22 +225,33 @@ class StepCostModel:
         target = [moment[0] + PRIOR_WEIGHT * squares[0], *moment[1:]]  # the pull towards scale 1
         constant = seconds_squared + PRIOR_WEIGHT * squares[0]
         present = [extra for extra in (1, 2, 3, 4) if squares[extra] > 0]
-        best: tuple[float, list[float]] | None = None
-        for extras in itertools.chain.from_iterable(itertools.combinations(present, k)
-                                                    for k in range(len(present), -1, -1)):
+
+        def fit(extras: tuple[int, ...]) -> tuple[float, list[float], tuple[int, ...]] | None:
+            """(loss, coefficients, extras) of the fit with only ``extras`` free, or None if one is negative."""
             free = [0, *extras]
             solved = _solve_positive_definite([[gram[i][j] for j in free] for i in free], [target[i] for i in free])
             if any(value < 0 for value in solved[1:]):
-                continue
+                return None
+            coefficients = [0.0] * 5
+            for value, i in zip(solved, free, strict=True):
+                coefficients[i] = value
             # the loss is |design c - seconds|^2 plus the pull: c' G c - 2 c' t + constant, and G c = t here
-            loss = constant - sum(value * target[i] for value, i in zip(solved, free, strict=True))
-            if best is None or loss < best[0]:
-                coefficients = [0.0] * 5
-                for value, i in zip(solved, free, strict=True):
-                    coefficients[i] = value
-                best = (loss, coefficients)
-            if len(extras) == len(present):  # the unrestricted fit is feasible: no restriction of it fits closer
-                break
+            return constant - sum(value * target[i] for value, i in zip(solved, free, strict=True)), coefficients, extras
+
+        # the last step's extras first: if that fit is feasible and letting any other extra in would not lower the
+        # loss (its gradient, 2 (G c - t), is not negative), it is the optimum of this convex problem
+        best = fit(tuple(extra for extra in self._verify_extras if extra in present))
+        if best is None or any(sum(gram[j][k] * best[1][k] for k in range(5)) < target[j]
+                               for j in present if j not in best[2]):
+            best = None
+            for extras in itertools.chain.from_iterable(itertools.combinations(present, k)
+                                                        for k in range(len(present), -1, -1)):
+                fitted = fit(extras)
+                if fitted is not None and (best is None or fitted[0] < best[0]):
+                    best = fitted
+                if fitted is not None and len(extras) == len(present):  # no restriction of it fits closer
+                    break
+        self._verify_extras = best[2]
         scale, per_row, per_masked_row, per_masked_request, per_speculating_row = best[1]  # scale-only qualifies
         self.verify_scale = max(scale, 0.05)
         self.extra_per_row, self.extra_per_masked_row = per_row, per_masked_row
