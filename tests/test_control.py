@@ -38,19 +38,32 @@ from vllm_easyspec.control.planning import (
 )
 
 
-def test_a_cost_curve_is_monotone_and_extrapolates_its_last_segment():
+def test_a_cost_curve_goes_through_its_points_and_its_floor_bounds_it_at_every_larger_row_count():
     curve = CostCurve.from_measurements([4, 1, 2, 8], [0.012, 0.010, 0.009, 0.020])
-    assert curve.rows == (1, 2, 4, 8) and curve.seconds == (0.009, 0.009, 0.012, 0.020)
-    assert curve(3) == pytest.approx(0.0105) and curve(16) == pytest.approx(0.036) and curve(0) == 0.009
-    assert curve.per_extra_row(8) == pytest.approx(0.002)
+    assert curve.rows == (1, 2, 4, 8) and curve.seconds == (0.010, 0.009, 0.012, 0.020)
+    assert curve.floor_seconds == (0.009, 0.009, 0.012, 0.020)
+    assert curve(3) == pytest.approx(0.0105) and curve(16) == pytest.approx(0.036) and curve(0) == 0.010
+    assert curve.floor(0) == 0.009 and curve.per_extra_row(8) == pytest.approx(0.002)
+    rng = random.Random(5)
+    for _ in range(50):
+        rows = sorted(rng.sample(range(1, 40), rng.randint(1, 8)))
+        curve = CostCurve.from_measurements(rows, [rng.uniform(0.01, 0.05) for _ in rows])
+        grid = [x / 4 for x in range(0, 200)]
+        assert all(curve.floor(x) <= curve.floor(y) + 1e-15 for x, y in zip(grid, grid[1:]))
+        assert all(curve.floor(x) <= curve(y) + 1e-15 for x in grid for y in grid if y >= x)
 
 
-def test_one_slow_timing_does_not_raise_the_cost_curve_at_larger_row_counts():
+def test_a_slow_row_count_is_priced_as_measured_and_raises_no_other():
     # as measured on a 2-core CPU at batch 1: two rows slower than four to six, then about 2 ms per row
     curve = CostCurve.from_measurements([1, 2, 3, 4, 5, 6, 7, 8, 16],
                                         [0.046, 0.062, 0.046, 0.044, 0.044, 0.045, 0.050, 0.053, 0.069])
-    assert curve.seconds[:6] == (0.044,) * 4 + (0.044, 0.045)
+    assert curve(2) == 0.062 and curve(1) == 0.046 and curve(4) == 0.044
+    assert curve.floor_seconds[:6] == (0.044,) * 4 + (0.044, 0.045)
     assert curve(8) - curve(5) == pytest.approx(0.009)  # the slope where it is, not flattened by the 2-row point
+    # one node (two rows) costs 16 ms more, too much for a 30%-likely node; three nodes cost nothing more
+    model = StepCostModel(curve, CostCurve.from_measurements([1], [0.002]))
+    assert choose_nodes([Candidates([0.4, 0.3, 0.2], cap=3)], model.verify_seconds, 0.0, model.verify_floor) == [3]
+    assert choose_nodes([Candidates([0.3], cap=3)], model.verify_seconds, 0.0, model.verify_floor) == [0]
 
 
 def test_the_cost_model_follows_a_machine_that_slows_down_and_learns_what_calibration_missed():
@@ -300,10 +313,10 @@ def test_the_choice_looks_at_every_count_that_could_still_win_and_stops_only_whe
     """Against a scan of every count: a verify curve flat past a steep step (a later count can beat an earlier
     best), branching trees, and caps."""
     rng = random.Random(7)
-    steep_then_flat = StepCostModel(CostCurve.from_measurements([1, 8, 9, 40, 41, 400],
-                                                                [0.05, 0.05, 0.08, 0.08, 0.2, 1.0]),
+    steep_then_flat = StepCostModel(CostCurve.from_measurements([1, 2, 3, 8, 9, 40, 41, 400],
+                                                                [0.05, 0.07, 0.05, 0.05, 0.08, 0.08, 0.2, 1.0]),
                                     CostCurve.from_measurements([1], [0.001]), extra_per_masked_row=0.0004,
-                                    extra_per_masked_request=0.002)
+                                    extra_per_masked_request=0.002)  # 2 rows dearer than 3 to 8, as measured
     for _ in range(300):
         batch = rng.randint(1, 12)
         candidates = []
@@ -317,7 +330,7 @@ def test_the_choice_looks_at_every_count_that_could_still_win_and_stops_only_whe
         rates = [_rate_of_best(candidates, total, verify, other) for total in range(offered + 1)]
         best = max(range(1, offered + 1), key=lambda total: (rates[total], -total), default=0)
         expected = best if best and rates[best] > rates[0] * (1 + 1e-9) else 0
-        chosen = choose_nodes(candidates, verify, other)
+        chosen = choose_nodes(candidates, verify, other, steep_then_flat.verify_floor)
         assert sum(chosen) == expected or math.isclose(rates[sum(chosen)], rates[expected], rel_tol=1e-9)
         assert chosen == best_nodes(candidates, sum(chosen))
 
@@ -327,9 +340,11 @@ def test_the_depth_plan_is_the_best_of_a_scan_of_every_depth_and_count():
     chances with ties across requests, lookup paths alone as depth 0; the plan stops pricing a depth's counts
     once none can beat the best option so far, and must still find the best one."""
     rng = random.Random(11)
-    verify = StepCostModel(CostCurve.from_measurements([1, 8, 9, 40, 41, 400], [0.05, 0.05, 0.08, 0.08, 0.2, 1.0]),
-                           CostCurve.from_measurements([1], [0.001]), extra_per_masked_row=0.0004,
-                           extra_per_masked_request=0.002).verify_seconds
+    model = StepCostModel(CostCurve.from_measurements([1, 2, 3, 8, 9, 40, 41, 400],
+                                                      [0.05, 0.07, 0.05, 0.05, 0.08, 0.08, 0.2, 1.0]),
+                          CostCurve.from_measurements([1], [0.001]), extra_per_masked_row=0.0004,
+                          extra_per_masked_request=0.002)
+    verify = model.verify_seconds
     for _ in range(300):
         batch, depths = rng.randint(1, 16), rng.randint(1, 5)
         by_depth: list[list[Candidates]] = [[] for _ in range(depths)]
@@ -351,7 +366,7 @@ def test_the_depth_plan_is_the_best_of_a_scan_of_every_depth_and_count():
             offered = sum(min(len(c.chances), c.cap) for c in candidates)
             options += [(_rate_of_best(candidates, total, verify, other), depth) for total in range(1, offered + 1)]
         best_rate = max(rate for rate, _ in options)
-        plan = choose_depth(by_depth, verify, drafting, lookup)
+        plan = choose_depth(by_depth, verify, drafting, lookup, verify_floor=model.verify_floor)
         planned = max((rate for rate, depth in options if depth == plan.depth and (depth or plan.nodes)),
                       default=options[0][0])
         assert planned == pytest.approx(best_rate, rel=1e-6)
@@ -441,8 +456,22 @@ def test_start_up_timing_keeps_the_fastest_and_stops_at_the_first_slow_row_count
     assert timings.rows == [1, 2, 4, 8, 16, 32, 64] and 128 not in calls
     assert timings.with_logits == pytest.approx([0.1 * rows / 8 for rows in timings.rows])
     assert timings.without_logits == pytest.approx([0.075 * rows / 8 for rows in timings.rows])
-    # an untimed forward, then 3 timed ones, fewer once they add up to 0.5 s: 0.4 s twice, 0.8 s once
-    assert [calls.count(rows) for rows in timings.rows] == [4, 4, 4, 4, 4, 3, 2]
+    # an untimed forward, then 3 timed ones, fewer once they add up to 0.5 s: 0.4 s twice, 0.8 s once; then one
+    # more each, largest first
+    assert [calls.count(rows) for rows in timings.rows] == [5, 5, 5, 5, 5, 4, 3]
+    assert calls[-7:] == [64, 32, 16, 8, 4, 2, 1]
+
+
+def test_start_up_timing_is_not_fooled_by_a_machine_that_settles_while_it_times():
+    calls: list[int] = []
+
+    def forward(rows: int) -> tuple[float, float]:  # 50 ms, 2 ms more per row past 4; the first 15 calls slower
+        calls.append(rows)
+        seconds = (0.05 + 0.002 * max(rows - 4, 0)) * (1.4 if len(calls) <= 15 else 1.0)
+        return seconds, seconds
+
+    timings = time_forwards([1, 2, 3, 4, 5, 6, 7, 8], forward)
+    assert timings.with_logits == pytest.approx([0.05 + 0.002 * max(rows - 4, 0) for rows in timings.rows])
 
 
 def test_the_cost_model_records_what_it_predicted_before_each_observation():

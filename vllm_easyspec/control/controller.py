@@ -368,7 +368,8 @@ class SpeculationController:
         without_drafting = None if lookup_lengths is None else [
             self._lookup_path(req_id, length, ratio) for req_id, length in zip(req_ids, lookup_lengths, strict=True)]
         options: list[DepthRate] | None = [] if self.plan_log is not None else None
-        plan = (choose_depth(by_depth, self.cost.verify_seconds, draft_seconds, without_drafting, options)
+        plan = (choose_depth(by_depth, self.cost.verify_seconds, draft_seconds, without_drafting, options,
+                             self.cost.verify_floor)
                 if req_ids else DepthPlan(0, 0))
         depth = plan.depth
         held_back = depth > 0 and self.guard.holds_back(len(req_ids), self.cost.verify_seconds(len(req_ids)))
@@ -380,8 +381,8 @@ class SpeculationController:
             else:  # explore acceptance: one level, each request's best nodes, not a cycle the guard weighs
                 explore_depth, explore_rows = 1, batch * self.level_width
             exploring = (steady + catch_up + overhead + self.cost.draft_seconds(explore_depth - 1, level_rows)
-                         + self.cost.verify_seconds(batch + explore_rows, requests=batch)
-                         - self.cost.verify_seconds(batch))
+                         + max(self.cost.verify_seconds(batch + explore_rows, requests=batch)
+                               - self.cost.verify_seconds(batch), 0.0))
             if self._explore_budget >= exploring:
                 self._explore_budget -= exploring
                 self._exploring = Exploring.NO if held_back else Exploring.ACCEPTANCE
@@ -396,8 +397,9 @@ class SpeculationController:
             # drafts the levels the plan left out and verifies each request's top path besides the plan's nodes
             batch, rows = len(req_ids), len(req_ids) + plan.nodes
             deeper = (self.cost.draft_seconds(self.max_depth - depth, level_rows)
-                      + self.cost.verify_seconds(rows + batch * min(self.max_depth, self.max_nodes), requests=batch)
-                      - self.cost.verify_seconds(rows, requests=batch))
+                      + max(self.cost.verify_seconds(rows + batch * min(self.max_depth, self.max_nodes),
+                                                     requests=batch)
+                            - self.cost.verify_seconds(rows, requests=batch), 0.0))
             if self._explore_budget >= deeper:
                 self._explore_budget -= deeper
                 self._exploring = Exploring.DEPTH
@@ -490,7 +492,7 @@ class SpeculationController:
                                      best_first_order(chances, tree.parents)))
         candidates = [Candidates(chances, self.max_nodes, path_length(parents)) for _, parents, _, chances in ordered]
         batch_candidates = candidates + [Candidates([], self.max_nodes)] * (batch - len(trees))  # rows, no node
-        counts = choose_nodes(batch_candidates, self.cost.verify_seconds, other_seconds=0.0)[: len(trees)]
+        counts = choose_nodes(batch_candidates, self.cost.verify_seconds, 0.0, self.cost.verify_floor)[: len(trees)]
         if self._exploring is Exploring.ACCEPTANCE:  # each request's best level_width nodes are verified
             counts = [max(count, min(self.level_width, len(candidate.chances), self.max_nodes))
                       for count, candidate in zip(counts, candidates, strict=True)]

@@ -23,10 +23,11 @@ so the first pass is a cost of speculating at all, not a constant of the step. T
 prompt lookup, choosing nodes, handing the trees over) is kept per request of the batch, a moving average of
 what the stage took beyond its forwards.
 
-Invariants: a :class:`CostCurve` is non-decreasing in its rows (the lower envelope of its points) and
-extrapolates linearly past its last point; the fitted scale is positive and no extra cost is negative (an
-extra the fit would make negative is left out of it); each drafting prediction (first pass, level) is the draft
-curve times a scale, an exponential moving average of observed over predicted seconds.
+Invariants: a :class:`CostCurve` goes through its measured points and extrapolates linearly past its last
+point, and its floor (the lower envelope) is non-decreasing and never above it; the fitted scale is positive
+and no extra cost is negative (an extra the fit would make negative is left out of it); each drafting
+prediction (first pass, level) is the draft curve times a scale, an exponential moving average of observed
+over predicted seconds.
 """
 
 from __future__ import annotations
@@ -47,34 +48,42 @@ CALIBRATION_SECONDS_PER_POINT = 0.5  # ... which stop once they took this long; 
 
 @dataclass(frozen=True)
 class CostCurve:
-    """Seconds as a piecewise-linear function of rows through measured points (rows ascending)."""
+    """Seconds as a piecewise-linear function of rows through measured points (rows ascending), and its
+    floor: the same through the lower envelope of the points (each the least time at its rows or more), which
+    is non-decreasing and never above the curve, so ``floor(rows)`` bounds the curve at every larger row count.
+
+    The curve keeps what was measured, not the envelope: some GEMM shapes are slower than larger ones (on the
+    AVX-512 EPYC in bfloat16 the Qwen target's forward took 62-70 ms at 2 rows and 43-57 ms at 3 to 6), and a
+    choice priced by the envelope would take exactly such a row count for a node that costs more than the
+    next. Timing noise is kept out by the start-up's fastest-of-several timing (:func:`time_forwards`), and one
+    slow row count raises only its own price."""
 
     rows: tuple[int, ...]
     seconds: tuple[float, ...]
+    floor_seconds: tuple[float, ...] = ()  # the lower envelope at ``rows`` (empty: computed from ``seconds``)
+
+    def __post_init__(self) -> None:
+        if not self.floor_seconds:
+            envelope: list[float] = []
+            for value in reversed(self.seconds):
+                envelope.append(min(value, envelope[-1]) if envelope else value)
+            object.__setattr__(self, "floor_seconds", tuple(reversed(envelope)))
 
     @classmethod
     def from_measurements(cls, rows: Sequence[int], seconds: Sequence[float]) -> CostCurve:
-        """Points sorted by rows, each the least time measured at its rows or more: the lower envelope that
-        is non-decreasing. Timing noise is one-sided (a pause only ever slows a forward), so a row count
-        measured slower than a larger one is priced at the larger one's time, and one slow timing does not
-        raise every larger row count (some GEMM shapes are slower than larger ones as well; the planning
-        needs a non-decreasing cost, and the engine's steps correct the level through the fit)."""
+        """The curve through ``(rows, seconds)``, sorted by rows."""
         if not rows or len(rows) != len(seconds):
             raise ValueError(f"need one time per row count; got {len(rows)} row counts and {len(seconds)} times")
         ordered = sorted(zip(rows, seconds, strict=True))
-        envelope: list[float] = []
-        for _, value in reversed(ordered):
-            envelope.append(min(value, envelope[-1]) if envelope else value)
-        return cls(tuple(r for r, _ in ordered), tuple(reversed(envelope)))
+        return cls(tuple(r for r, _ in ordered), tuple(value for _, value in ordered))
 
     def __call__(self, rows: float) -> float:
-        xs, ys = self.rows, self.seconds
-        if len(xs) == 1:
-            return ys[0]
-        index = min(max(bisect.bisect_right(xs, rows), 1), len(xs) - 1)
-        x0, x1, y0, y1 = xs[index - 1], xs[index], ys[index - 1], ys[index]
-        slope = (y1 - y0) / (x1 - x0) if x1 != x0 else 0.0
-        return max(y0 + slope * (rows - x0), 0.0) if rows >= xs[0] else ys[0]
+        """Past the last point, the floor's last segment (a dip before it must not be extended downwards)."""
+        return _interpolate(self.rows, self.seconds if rows <= self.rows[-1] else self.floor_seconds, rows)
+
+    def floor(self, rows: float) -> float:
+        """The least the curve costs at ``rows`` rows or more."""
+        return _interpolate(self.rows, self.floor_seconds, rows)
 
     def per_extra_row(self, rows: int) -> float:
         """Seconds that one more row adds at ``rows`` rows."""
@@ -96,25 +105,29 @@ class ForwardTimings:
 def time_forwards(rows: Sequence[int], forward: Callable[[int], tuple[float, float]]) -> ForwardTimings:
     """Times ``forward(count)`` (one forward over ``count`` rows; returns its seconds with and without the
     logits) at each row count of ``rows`` (ascending). A row count is timed by an untimed forward, then up to
-    :data:`CALIBRATION_REPEATS` timed ones that stop once they have taken :data:`CALIBRATION_SECONDS_PER_POINT`,
-    the fastest kept. The row counts stop at the first whose forward takes that long: past it a forward's cost
-    grows linearly with its rows, as a :class:`CostCurve` extrapolates, and a slow machine's start-up stays a
-    few seconds."""
-    timings = ForwardTimings([], [], [])
+    :data:`CALIBRATION_REPEATS` timed ones that stop once they have taken :data:`CALIBRATION_SECONDS_PER_POINT`;
+    then once more each, in descending order, and the fastest of all is kept: a forward slowed by when it ran
+    (a machine still settling after start-up slows the first row counts of an ascending pass) is not taken for
+    what its rows cost, which matters now that a curve keeps each point as measured. The row counts stop at
+    the first whose forward takes that long: past it a forward's cost grows linearly with its rows, as a
+    :class:`CostCurve` extrapolates, and a slow machine's start-up stays a few seconds."""
+    fastest: dict[int, tuple[float, float]] = {}
     for count in rows:
         forward(count)  # the first forward at a row count is not timed
-        fastest, timed = (float("inf"), float("inf")), 0.0
+        best, timed = (float("inf"), float("inf")), 0.0
         for _ in range(CALIBRATION_REPEATS):
             seconds = forward(count)
-            fastest, timed = min(fastest, seconds), timed + seconds[0]
+            best, timed = min(best, seconds), timed + seconds[0]
             if timed >= CALIBRATION_SECONDS_PER_POINT:
                 break
-        timings.rows.append(count)
-        timings.with_logits.append(fastest[0])
-        timings.without_logits.append(fastest[1])
-        if fastest[0] >= CALIBRATION_SECONDS_PER_POINT:
+        fastest[count] = best
+        if best[0] >= CALIBRATION_SECONDS_PER_POINT:
             break
-    return timings
+    for count in reversed(list(fastest)):
+        fastest[count] = min(fastest[count], forward(count))
+    measured = list(fastest)
+    return ForwardTimings(measured, [fastest[count][0] for count in measured],
+                          [fastest[count][1] for count in measured])
 
 
 def _speculating_rows(rows: int, requests: int | None) -> int:
@@ -158,6 +171,14 @@ class StepCostModel:
         """The verify of ``rows`` rows of ``requests`` requests (None: one row each, no node), ``masked_rows``
         of them in the trees of ``masked_requests`` requests that need masked attention."""
         return (self.verify_scale * self.verify(rows) + self.extra_per_row * rows
+                + self.extra_per_masked_row * masked_rows + self.extra_per_masked_request * masked_requests
+                + self.extra_per_speculating_row * _speculating_rows(rows, requests))
+
+    def verify_floor(self, rows: int, masked_rows: int = 0, masked_requests: int = 0,
+                     requests: int | None = None) -> float:
+        """A bound on :meth:`verify_seconds` at these counts or more of each (the curve's floor; the extras
+        only grow with their counts)."""
+        return (self.verify_scale * self.verify.floor(rows) + self.extra_per_row * rows
                 + self.extra_per_masked_row * masked_rows + self.extra_per_masked_request * masked_requests
                 + self.extra_per_speculating_row * _speculating_rows(rows, requests))
 
@@ -328,3 +349,13 @@ def _solve_positive_definite(matrix: list[list[float]], vector: list[float]) -> 
     for i in reversed(range(size)):
         solution[i] = (forward[i] - sum(lower[k][i] * solution[k] for k in range(i + 1, size))) / lower[i][i]
     return solution
+
+
+def _interpolate(xs: tuple[int, ...], ys: tuple[float, ...], rows: float) -> float:
+    """Piecewise-linear through ``(xs, ys)``, the first value before them, the last segment extended past them."""
+    if len(xs) == 1:
+        return ys[0]
+    index = min(max(bisect.bisect_right(xs, rows), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[index - 1], xs[index], ys[index - 1], ys[index]
+    slope = (y1 - y0) / (x1 - x0) if x1 != x0 else 0.0
+    return max(y0 + slope * (rows - x0), 0.0) if rows >= xs[0] else ys[0]

@@ -135,21 +135,23 @@ def best_nodes(candidates: Sequence[Candidates], total: int) -> list[int]:
     return chosen
 
 
-# (rows, rows needing masked tree attention, requests whose trees need it, requests) -> seconds, non-decreasing
-# in each of the first three; a step of more rows than requests verifies nodes
+# (rows, rows needing masked tree attention, requests whose trees need it, requests) -> seconds (a step of more
+# rows than requests verifies nodes); its floor, where one is given, is non-decreasing in each of the first three
 VerifySeconds = Callable[[int, int, int, int], float]
 TIE = 1e-12  # relative: rates closer than this are taken as equal when deciding that no later count can win
 
 
 def _best_total(candidates: Sequence[Candidates], verify_seconds: VerifySeconds,
-                other_seconds: float, to_beat: float = 0.0) -> tuple[int, float, float]:
+                other_seconds: float, to_beat: float = 0.0,
+                verify_floor: VerifySeconds | None = None) -> tuple[int, float, float]:
     """(count, rate, gain): the number of the batch's most likely nodes, at least one, with the best predicted
     rate ``(B + gain) / (verify(B + count, masked rows, masked requests, B) + other_seconds)`` (the first such
-    count), and the expected accepted nodes among them; (0, 0.0, 0.0) when no node is offered. A step's seconds
-    never fall as nodes are added (rows, masked rows and masked requests only grow), so once even every node's
-    gain over this count's seconds cannot beat the best rate, or ``to_beat``, no later count can, and the nodes
-    after it are not looked at: where the best rate is below ``to_beat``, what is returned is a count with a rate
-    below it, not necessarily the best."""
+    count), and the expected accepted nodes among them; (0, 0.0, 0.0) when no node is offered.
+    ``verify_floor``: a bound on ``verify_seconds`` at the same counts or more (None: ``verify_seconds`` never
+    falls as counts grow). Rows, masked rows and masked requests only grow as nodes are added, so once even
+    every node's gain over this count's floor cannot beat the best rate, or ``to_beat``, no later count can,
+    and the nodes after it are not looked at: where the best rate is below ``to_beat``, what is returned is a
+    count with a rate below it, not necessarily the best."""
     batch = len(candidates)
     most_gain = sum(sum(c.chances[: c.cap]) for c in candidates)
     chosen = [0] * batch
@@ -165,19 +167,22 @@ def _best_total(candidates: Sequence[Candidates], verify_seconds: VerifySeconds,
         rate = (batch + gain) / seconds
         if rate > best_rate:
             best_count, best_rate, best_gain = count, rate, gain
-        if (batch + most_gain) * (1 + TIE) < max(best_rate, to_beat) * seconds:
+        floor = seconds if verify_floor is None else (
+            verify_floor(batch + count, masked, masked_requests, batch) + other_seconds)
+        if (batch + most_gain) * (1 + TIE) < max(best_rate, to_beat) * floor:
             break
     return best_count, best_rate, best_gain
 
 
 def choose_nodes(candidates: Sequence[Candidates], verify_seconds: VerifySeconds,
-                 other_seconds: float) -> list[int]:
+                 other_seconds: float, verify_floor: VerifySeconds | None = None) -> list[int]:
     """How many of its candidates each request verifies (module docstring). ``verify_seconds(rows, masked,
     masked_requests, requests)``: the target's verify over ``rows`` rows of ``requests`` requests, ``masked``
-    of them in the branching trees of ``masked_requests`` requests; ``other_seconds``: the rest of the step,
-    whatever is chosen (drafting already spent)."""
+    of them in the branching trees of ``masked_requests`` requests (``verify_floor``: a bound on it at those
+    counts or more; None: it never falls as they grow); ``other_seconds``: the rest of the step, whatever is
+    chosen (drafting already spent)."""
     batch = len(candidates)
-    count, rate, _ = _best_total(candidates, verify_seconds, other_seconds)
+    count, rate, _ = _best_total(candidates, verify_seconds, other_seconds, verify_floor=verify_floor)
     if rate <= batch / (verify_seconds(batch, 0, 0, batch) + other_seconds):
         count = 0
     return best_nodes(candidates, count)
@@ -283,13 +288,15 @@ class DepthRate:
 def choose_depth(candidates_by_depth: Sequence[Sequence[Candidates]], verify_seconds: VerifySeconds,
                  draft_seconds: Callable[[int], float],
                  without_drafting: Sequence[Candidates] | None = None,
-                 record: list[DepthRate] | None = None) -> DepthPlan:
+                 record: list[DepthRate] | None = None,
+                 verify_floor: VerifySeconds | None = None) -> DepthPlan:
     """The drafting depth with the best predicted rate, or depth 0 when no depth beats drafting nothing.
     ``candidates_by_depth[d - 1][i]``: the nodes request ``i`` would offer when the step drafts ``d`` levels
     (its prompt-lookup nodes at every depth: they need no level forward); ``verify_seconds(rows, masked,
-    masked_requests, requests)``: the target's verify; ``draft_seconds(depth)``: drafting that deep (first pass
-    included); ``without_drafting[i]``: the nodes request ``i`` offers with no drafting at all (its
-    prompt-lookup path, known before drafting; None: none).
+    masked_requests, requests)``: the target's verify (``verify_floor``: a bound on it at those counts or more;
+    None: it never falls as they grow); ``draft_seconds(depth)``: drafting that deep (first pass included);
+    ``without_drafting[i]``: the nodes request ``i`` offers with no drafting at all (its prompt-lookup path,
+    known before drafting; None: none).
 
     A depth is judged by the nodes the choice after drafting would then verify (:func:`choose_nodes`'s rule),
     against a step that drafts nothing and verifies ``B`` rows, or its prompt-lookup nodes where they pay:
@@ -303,11 +310,13 @@ def choose_depth(candidates_by_depth: Sequence[Sequence[Candidates]], verify_sec
     if batch == 0:
         return DepthPlan(0, 0)
     verify_seconds = functools.cache(verify_seconds)  # every depth prices the same row counts
+    if verify_floor is not None:
+        verify_floor = functools.cache(verify_floor)
     best, best_rate = DepthPlan(0, 0), batch / verify_seconds(batch, 0, 0, batch)
     if record is not None:
         record.append(DepthRate(0, 0, 0.0, best_rate))
     if without_drafting is not None:
-        count, rate, gain = _best_total(without_drafting, verify_seconds, 0.0)
+        count, rate, gain = _best_total(without_drafting, verify_seconds, 0.0, verify_floor=verify_floor)
         if record is not None:
             record.append(DepthRate(0, count, gain, rate))
         if count and rate > best_rate:
@@ -319,7 +328,7 @@ def choose_depth(candidates_by_depth: Sequence[Sequence[Candidates]], verify_sec
         shallower = candidates
         # only a rate above the best so far matters, unless every option's own best is recorded
         count, rate, gain = _best_total(candidates, verify_seconds, draft_seconds(depth),
-                                        0.0 if record is not None else best_rate)
+                                        0.0 if record is not None else best_rate, verify_floor)
         if record is not None:
             record.append(DepthRate(depth, count, gain, rate))
         if count and rate > best_rate * (1 + 1e-9):
