@@ -11,6 +11,7 @@ import pytest
 from vllm_easyspec.control.acceptance import LOOKUP_PRIOR, AcceptanceModel, NodeFeatures
 from vllm_easyspec.control.controller import (
     FIRST_DEPTH_RATE,
+    GUARD_MIN_CYCLES,
     OutcomeGuard,
     RequestTree,
     SpeculationController,
@@ -554,7 +555,7 @@ def test_the_guard_holds_drafting_back_where_drafted_cycles_measurably_produce_l
 def test_the_guard_is_charged_a_catch_up_first_pass_in_full_spread_over_the_drafted_cycles_after_it():
     controller = _cheap_drafting_controller()
     charged: list[float] = []
-    controller.guard.add = lambda drafted, requests, tokens, seconds: charged.append(seconds)
+    controller.guard.add = lambda drafted, requests, tokens, seconds, **_: charged.append(seconds)
     batch = ["a", "b"]
     assert controller.plan_depth(batch, first_pass_rows=2000, horizon_steps=10)  # a prompt's first pass
     controller.observe_first_pass(2000, 1.0, len(batch))
@@ -605,6 +606,46 @@ def test_cycles_that_verified_lookup_paths_alone_are_not_the_plain_cycles_drafti
     depths = [_cycle(controller, ["chat"], accepted=1, draft_seconds=0.03, verify_seconds=0.05) for _ in range(40)]
     assert all(depths) and controller.stats.steps_held_back == controller.stats.exploring_drafts == 0
     assert controller.guard.table()[0]["plain_cycles"] == 0
+
+
+def _lookup_cycles(controller: SpeculationController, steps: int, lookup_seconds: float) -> list[int]:
+    """Steps of 16 requests that draft nothing (drafting is dear), each offering a 3-node prompt-lookup path whose
+    first node is accepted; the verify takes ``lookup_seconds`` when it checks any node, 0.05 s when none.
+    Returns the nodes each step verified."""
+    batch = [f"r{i}" for i in range(16)]
+    features = [NodeFeatures(True, depth, None) for depth in (1, 2, 3)]
+    verified = []
+    for _ in range(steps):
+        assert controller.plan_depth(batch, first_pass_rows=16, lookup_lengths=[3] * 16) == 0
+        choices = controller.choose([RequestTree(r, [5, 6, 7], [-1, 0, 1], features, keeps_order=False)
+                                     for r in batch])
+        controller.observe_drafting(1e-4)
+        for req_id, choice in zip(batch, choices, strict=True):
+            if choice.count:
+                controller.observe(req_id, choice.features[: choice.count], choice.parents[: choice.count], {0})
+        nodes = sum(choice.count for choice in choices)
+        controller.observe_verify(16 + nodes, lookup_seconds if nodes else 0.05, requests=16)
+        verified.append(nodes)
+    return verified
+
+
+def test_the_guard_holds_back_lookup_paths_alone_where_their_cycles_measurably_produce_less():
+    def controller_whose_models_say_lookup_pays() -> SpeculationController:
+        controller = SpeculationController(
+            StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.05 + 63 * 0.0001]),
+                          CostCurve.from_measurements([1, 64], [1.0, 1.0])), max_depth=3, max_nodes=4, level_width=2)
+        controller.cost.observe_verify = lambda *arguments, **keywords: None  # the cost model stays wrong
+        return controller
+
+    # 32 tokens in 0.2 s against 16 in 0.05 s without nodes: the guard stops the paths but to explore
+    held = controller_whose_models_say_lookup_pays()
+    verified = _lookup_cycles(held, 200, lookup_seconds=0.2)
+    assert all(verified[:GUARD_MIN_CYCLES]) and sum(map(bool, verified[100:])) < 10
+    assert held.guard.holds_back_lookup(16, held.cost.verify_seconds(16))
+    assert held.guard.table()[0]["lookup_cycles"] >= GUARD_MIN_CYCLES
+    # in 0.06 s they pay: every step verifies them
+    paying = controller_whose_models_say_lookup_pays()
+    assert all(_lookup_cycles(paying, 200, lookup_seconds=0.06))
 
 
 def test_the_guard_trusts_measured_cycles_without_drafts_over_the_model():

@@ -50,7 +50,9 @@ that follows it), per batch-size bucket, for cycles that drafted and plain cycle
 (:class:`OutcomeGuard`). Where cycles that drafted have measurably produced fewer tokens per second than
 plain cycles (or, before any such cycle, than the verify model says a cycle without drafts costs), the
 step drafts nothing even when the models say it would pay; it explores as above, so a batch whose drafts become
-good is seen.
+good is seen. Cycles that drafted nothing and verified prompt-lookup paths alone are measured apart and held
+against plain cycles the same way: where they have measurably produced less, a step that drafts nothing
+verifies no path, unless the exploration budget covers what such a cycle has recently taken.
 
 Trees whose children are i.i.d. draws from the draft (``draw: sample``) keep their template order and are
 handed over without their draft probabilities: choosing among i.i.d. draws, or how many to verify, by what was
@@ -161,6 +163,7 @@ class ControllerStats:
     steps_without_drafting: int = 0  # plan_depth expected no node to pay: no drafting, the first pass deferred
     steps_held_back: int = 0  # the models said drafting pays, the measured outcome said it does not
     lookup_only_steps: int = 0  # steps that drafted nothing and verified prompt-lookup nodes alone
+    lookup_steps_held_back: int = 0  # ... the models said those paths pay, the measured outcome said they do not
     nodes_per_request: Counter = field(default_factory=Counter)  # chosen nodes -> requests
     depth_per_step: Counter = field(default_factory=Counter)  # drafted depth -> steps
 
@@ -172,6 +175,7 @@ class _Rate:
     tokens: float = 0.0
     seconds: float = 0.0
     cycles: int = 0
+    weight: float = 0.0  # decayed count of cycles: seconds / weight is a cycle's recent mean
     # decayed sums of squared weights times tokens^2, tokens * seconds, seconds^2 (weights decay by GUARD_MEMORY)
     tokens_squared: float = 0.0
     tokens_seconds: float = 0.0
@@ -180,6 +184,7 @@ class _Rate:
     def add(self, tokens: int, seconds: float) -> None:
         self.tokens = GUARD_MEMORY * self.tokens + tokens
         self.seconds = GUARD_MEMORY * self.seconds + seconds
+        self.weight = GUARD_MEMORY * self.weight + 1.0
         self.cycles += 1
         memory_squared = GUARD_MEMORY**2
         self.tokens_squared = memory_squared * self.tokens_squared + tokens * tokens
@@ -231,9 +236,10 @@ class _Cycle:
 @dataclass
 class OutcomeGuard:
     """Tokens per second of whole decode cycles (drafting + verify), by batch-size bucket (powers of two), for
-    cycles that drafted and plain cycles, which verified no node (cycles that verified prompt-lookup paths alone
-    are neither: their tokens depend on the requests, so they would not be a baseline that holds across
-    requests). A cycle's tokens are its verify step's requests plus the drafts
+    cycles that drafted, plain cycles, which verified no node, and cycles that drafted nothing and verified
+    prompt-lookup paths alone (kept apart: their tokens depend on the requests that had a path, so they are no
+    baseline that holds across requests; held against plain cycles, the lookup cycles are favoured, so a
+    verdict against them is safe). A cycle's tokens are its verify step's requests plus the drafts
     they accepted; its seconds are the drafting and the verify, a catch-up first pass (a prompt's, or rows
     deferred while nothing was drafted) charged at the share :meth:`SpeculationController.plan_depth` charges it,
     and the rest of it repaid by the drafted cycles after it (each one ``1 / horizon`` of what is outstanding),
@@ -243,13 +249,14 @@ class OutcomeGuard:
 
     drafted: dict[int, _Rate] = field(default_factory=dict)
     plain: dict[int, _Rate] = field(default_factory=dict)
+    lookup: dict[int, _Rate] = field(default_factory=dict)  # cycles that verified prompt-lookup paths alone
 
     @staticmethod
     def bucket(requests: int) -> int:
         return requests.bit_length()
 
-    def add(self, drafted: bool, requests: int, tokens: int, seconds: float) -> None:
-        rates = self.drafted if drafted else self.plain
+    def add(self, drafted: bool, requests: int, tokens: int, seconds: float, lookup_only: bool = False) -> None:
+        rates = self.lookup if lookup_only else self.drafted if drafted else self.plain
         rates.setdefault(self.bucket(requests), _Rate()).add(tokens, seconds)
 
     def forget_drafted(self) -> None:
@@ -257,8 +264,10 @@ class OutcomeGuard:
         running ones (a lone request's successor starts afresh). Plain cycles produce one token per request,
         whoever runs, and are kept. Where requests come and go one by one (a batch kept full), the
         drafted rates are kept: forgetting a finished request's share each time would keep the guard below
-        its minimum of cycles, and drafting would switch on and off, each switch paying a catch-up."""
+        its minimum of cycles, and drafting would switch on and off, each switch paying a catch-up. The same
+        holds for cycles that verified lookup paths alone."""
         self.drafted.clear()
+        self.lookup.clear()
 
     def holds_back(self, requests: int, plain_seconds: float) -> bool:
         """Whether cycles that drafted, at this many requests, measurably produced fewer tokens per second than
@@ -266,24 +275,36 @@ class OutcomeGuard:
         cost of a cycle without drafts): by more than :data:`GUARD_STANDARD_ERRORS` standard errors of the
         difference. A lone request's cycles vary much (each accepts all or nothing of its drafts), so a run of
         failures alone does not stop its drafting; a large batch's vary little, so a small loss does."""
+        return self._below_plain(self.drafted, requests, plain_seconds)
+
+    def holds_back_lookup(self, requests: int, plain_seconds: float) -> bool:
+        """:meth:`holds_back` for cycles that verified prompt-lookup paths alone."""
+        return self._below_plain(self.lookup, requests, plain_seconds)
+
+    def lookup_cycle_seconds(self, requests: int) -> float:
+        """What a cycle that verified lookup paths alone has recently taken at this many requests (0 before any)."""
+        rate = self.lookup.get(self.bucket(requests))
+        return rate.seconds / rate.weight if rate is not None and rate.weight > 0 else 0.0
+
+    def _below_plain(self, rates: dict[int, _Rate], requests: int, plain_seconds: float) -> bool:
         key = self.bucket(requests)
-        drafted = self.drafted.get(key)
-        if drafted is None or drafted.cycles < GUARD_MIN_CYCLES:
+        measured = rates.get(key)
+        if measured is None or measured.cycles < GUARD_MIN_CYCLES:
             return False
         plain = self.plain.get(key)
         if plain is not None and plain.cycles >= GUARD_MIN_CYCLES:
             baseline, baseline_error = plain.per_second, plain.standard_error
         else:
             baseline, baseline_error = (requests / plain_seconds if plain_seconds > 0 else 0.0), 0.0
-        error = (drafted.standard_error**2 + baseline_error**2) ** 0.5
-        return drafted.per_second + GUARD_STANDARD_ERRORS * error < baseline
+        error = (measured.standard_error**2 + baseline_error**2) ** 0.5
+        return measured.per_second + GUARD_STANDARD_ERRORS * error < baseline
 
     def table(self) -> list[dict[str, float]]:
         """Per bucket: its requests range and both kinds' tokens per second and cycles."""
         rows = []
-        for key in sorted(set(self.drafted) | set(self.plain)):
+        for key in sorted(set(self.drafted) | set(self.plain) | set(self.lookup)):
             row: dict[str, float] = {"requests_from": 1 << (key - 1), "requests_to": (1 << key) - 1}
-            for kind, rates in (("drafted", self.drafted), ("plain", self.plain)):
+            for kind, rates in (("drafted", self.drafted), ("plain", self.plain), ("lookup", self.lookup)):
                 rate = rates.get(key)
                 row[f"{kind}_tokens_per_second"] = rate.per_second if rate else 0.0
                 row[f"{kind}_cycles"] = rate.cycles if rate else 0
@@ -321,6 +342,7 @@ class SpeculationController:
         self._first_pass_debt = 0.0  # catch-up first-pass seconds that drafted cycles have yet to repay to the guard
         self._explore_budget = 0.0  # seconds exploring steps may still spend
         self._exploring = Exploring.NO  # what this step's drafting explores
+        self._lookup_held_back = False  # this step, if it drafts nothing, verifies no prompt-lookup path
         # receives one record per plan_depth call when set (instruments.plan_log: VLLM_EASYSPEC_PLAN_LOG)
         self.plan_log: Callable[[dict[str, Any]], None] | None = None
 
@@ -367,6 +389,19 @@ class SpeculationController:
         by_depth = [[offers[depth] for offers in by_request] for depth in range(self.max_depth)]
         without_drafting = None if lookup_lengths is None else [
             self._lookup_path(req_id, length, ratio) for req_id, length in zip(req_ids, lookup_lengths, strict=True)]
+        # the lookup paths alone, where such cycles have measurably produced less than plain ones, only to explore
+        self._lookup_held_back = bool(without_drafting) and self.guard.holds_back_lookup(
+            len(req_ids), self.cost.verify_seconds(len(req_ids)))
+        if self._lookup_held_back:
+            batch, path_nodes = len(req_ids), sum(len(c.chances) for c in without_drafting)
+            # what such a cycle has taken, where the models priced it too low (they said it pays)
+            exploring_lookup = max(self.cost.verify_seconds(batch + path_nodes, requests=batch),
+                                   self.guard.lookup_cycle_seconds(batch)) - self.cost.verify_seconds(batch)
+            if self._explore_budget >= exploring_lookup:
+                self._explore_budget -= exploring_lookup
+                self._lookup_held_back = False
+            else:
+                without_drafting = None
         options: list[DepthRate] | None = [] if self.plan_log is not None else None
         plan = (choose_depth(by_depth, self.cost.verify_seconds, draft_seconds, without_drafting, options,
                              self.cost.verify_floor)
@@ -406,11 +441,13 @@ class SpeculationController:
                 self.stats.exploring_drafts += 1
                 depth = self.max_depth
         self.stats.depth_per_step[depth] += 1
+        self.stats.lookup_steps_held_back += depth == 0 and self._lookup_held_back
         self._drafted_levels = depth
         if self.plan_log is not None:
             self.plan_log({"requests": len(req_ids), "with_lookup": sum(self._with_lookup[r] for r in req_ids),
                            "first_pass_rows": first_pass_rows, "planned": plan.depth, "drafted": depth,
-                           "held_back": held_back, "exploring": self._exploring.value,
+                           "held_back": held_back, "lookup_held_back": self._lookup_held_back,
+                           "exploring": self._exploring.value,
                            "options": [asdict(option) for option in options or []]})
         full_first_pass = steady + catch_up
         self._cycle = _Cycle(drafted=depth > 0, requests=set(req_ids), weighed=self._exploring is Exploring.NO,
@@ -493,6 +530,8 @@ class SpeculationController:
         candidates = [Candidates(chances, self.max_nodes, path_length(parents)) for _, parents, _, chances in ordered]
         batch_candidates = candidates + [Candidates([], self.max_nodes)] * (batch - len(trees))  # rows, no node
         counts = choose_nodes(batch_candidates, self.cost.verify_seconds, 0.0, self.cost.verify_floor)[: len(trees)]
+        if levels == 0 and self._lookup_held_back:  # the guard holds the lookup paths alone back (plan_depth)
+            counts = [0] * len(trees)
         if self._exploring is Exploring.ACCEPTANCE:  # each request's best level_width nodes are verified
             counts = [max(count, min(self.level_width, len(candidate.chances), self.max_nodes))
                       for count, candidate in zip(counts, candidates, strict=True)]
@@ -573,16 +612,17 @@ class SpeculationController:
         self.cost.observe_verify(rows, seconds, masked_rows, masked_requests, requests)
         cycle, self._cycle = self._cycle, None
         self._explore_budget = min(self._explore_budget + EXPLORE_SHARE * seconds, EXPLORE_MOST_STEPS * seconds)
-        # the guard weighs cycles that drafted against cycles that verified no node; a cycle that verified prompt-
-        # lookup paths alone is neither (its tokens depend on its requests, where plain cycles' do not)
-        if cycle is not None and cycle.weighed and requests and (cycle.drafted or cycle.nodes == 0):
+        # the guard weighs cycles that drafted, and apart from them cycles that verified prompt-lookup paths alone
+        # (their tokens depend on their requests), against cycles that verified no node
+        if cycle is not None and cycle.weighed and requests:
             self._guard_requests |= cycle.requests
             charged = cycle.charged_seconds(seconds)
             if cycle.drafted:  # it repays a share of earlier catch-ups and leaves part of its own to later cycles
                 repaid = self._first_pass_debt / cycle.horizon_steps
                 self._first_pass_debt += cycle.deferred_seconds - repaid
                 charged += repaid
-            self.guard.add(cycle.drafted, requests, requests + cycle.accepted, charged)
+            self.guard.add(cycle.drafted, requests, requests + cycle.accepted, charged,
+                           lookup_only=not cycle.drafted and cycle.nodes > 0)
         self.stats.controller_seconds += time.perf_counter() - started
 
     def observe_draft(self, levels: int, rows_per_level: int, seconds: float) -> None:

@@ -13,7 +13,7 @@ vLLM serves ``/metrics`` from its multiprocess registry, which does not include 
 
 Metrics (label ``model_name`` as vLLM's own): counters ``vllm:easyspec_auto_{steps, request_steps,
 nodes_offered, nodes_chosen, requests_without_nodes, exploring_steps, exploring_drafts, steps_without_drafting, steps_held_back,
-lookup_only_steps, predicted_accepted, realised_accepted, controller_seconds}_total``; histograms ``vllm:easyspec_auto_nodes_per_request`` (chosen nodes per request per
+lookup_only_steps, lookup_steps_held_back, predicted_accepted, realised_accepted, controller_seconds}_total``; histograms ``vllm:easyspec_auto_nodes_per_request`` (chosen nodes per request per
 step) and ``vllm:easyspec_auto_draft_depth`` (drafted depth per step); gauges
 ``vllm:easyspec_auto_realised_over_predicted``, ``vllm:easyspec_auto_verify_seconds{rows}`` and
 ``vllm:easyspec_auto_draft_level_seconds{rows}`` (the current cost curves),
@@ -41,8 +41,8 @@ logger = plugin_logger(__name__)
 LOG_INTERVAL_SECONDS = 10.0  # as vLLM's own periodic stats line
 PREFIX = "vllm:easyspec_auto_"
 COUNTERS = ("steps", "requests", "nodes_offered", "nodes_chosen", "requests_without_nodes", "exploring_steps",
-            "exploring_drafts", "steps_without_drafting", "steps_held_back", "lookup_only_steps", "predicted_accepted",
-            "realised_accepted", "controller_seconds")
+            "exploring_drafts", "steps_without_drafting", "steps_held_back", "lookup_only_steps",
+            "lookup_steps_held_back", "predicted_accepted", "realised_accepted", "controller_seconds")
 COUNTER_NAMES = {"requests": "request_steps"}  # a request verified in one step
 
 
