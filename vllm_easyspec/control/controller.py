@@ -300,7 +300,7 @@ class OutcomeGuard:
         return measured.per_second + GUARD_STANDARD_ERRORS * error < baseline
 
     def table(self) -> list[dict[str, float]]:
-        """Per bucket: its requests range and both kinds' tokens per second and cycles."""
+        """Per bucket: its requests range and each kind's tokens per second and cycles."""
         rows = []
         for key in sorted(set(self.drafted) | set(self.plain) | set(self.lookup)):
             row: dict[str, float] = {"requests_from": 1 << (key - 1), "requests_to": (1 << key) - 1}
