@@ -19,6 +19,7 @@ from vllm_easyspec.control.controller import (
 from vllm_easyspec.control.cost import (
     CALIBRATION_REPEATS,
     CALIBRATION_SECONDS_PER_POINT,
+    RECHECK_ROWS,
     VERIFY_HISTORY,
     CostCurve,
     StepCostModel,
@@ -458,9 +459,10 @@ def test_start_up_timing_keeps_the_fastest_and_stops_at_the_first_slow_row_count
     assert timings.with_logits == pytest.approx([0.1 * rows / 8 for rows in timings.rows])
     assert timings.without_logits == pytest.approx([0.075 * rows / 8 for rows in timings.rows])
     # an untimed forward, then 3 timed ones, fewer once they add up to 0.5 s: 0.4 s twice, 0.8 s once; then one
-    # more each, largest first
-    assert [calls.count(rows) for rows in timings.rows] == [5, 5, 5, 5, 5, 4, 3]
-    assert calls[-7:] == [64, 32, 16, 8, 4, 2, 1]
+    # more each up to RECHECK_ROWS, largest first
+    assert RECHECK_ROWS == 8
+    assert [calls.count(rows) for rows in timings.rows] == [5, 5, 5, 5, 4, 3, 2]
+    assert calls[-4:] == [8, 4, 2, 1]
 
 
 def test_start_up_timing_is_not_fooled_by_a_machine_that_settles_while_it_times():

@@ -44,6 +44,8 @@ PRIOR_WEIGHT = 0.05  # how strongly the fit is pulled towards scale 1 and no ext
 CALIBRATION_REPEATS = 3  # start-up: timed forwards per row count, the fastest kept
 CALIBRATION_SECONDS_PER_POINT = 0.5  # ... which stop once they took this long; row counts stop at the first
 # whose forward took this long
+RECHECK_ROWS = 8  # row counts re-timed in a second, descending pass: where small GEMM shapes are irregular and a
+# forward is cheap (larger ones cost linearly more, and a second pass over them would double the start-up)
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,8 @@ def time_forwards(rows: Sequence[int], forward: Callable[[int], tuple[float, flo
     """Times ``forward(count)`` (one forward over ``count`` rows; returns its seconds with and without the
     logits) at each row count of ``rows`` (ascending). A row count is timed by an untimed forward, then up to
     :data:`CALIBRATION_REPEATS` timed ones that stop once they have taken :data:`CALIBRATION_SECONDS_PER_POINT`;
-    then once more each, in descending order, and the fastest of all is kept: a forward slowed by when it ran
+    then the row counts up to :data:`RECHECK_ROWS` once more each, in descending order, and the fastest of all
+    is kept: a forward slowed by when it ran
     (a machine still settling after start-up slows the first row counts of an ascending pass) is not taken for
     what its rows cost, which matters now that a curve keeps each point as measured. The row counts stop at
     the first whose forward takes that long: past it a forward's cost grows linearly with its rows, as a
@@ -123,7 +126,7 @@ def time_forwards(rows: Sequence[int], forward: Callable[[int], tuple[float, flo
         fastest[count] = best
         if best[0] >= CALIBRATION_SECONDS_PER_POINT:
             break
-    for count in reversed(list(fastest)):
+    for count in reversed([count for count in fastest if count <= RECHECK_ROWS]):
         fastest[count] = min(fastest[count], forward(count))
     measured = list(fastest)
     return ForwardTimings(measured, [fastest[count][0] for count in measured],
