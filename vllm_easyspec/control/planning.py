@@ -104,16 +104,10 @@ def running_minimum(values: Sequence[float]) -> list[float]:
     return out
 
 
-def _offered(candidates: Sequence[Candidates]) -> list[tuple[float, int, int]]:
-    """(-chance, request, rank) of every node the requests may verify, most likely first (ties: by request):
-    each request's own nodes stay in its order, which is already best first."""
-    return sorted((-chance, request, rank) for request, c in enumerate(candidates)
-                  for rank, chance in enumerate(c.chances[: c.cap]))
-
-
-def _offered_lazily(candidates: Sequence[Candidates]) -> Iterator[tuple[float, int, int]]:
-    """:func:`_offered`'s nodes in its order, each found when asked for (a heap of each request's next node):
-    a caller that stops after a few nodes of a large batch does not sort the rest."""
+def _offered(candidates: Sequence[Candidates]) -> Iterator[tuple[float, int, int]]:
+    """(-chance, request, rank) of every node the requests may verify, most likely first (ties: by request),
+    each found when asked for: a heap holds each request's next node (its own nodes are already best first),
+    so a caller that stops after a few nodes of a large batch does not order the rest."""
     heap = [(-c.chances[0], request, 0) for request, c in enumerate(candidates) if c.chances and c.cap > 0]
     heapq.heapify(heap)
     while heap:
@@ -156,7 +150,7 @@ def _best_total(candidates: Sequence[Candidates], verify_seconds: VerifySeconds,
     most_gain = sum(sum(c.chances[: c.cap]) for c in candidates)
     chosen = [0] * batch
     best_count, best_rate, best_gain, gain, masked, masked_requests = 0, 0.0, 0.0, 0.0, 0, 0
-    for count, (negative_chance, request, _) in enumerate(_offered_lazily(candidates), start=1):
+    for count, (negative_chance, request, _) in enumerate(_offered(candidates), start=1):
         gain -= negative_chance
         c = candidates[request]
         before, after = c.masked_rows(chosen[request]), c.masked_rows(chosen[request] + 1)
