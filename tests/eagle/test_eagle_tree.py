@@ -186,6 +186,19 @@ def test_the_top_path_of_an_eagle_tree_drafts_what_vllms_eagle_chain_drafts(llm_
 
 
 @pytest.mark.slow
+def test_compiled_eagle_trees_equal_vanilla(llm_pool, tiny_llama_dir, trained_tiny_heads):
+    """vLLM compiles the head (``enforce_eager=False``): a compiled graph reads its inputs with the strides it was
+    traced with, so a stride-0 view of the roots' states fed to a tree level reads the wrong memory on the CPU
+    (NaN logits) and fails inductor's stride check on a GPU."""
+    vanilla = _vanilla(llm_pool, tiny_llama_dir, "mixed", MIXED)
+    llm = llm_pool.get(tiny_llama_dir, enforce_eager=False,
+                       speculative_config={"method": "eagle3", "model": str(trained_tiny_heads("eagle3"))},
+                       additional_config={"easyspec": {"tree": DYNAMIC}})
+    assert generate(llm, MIXED) == vanilla
+    assert llm.collective_rpc(read_tree_stats)[0]["steps"] > 0
+
+
+@pytest.mark.slow
 def test_without_a_tree_vllms_own_eagle_proposer_runs(llm_pool, tiny_llama_dir, trained_tiny_heads):
     llm = llm_pool.get(tiny_llama_dir, speculative_config={"method": "eagle", "model": str(trained_tiny_heads("eagle")),
                                                            "num_speculative_tokens": 3})

@@ -177,3 +177,22 @@ def test_draft_probabilities_move_to_their_target_ids():
     expected = torch.zeros(2, 10)
     expected[:, [3, 0, 8]] = probs[:, [0, 2, 3]]
     assert torch.equal(moved, expected)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_states_an_eagle_level_feeds_are_dense_rows_of_each_nodes_parent(batch):
+    """A compiled head reads its input with the strides it was traced with: the first level's states (every node's
+    parent is its root) and a later level's (stash or root) are dense ``[B * F, H]`` rows, not views."""
+    from vllm_easyspec.integration.tree_drafting import _parent_states
+
+    hidden = 4
+    root = torch.arange(batch * hidden, dtype=torch.float32).view(batch, hidden)
+    first = _parent_states(root, root.new_zeros(batch, 0, hidden), torch.full((batch, 2), -1))
+    assert first.is_contiguous() and first.stride() == (hidden, 1)
+    assert torch.equal(first, root.repeat_interleave(2, dim=0))
+    stash = 100 + torch.arange(batch * 2 * hidden, dtype=torch.float32).view(batch, 2, hidden)
+    parents = torch.tensor([[1, -1, 0]] * batch)
+    later = _parent_states(root, stash, parents)
+    assert later.is_contiguous() and later.shape == (batch * 3, hidden)
+    expected = torch.stack([torch.stack([stash[b, 1], root[b], stash[b, 0]]) for b in range(batch)])
+    assert torch.equal(later, expected.view(batch * 3, hidden))

@@ -491,10 +491,11 @@ def _node_features(parents: list[int], from_lookup: tuple[bool, ...],
 
 
 def _parent_states(root: torch.Tensor, stash: torch.Tensor, parent_columns: torch.Tensor) -> torch.Tensor:
-    """``[B * F, H]``: for each frontier node the state its parent produced (the root's for depth-1 nodes)."""
+    """``[B * F, H]``, contiguous: for each frontier node the state its parent produced (the root's for depth-1
+    nodes). A compiled drafter (CUDA graphs) asserts its inputs' strides, so no row may be a stride-0 view."""
     batch, width = parent_columns.shape
     if stash.shape[1] == 0:
-        return root[:, None, :].expand(batch, width, -1).reshape(batch * width, -1)
+        return root.repeat_interleave(width, dim=0)
     index = parent_columns.clamp(min=0).to(stash.device)[:, :, None].expand(-1, -1, stash.shape[-1])
     from_stash = stash.gather(1, index)
     is_root = (parent_columns < 0).to(stash.device)[:, :, None]
