@@ -796,6 +796,24 @@ def test_realised_over_predicted_is_kept_per_batch_size():
     assert alone.chances[0] == pytest.approx(controller.acceptance.path_chances("solo", alone.features, [-1])[0])
 
 
+def test_a_tree_the_scheduler_cut_short_is_predicted_over_the_nodes_it_verified():
+    # every chosen node is accepted; the scheduler verifies the first of a chain of three only. Had the two it
+    # never verified counted as predicted, the realised / predicted ratio would fall below 1 and drag the chances
+    # of later steps down.
+    cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.0501]),
+                         CostCurve.from_measurements([1, 64], [0.0001, 0.0002]))
+    controller = SpeculationController(cost, max_depth=3, max_nodes=3, level_width=1)
+    predicted_scheduled = 0.0
+    for _ in range(30):
+        tree = RequestTree("r0", [5, 6, 7], [-1, 0, 1], [_features(d, -0.05) for d in (1, 2, 3)], keeps_order=True)
+        (choice,) = controller.choose([tree])
+        assert choice.count == 3
+        predicted_scheduled += choice.chances[0]
+        controller.observe("r0", choice.features[:1], choice.parents[:1], {0})
+    assert controller.stats.predicted_accepted == pytest.approx(predicted_scheduled)
+    assert controller.stats.realised_accepted == 30 and controller.ratio_at(1) > 1.0
+
+
 def test_prompt_lookup_nodes_count_at_every_depth_without_paying_for_levels():
     verify = _linear(0.001, 0.05)
     draft = lambda depth: 0.02 + (depth - 1) * 0.002  # noqa: E731  # a 20 ms first pass, 2 ms a level

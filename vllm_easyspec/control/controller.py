@@ -155,7 +155,7 @@ class ControllerStats:
     nodes_offered: int = 0
     nodes_chosen: int = 0
     requests_without_nodes: int = 0
-    predicted_accepted: float = 0.0  # sum of P(accepted) over the chosen nodes
+    predicted_accepted: float = 0.0  # sum of P(accepted) over the chosen nodes that were verified
     realised_accepted: int = 0
     controller_seconds: float = 0.0
     exploring_steps: int = 0
@@ -333,8 +333,9 @@ class SpeculationController:
         self._drafted_levels = max_depth  # the depth plan_depth chose this step
         self.stats = ControllerStats()
         self._explore = random.Random(0)  # independent of every verification: choices stay lossless
-        # request -> (model chances of the nodes it verifies this step, batch-size bucket of the step)
-        self._predicted: dict[str, tuple[float, int]] = {}
+        # request -> (chances of the nodes it verifies this step in their order, the ratio behind them, the step's
+        # batch-size bucket); the scheduler may verify a prefix of them only
+        self._predicted: dict[str, tuple[tuple[float, ...], float, int]] = {}
         self._ratio_sums: dict[int, list[float]] = {}  # bucket -> decayed [realised, predicted] accepted nodes
         self.guard = OutcomeGuard()
         self._guard_requests: set[str] = set()  # the running requests whose cycles the guard has weighed
@@ -547,7 +548,7 @@ class SpeculationController:
         choices = [Choice(tokens, parents, features, chances, count)
                    for (tokens, parents, features, chances), count in zip(ordered, counts, strict=True)]
         for tree, choice in zip(trees, choices, strict=True):
-            self._predicted[tree.req_id] = (sum(choice.chances[: choice.count]) / ratio, bucket)
+            self._predicted[tree.req_id] = (tuple(choice.chances[: choice.count]), ratio, bucket)
         stats = self.stats
         stats.steps += 1
         stats.lookup_only_steps += levels == 0 and sum(counts) > 0
@@ -560,7 +561,6 @@ class SpeculationController:
             stats.nodes_offered += len(choice.tokens)
             stats.nodes_chosen += choice.count
             stats.requests_without_nodes += choice.count == 0
-            stats.predicted_accepted += sum(choice.chances[: choice.count])
             stats.nodes_per_request[choice.count] += 1
         stats.controller_seconds += time.perf_counter() - started
         return choices
@@ -572,10 +572,12 @@ class SpeculationController:
         self.acceptance.observe(req_id, features, parents, accepted)
         predicted = self._predicted.pop(req_id, None)
         if predicted is not None:
-            chances, bucket = predicted
+            chances, ratio, bucket = predicted
+            scheduled = sum(chances[: len(features)])
+            self.stats.predicted_accepted += scheduled
             sums = self._ratio_sums.setdefault(bucket, [1.0, 1.0])
             sums[0] += len(accepted)
-            sums[1] += chances
+            sums[1] += scheduled / ratio
         self.stats.realised_accepted += len(accepted)
         if self._cycle is not None:
             self._cycle.accepted += len(accepted)
