@@ -86,28 +86,6 @@ def test_the_cost_model_follows_a_machine_that_slows_down_and_learns_what_calibr
     assert per_row.verify_seconds(17) == pytest.approx(0.12, rel=0.05)
 
 
-def test_a_row_count_the_engine_finds_dearer_than_its_start_up_timing_is_priced_as_the_engine_found_it():
-    # the start-up curve is flat from 1 to 8 rows; in the engine 3 rows cost 30% more (one GEMM shape), the rest
-    # as timed. The fit's scale and extras are linear in the rows and cannot follow one row count.
-    curve = CostCurve.from_measurements([1, 8, 16, 64], [0.05, 0.05, 0.06, 0.12])
-    model = StepCostModel(curve, CostCurve.from_measurements([1], [0.002]))
-    truth = {rows: curve(rows) * (1.3 if rows == 3 else 1.0) for rows in range(1, 9)}
-    for rows in [2, 3, 4, 5, 3, 6] * 20:
-        model.observe_verify(rows, truth[rows], requests=1)
-    for rows in (2, 3, 4, 5, 6):
-        assert model.verify_seconds(rows, requests=1) == pytest.approx(truth[rows], rel=0.03)
-    assert model.row_correction(7, requests=1) == 0.0 and model.row_correction(3) == 0.0  # never seen
-    assert model.verify_seconds(3, requests=1) > model.verify_seconds(5, requests=1)
-    # the floor still bounds every larger row count, corrections included
-    for rows in range(1, 40):
-        floor = model.verify_floor(rows, requests=1)
-        assert all(floor <= model.verify_seconds(more, requests=1) + 1e-12 for more in range(rows, 70))
-    # the engine's shape changes back: the correction follows the newer steps
-    for rows in [2, 3, 4, 5, 3, 6] * 30:
-        model.observe_verify(rows, curve(rows), requests=1)
-    assert model.verify_seconds(3, requests=1) == pytest.approx(curve(3), rel=0.03)
-
-
 def test_the_verify_fit_reads_the_last_steps_only_however_many_came_before():
     curve = CostCurve.from_measurements([1, 8, 64], [0.01, 0.02, 0.05])
     rng = random.Random(3)

@@ -12,11 +12,7 @@ extra_per_row * rows + extra_per_masked_row * masked_rows + extra_per_masked_req
 extra_per_speculating_row * rows`` (the last only where the step verifies nodes), all five fitted (least
 squares over the last decode steps, pulled towards scale 1 and no extra) to what the engine's steps took;
 steps with different row counts (batches that change, and the controller's occasional exploration), steps
-with and without nodes, and steps with and without branching trees of different sizes separate them. On top of
-the fit, each row count up to :data:`ROW_CORRECTION_ROWS` (speculating steps apart from plain ones) is corrected
-by what its own recent steps took beyond the current fit, shrunk towards none: the fit is linear in the rows,
-and the start-up curve's shape at small row counts is one start-up's timing, which on a small machine is noise
-of tens of percent that decides how many nodes a batch-1 step verifies.
+with and without nodes, and steps with and without branching trees of different sizes separate them.
 
 Drafting costs the drafter's first pass (one forward over the tokens the last step verified, plus any rows
 deferred from steps that drafted nothing, then the logits of each request's root) and one forward per further
@@ -29,8 +25,7 @@ what the stage took beyond its forwards.
 
 Invariants: a :class:`CostCurve` goes through its measured points and extrapolates linearly past its last
 point, and its floor (the lower envelope) is non-decreasing and never above it; the fitted scale is positive
-and no extra cost is negative (an extra the fit would make negative is left out of it); the verify floor is
-lowered by the most negative row-count correction, so it bounds the corrected prediction too; each drafting
+and no extra cost is negative (an extra the fit would make negative is left out of it); each drafting
 prediction (first pass, level) is the draft curve times a scale, an exponential moving average of observed
 over predicted seconds.
 """
@@ -49,9 +44,6 @@ PRIOR_WEIGHT = 0.05  # how strongly the fit is pulled towards scale 1 and no ext
 CALIBRATION_REPEATS = 3  # start-up: timed forwards per row count, the fastest kept
 CALIBRATION_SECONDS_PER_POINT = 0.5  # ... which stop once they took this long; row counts stop at the first
 # whose forward took this long
-ROW_CORRECTION_ROWS = 32  # verify row counts that learn a correction of their own from the engine's steps
-ROW_CORRECTION_MEMORY = 0.98  # decay per observed verify step of every row count's correction
-ROW_CORRECTION_PRIOR = 2.0  # pseudo-observations of no correction behind each row count's
 RECHECK_ROWS = 8  # row counts re-timed in a second, descending pass: where small GEMM shapes are irregular and a
 # forward is cheap (larger ones cost linearly more, and a second pass over them would double the start-up)
 
@@ -176,36 +168,11 @@ class StepCostModel:
         default_factory=lambda: ([[0.0] * 5 for _ in range(5)], [0.0] * 5, 0.0))
     _verify_steps_seen: int = 0
     _verify_extras: tuple[int, ...] = (1, 2, 3, 4)  # the extras free in the last fit (indices into the five)
-    # (rows, speculating) -> decayed [steps, sum of seconds, sums of the fit's five inputs] of the verify steps
-    # with that many rows, up to ROW_CORRECTION_ROWS, so that their residual is read against the current fit;
-    # and the lowest correction of them all, at most 0
-    _row_steps: dict[tuple[int, bool], list[float]] = field(default_factory=dict)
-    _lowest_correction: float = 0.0
 
     def verify_seconds(self, rows: int, masked_rows: int = 0, masked_requests: int = 0,
                        requests: int | None = None) -> float:
         """The verify of ``rows`` rows of ``requests`` requests (None: one row each, no node), ``masked_rows``
         of them in the trees of ``masked_requests`` requests that need masked attention."""
-        return self._fitted_verify_seconds(rows, masked_rows, masked_requests, requests) + self.row_correction(
-            rows, requests)
-
-    def row_correction(self, rows: int, requests: int | None = None) -> float:
-        """What the engine's recent steps of exactly ``rows`` rows (speculating or not, as ``requests`` says)
-        took beyond the fitted prediction, shrunk towards 0 by :data:`ROW_CORRECTION_PRIOR` steps of none: the
-        start-up curve's shape at small row counts is one start-up's timing (on the 2-core EPYC two engines'
-        curves differed by up to 48% at one row count), and a step's row count sets how many nodes it verifies."""
-        kept = self._row_steps.get((rows, _speculating_rows(rows, requests) > 0))
-        return 0.0 if kept is None else self._correction(kept)
-
-    def _correction(self, kept: list[float]) -> float:
-        steps, seconds, *inputs = kept
-        coefficients = (self.verify_scale, self.extra_per_row, self.extra_per_masked_row,
-                        self.extra_per_masked_request, self.extra_per_speculating_row)
-        fitted = sum(c * x for c, x in zip(coefficients, inputs, strict=True))
-        return (seconds - fitted) / (steps + ROW_CORRECTION_PRIOR)
-
-    def _fitted_verify_seconds(self, rows: int, masked_rows: int, masked_requests: int,
-                               requests: int | None) -> float:
         return (self.verify_scale * self.verify(rows) + self.extra_per_row * rows
                 + self.extra_per_masked_row * masked_rows + self.extra_per_masked_request * masked_requests
                 + self.extra_per_speculating_row * _speculating_rows(rows, requests))
@@ -213,10 +180,10 @@ class StepCostModel:
     def verify_floor(self, rows: int, masked_rows: int = 0, masked_requests: int = 0,
                      requests: int | None = None) -> float:
         """A bound on :meth:`verify_seconds` at these counts or more of each (the curve's floor; the extras
-        only grow with their counts; the lowest row count's correction, where any is negative)."""
+        only grow with their counts)."""
         return (self.verify_scale * self.verify.floor(rows) + self.extra_per_row * rows
                 + self.extra_per_masked_row * masked_rows + self.extra_per_masked_request * masked_requests
-                + self.extra_per_speculating_row * _speculating_rows(rows, requests) + self._lowest_correction)
+                + self.extra_per_speculating_row * _speculating_rows(rows, requests))
 
     def draft_seconds(self, levels: int, rows_per_level: int) -> float:
         return self.draft_scale * levels * self.draft_level(rows_per_level) if levels > 0 else 0.0
@@ -243,25 +210,9 @@ class StepCostModel:
         masked attention, took ``seconds``."""
         if rows > 0 and seconds > 0:
             self._count("verify", self.verify_seconds(rows, masked_rows, masked_requests, requests), seconds)
-            step = (self.verify(rows), rows, masked_rows, masked_requests, _speculating_rows(rows, requests), seconds)
-            self._add_verify_step(step)
+            self._add_verify_step((self.verify(rows), rows, masked_rows, masked_requests,
+                                   _speculating_rows(rows, requests), seconds))
             self._fit_verify()
-            self._add_row_step(rows, requests, step)
-
-    def _add_row_step(self, rows: int, requests: int | None, step: tuple[float, ...]) -> None:
-        """Every row count's kept steps decay by one step; this step joins its own row count's; the lowest
-        correction (against the fit just made) bounds them all for :meth:`verify_floor`."""
-        for kept in self._row_steps.values():
-            for index in range(len(kept)):
-                kept[index] *= ROW_CORRECTION_MEMORY
-        if rows <= ROW_CORRECTION_ROWS:
-            kept = self._row_steps.setdefault((rows, _speculating_rows(rows, requests) > 0), [0.0] * 7)
-            *inputs, seconds = step
-            kept[0] += 1.0
-            kept[1] += seconds
-            for index, value in enumerate(inputs, start=2):
-                kept[index] += value
-        self._lowest_correction = min([0.0] + [self._correction(kept) for kept in self._row_steps.values()])
 
     def _add_verify_step(self, step: tuple[float, ...]) -> None:
         """``step`` joins the recent steps (the oldest leaves once there are :data:`VERIFY_HISTORY`), and their
