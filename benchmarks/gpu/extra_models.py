@@ -1,7 +1,7 @@
 """Models the GPU kit does not build, made on the device from the kit's tiny float32 Qwen2 target:
 
-- ``eagle3_head``: an EAGLE-3 head trained with the plugin's own trainer (CPU, a minute at most) on the text the
-  target's tokenizer was trained on, so that EAGLE trees run on a GPU with real acceptance;
+- ``eagle3_head``: an EAGLE-3 head trained with the plugin's own trainer (CPU, a minute at most) on the text
+  the target's tokenizer was trained on, so that EAGLE trees run on a GPU with real acceptance;
 - ``small_draft``: the target's first two layers plus 10% noise, a draft a third of the target's cost, so that
   ``auto`` has a reason to verify trees rather than one node.
 
@@ -35,9 +35,10 @@ def build_small_draft(target: Path, out: Path, layers: int = 2, noise: float = 0
 
 
 def train_eagle3_head(target: Path, out: Path, work: Path, steps: int) -> None:
+    """The plugin's trainer through its own command line (``vllm-easyspec train-eagle``)."""
     import torch
 
-    from vllm_easyspec.eagle.trainer import add_train_eagle_arguments, train
+    from vllm_easyspec.eagle.trainer import main as train_eagle
 
     text_dir = work / "text"
     text_dir.mkdir(parents=True, exist_ok=True)
@@ -46,16 +47,14 @@ def train_eagle3_head(target: Path, out: Path, work: Path, steps: int) -> None:
     chunk = max(1, len(lines) // 16)
     for i in range(16):
         (text_dir / f"part{i:02d}.py").write_text("\n".join(lines[i * chunk:(i + 1) * chunk]))
-    p = argparse.ArgumentParser()
-    add_train_eagle_arguments(p)
     argv = ["--target", str(target), "--out", str(out), "--format", "eagle3", "--work-dir", str(work / "w"),
             "--no-self-distill", "--text-dir", str(text_dir), "--text-tokens", "40000", "--seq-len", "128",
             "--max-steps", str(steps), "--eval-every", str(steps), "--save-every", str(steps),
             "--eval-steps", "3", "--batch-size", "8", "--amp", "none", "--lr", "3e-3",
-            "--draft-vocab-size", "1024", "--feature-dtype", "float32", "--threads", str(min(8, os.cpu_count() or 2)), "--quiet"]
-    args = p.parse_args(argv)
-    args._argv = argv
-    train(args)
+            "--draft-vocab-size", "1024", "--feature-dtype", "float32",
+            "--threads", str(min(8, os.cpu_count() or 2)), "--quiet"]
+    if train_eagle(argv) != 0:
+        raise SystemExit("training the EAGLE-3 head failed (its error is above)")
 
 
 def main() -> None:
