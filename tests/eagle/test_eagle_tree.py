@@ -39,9 +39,9 @@ FOLLOWING_THE_BATCH = DYNAMIC | {"budget_by_batch": {"4": 3, "6": {"chain": 2}}}
 AUTO = DYNAMIC | {"sources": {"prompt_lookup": {"nodes": 3}}, "auto": True}
 TREES = {"static": STATIC, "dynamic": DYNAMIC, "dynamic-following-the-batch": FOLLOWING_THE_BATCH, "auto": AUTO}
 
-def _eagle_tree_engine(llm_pool, target, fmt: str, head, tree: dict):
+def _eagle_tree_engine(llm_pool, target, fmt: str, head, tree: dict, **engine_options):
     return llm_pool.get(target, speculative_config={"method": fmt, "model": str(head)},
-                        additional_config={"easyspec": {"tree": tree}})
+                        additional_config={"easyspec": {"tree": tree}}, **engine_options)
 
 
 _VANILLA: dict[str, list] = {}
@@ -191,9 +191,8 @@ def test_compiled_eagle_trees_equal_vanilla(llm_pool, tiny_llama_dir, trained_ti
     traced with, so a stride-0 view of the roots' states fed to a tree level reads the wrong memory on the CPU
     (NaN logits) and fails inductor's stride check on a GPU."""
     vanilla = _vanilla(llm_pool, tiny_llama_dir, "mixed", MIXED)
-    llm = llm_pool.get(tiny_llama_dir, enforce_eager=False,
-                       speculative_config={"method": "eagle3", "model": str(trained_tiny_heads("eagle3"))},
-                       additional_config={"easyspec": {"tree": DYNAMIC}})
+    llm = _eagle_tree_engine(llm_pool, tiny_llama_dir, "eagle3", trained_tiny_heads("eagle3"), DYNAMIC,
+                             enforce_eager=False)
     assert generate(llm, MIXED) == vanilla
     assert llm.collective_rpc(read_tree_stats)[0]["steps"] > 0
 
