@@ -92,6 +92,8 @@ def setups(pairs: list[str]) -> list[Setup]:
                   {"easyspec": {"tree": EAGLE_TREES[16] | {"sources": LOOKUP, "auto": True}}}),
             Setup("eagle-auto-8", "controller (auto) on an 8 + 4-node EAGLE-2 candidate", head,
                   {"easyspec": {"tree": EAGLE_TREES[8] | {"sources": LOOKUP, "auto": True}}}),
+            Setup("eagle-auto-4", "controller (auto) on the 4 + 4-node EAGLE-2 candidate (the table's tree)", head,
+                  {"easyspec": {"tree": tree4 | {"auto": True}}}),
         ]
     if "draft" in pairs:
         draft = {"method": "draft_model", "model": str(fetch_model(SMOL)), "use_heterogeneous_vocab": True}
