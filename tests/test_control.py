@@ -8,7 +8,12 @@ import random
 
 import pytest
 
-from vllm_easyspec.control.acceptance import LOOKUP_PRIOR, AcceptanceModel, NodeFeatures
+from vllm_easyspec.control.acceptance import (
+    LOOKUP_CONTINUATION_PRIOR,
+    LOOKUP_PRIOR,
+    AcceptanceModel,
+    NodeFeatures,
+)
 from vllm_easyspec.control.controller import (
     FIRST_DEPTH_RATE,
     GUARD_MIN_CYCLES,
@@ -191,6 +196,13 @@ def test_a_lookup_paths_chances_follow_every_observation():
         accepted = {0, 1} if rng.random() < 0.5 else set()
         model.observe(req_id, lookup, [-1, 0, 1], accepted)
         model.forget({"r0", "r1"} if step == 20 else {"r0", "r1", "r2"})
+
+
+def test_before_any_observation_a_lookup_path_is_priced_as_one_copy_not_independent_guesses():
+    chances = AcceptanceModel().lookup_path_chances("r", 4)
+    # each node after the first is likely once its parent was right: the chance falls slower than the first step
+    assert chances == pytest.approx([LOOKUP_PRIOR * LOOKUP_CONTINUATION_PRIOR**k for k in range(4)])
+    assert chances[3] / chances[2] > chances[0]
 
 
 def test_a_bin_verification_has_not_reached_predicts_what_nodes_like_it_have_shown():

@@ -12,7 +12,8 @@ model predicts the conditional chance ``P(accepted | tested)`` of a node from wh
 
 Each bin keeps Beta-smoothed counts around its pooled bin's rate: the nodes of the same source, depth and draft
 log-probability bin at every recent acceptance, itself smoothed around a prior (the draft's own probability for
-drafted nodes, a fixed rate for lookup nodes). So a bin predicts the prior until verification has spoken, and a
+drafted nodes; for lookup nodes a fixed rate for a path's first node and a higher one for each node after it,
+since a copy that has started right mostly goes on). So a bin predicts the prior until verification has spoken, and a
 bin verification has not reached yet (a request without history, or whose recent acceptance moved) predicts what
 nodes like it have shown so far, not the draft's own confidence again. A node's chance of being accepted
 is the product of the conditional chances along its path: it never exceeds its parent's.
@@ -31,7 +32,10 @@ from dataclasses import dataclass, field
 LOGPROB_EDGES = (-6.0, -4.0, -3.0, -2.0, -1.0, -0.5, -0.2, -0.05)
 RECENT_EDGES = (0.25, 0.5, 0.75)  # recent-acceptance bins; one more bin for "no history yet"
 MAX_DEPTH_BIN = 3
-LOOKUP_PRIOR = 0.3  # a prompt-lookup node's acceptance before any observation
+LOOKUP_PRIOR = 0.3  # a prompt-lookup path's first node's acceptance before any observation
+# ... and a deeper lookup node's, given its parent was accepted: a copy that has started right mostly goes on
+# (measured: 0.58-0.88 over chat, held-out and edit prompts with the EAGLE head, most near 0.8)
+LOOKUP_CONTINUATION_PRIOR = 0.75
 UNKNOWN_PRIOR = 0.3  # ... and a drafted node's whose draft probability is unknown
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind every prior
 RECENT_SMOOTHING = 0.2  # weight of a step's outcomes in a request's recent acceptance
@@ -60,7 +64,7 @@ class NodeFeatures:
 
     def prior(self) -> float:
         if self.from_lookup:
-            return LOOKUP_PRIOR
+            return LOOKUP_PRIOR if self.depth == 1 else LOOKUP_CONTINUATION_PRIOR
         if self.draft_logprob is None:
             return UNKNOWN_PRIOR
         return min(max(math.exp(self.draft_logprob), 0.01), 0.99)
