@@ -7,7 +7,8 @@ batch size, with both drafters of the default target, side by side in one run.
 Setups (``SETUPS``): vanilla; vLLM's ``eagle3`` chains with the committed head at k = 2 and 3, and k set by
 batch size with vLLM's ``num_speculative_tokens_per_batch_size`` (``EAGLE_SCHEDULE``); the plugin's
 fixed merged EAGLE-2 trees (4 and 8 head nodes + 4 prompt-lookup nodes); the 4-node one with the README's
-``budget_by_batch`` table; the controller on a 16 + 4-node candidate; and with SmolLM2-135M drafting across
+``budget_by_batch`` table; the controller on a 16 + 4-node candidate (and, as ``eagle-auto-8`` and
+``eagle-auto-4``, on the 8 + 4 and the 4 + 4 ones); and with SmolLM2-135M drafting across
 vocabularies: vLLM's ``draft_model`` chain at k = 1 (its fastest k), that chain by batch size
 (``DRAFT_SCHEDULE``), the bridged tree of 4 root children + 4
 lookup nodes, that tree with a table that stops speculating from batch 4, and the controller on a 12 + 4-node
