@@ -177,6 +177,10 @@ def cell_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
                                          auto[f"{MATRIX_SPEED}_max"] / best[MATRIX_SPEED]],
             "auto_vs_vanilla_by_round": paired_ratios(auto, by_name[VANILLA]),
             "auto_vs_best_fixed_by_round": paired_ratios(auto, best),
+            # the ratio's split: fewer tokens per step (the choice and acceptance) or dearer steps (cost, host work,
+            # the process's speed); steps are counted in each setup's first round and barely move between rounds
+            "steps_best_fixed_over_auto": (best["engine_steps"] / auto["engine_steps"]
+                                           if best.get("engine_steps") and auto.get("engine_steps") else None),
             "predicted_accepted_per_step": controller.get("predicted_accepted", 0) / steps if steps else None,
             "realised_accepted_per_step": controller.get("realised_accepted", 0) / steps if steps else None,
             "nodes_per_request_step": (controller.get("nodes_chosen", 0) / controller["requests"]
@@ -241,9 +245,10 @@ def markdown(rows_by_cell: dict[str, list[dict[str, Any]]], names: list[str]) ->
         )
     lines += ["", "| cell | pair | best fixed | its ratio | auto vs vanilla | auto vs best fixed | "
               "by round: auto / vanilla, auto / best fixed | "
+              "steps: best fixed / auto | "
               "predicted / realised accepted per step | nodes per request-step | controller share "
               "| cost model predicted / observed: verify, levels, first pass, host work |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for cell, rows in rows_by_cell.items():
         summary = cell_summary(rows)
         for prefix, label in PAIR_OF.items():
@@ -256,6 +261,7 @@ def markdown(rows_by_cell: dict[str, list[dict[str, Any]]], names: list[str]) ->
                 f"| {cell} | {label} | {s['best_fixed']} | {s['best_fixed_vs_vanilla']:.2f} "
                 f"| {s['auto_vs_vanilla']:.2f} | {s['auto_vs_best_fixed']:.2f} [{low:.2f}–{high:.2f}] "
                 f"| {_paired(s['auto_vs_vanilla_by_round'])}, {_paired(s['auto_vs_best_fixed_by_round'])} "
+                f"| {_num(s.get('steps_best_fixed_over_auto'))} "
                 f"| {_num(predicted)} / {_num(realised)} | {_num(s['nodes_per_request_step'])} "
                 f"| {_pct(s['controller_share_of_step'])} "
                 f"| {', '.join(_num(s['cost_predicted_over_observed'].get(p)) for p in ('verify', 'draft', 'first_pass', 'overhead'))} |"

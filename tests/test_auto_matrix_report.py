@@ -40,3 +40,13 @@ def test_round_by_round_ratios_see_through_drift_that_the_medians_of_each_setup_
     report = goals({"chat-b16": [vanilla, auto, fixed]})
     assert "slower than vanilla in every round in 1: chat-b16 (0.95)" in report
     assert "median below 0.97x the best fixed setup in 0" in report
+
+
+def test_the_controllers_ratio_is_split_into_steps_needed_and_the_price_of_a_step():
+    vanilla = _row(VANILLA, [14.0, 14.0, 14.0], 14.0)
+    auto = _row("eagle-auto", [22.0, 22.0, 22.0], 14.0) | {"engine_steps": 60}
+    table = _row("eagle-table", [24.0, 24.0, 24.0], 14.0) | {"engine_steps": 52}
+    summary = cell_summary([vanilla, auto, table])["eagle"]
+    # the table needs 52 steps where the controller needs 60: 0.87 of the gap is tokens per step, not a dearer step
+    assert summary["steps_best_fixed_over_auto"] == 52 / 60
+    assert cell_summary([vanilla, auto | {"engine_steps": None}, table])["eagle"]["steps_best_fixed_over_auto"] is None
