@@ -13,9 +13,9 @@ model predicts the conditional chance ``P(accepted | tested)`` of a node from wh
 Each bin keeps Beta-smoothed counts around its pooled bin's rate: the nodes of the same source, depth and draft
 log-probability bin at every recent acceptance, itself smoothed around a prior (the draft's own probability for
 drafted nodes; for lookup nodes a fixed rate for a path's first node and a higher one for each node after it,
-since a copy that has started right mostly goes on). So a bin predicts the prior until verification has spoken, and a
-bin verification has not reached yet (a request without history, or whose recent acceptance moved) predicts what
-nodes like it have shown so far, not the draft's own confidence again. A node's chance of being accepted
+since a copy that has started right mostly goes on). So a bin predicts the prior until verification has
+spoken, and a bin verification has not reached yet (a request without history, or whose recent acceptance
+moved) predicts what nodes like it have shown so far, not the draft's own confidence again. A node's chance of being accepted
 is the product of the conditional chances along its path: it never exceeds its parent's.
 
 Invariant: predictions depend only on the node's features and on earlier verification outcomes, never on the
@@ -36,7 +36,7 @@ LOOKUP_PRIOR = 0.3  # a prompt-lookup path's first node's acceptance before any 
 # ... and a deeper lookup node's, given its parent was accepted: a copy that has started right mostly goes on
 # (measured: 0.58-0.88 over chat, held-out and edit prompts with the EAGLE head, most near 0.8)
 LOOKUP_CONTINUATION_PRIOR = 0.75
-UNKNOWN_PRIOR = 0.3  # ... and a drafted node's whose draft probability is unknown
+UNKNOWN_PRIOR = 0.3  # a drafted node's acceptance before any observation where its draft probability is unknown
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind every prior
 RECENT_SMOOTHING = 0.2  # weight of a step's outcomes in a request's recent acceptance
 CALIBRATION_BINS = 10
