@@ -15,8 +15,8 @@ log-probability bin at every recent acceptance, itself smoothed around a prior (
 drafted nodes; for lookup nodes a fixed rate for a path's first node and a higher one for each node after it,
 since a copy that has started right mostly goes on). So a bin predicts the prior until verification has
 spoken, and a bin verification has not reached yet (a request without history, or whose recent acceptance
-moved) predicts what nodes like it have shown so far, not the draft's own confidence again. A node's chance of being accepted
-is the product of the conditional chances along its path: it never exceeds its parent's.
+moved) predicts what nodes like it have shown so far, not the draft's own confidence again. A node's chance
+of being accepted is the product of the conditional chances along its path: it never exceeds its parent's.
 
 Invariant: predictions depend only on the node's features and on earlier verification outcomes, never on the
 verification they are used for, so choosing nodes by them keeps speculation lossless.
