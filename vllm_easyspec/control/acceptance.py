@@ -36,7 +36,7 @@ LOOKUP_PRIOR = 0.3  # a prompt-lookup path's first node's acceptance before any 
 # ... and a deeper lookup node's, given its parent was accepted: a copy that has started right mostly goes on
 # (measured: 0.58-0.88 over chat, held-out and edit prompts with the EAGLE head, most near 0.8)
 LOOKUP_CONTINUATION_PRIOR = 0.75
-UNKNOWN_PRIOR = 0.3  # a drafted node's acceptance before any observation where its draft probability is unknown
+UNKNOWN_PRIOR = 0.3  # a drafted node's acceptance before any observation, its draft probability unknown
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind every prior
 RECENT_SMOOTHING = 0.2  # weight of a step's outcomes in a request's recent acceptance
 CALIBRATION_BINS = 10
