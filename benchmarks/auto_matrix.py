@@ -2,22 +2,24 @@
 batch size, with both drafters of the default target, side by side in one run.
 
     python -m benchmarks.auto_matrix [--batches 1 2 4 8 16] [--classes chat heldout edit mixed]
-        [--pairs eagle draft] [--max-tokens 32] [--rounds 2] [--repeats 2] [--only REGEX] [--stem auto_matrix]
+        [--pairs eagle draft] [--max-tokens 32] [--rounds 2] [--min-prompts 4] [--repeats 2] [--only REGEX]
+        [--stem auto_matrix]
 
 Setups (``SETUPS``): vanilla; vLLM's ``eagle3`` chains with the committed head at k = 2 and 3, and k set by
-batch size with vLLM's ``num_speculative_tokens_per_batch_size`` (``EAGLE_SCHEDULE``); the plugin's
-fixed merged EAGLE-2 trees (4 and 8 head nodes + 4 prompt-lookup nodes); the 4-node one with the README's
+batch size with vLLM's ``num_speculative_tokens_per_batch_size`` (``EAGLE_SCHEDULE``); the plugin's fixed
+merged EAGLE-2 trees (4 and 8 head nodes + 4 prompt-lookup nodes); the 4-node one with the README's
 ``budget_by_batch`` table; the controller on a 16 + 4-node candidate (and, as ``eagle-auto-8`` and
-``eagle-auto-4``, on the 8 + 4 and the 4 + 4 ones); and with SmolLM2-135M drafting across
-vocabularies: vLLM's ``draft_model`` chain at k = 1 (its fastest k), that chain by batch size
-(``DRAFT_SCHEDULE``), the bridged tree of 4 root children + 4
-lookup nodes, that tree with a table that stops speculating from batch 4, and the controller on a 12 + 4-node
-candidate. A cell is one prompt class at one batch size: ``rounds x batch`` prompts (at least 4) served
-``batch`` at a time, a finished request replaced by the next prompt, ``--max-tokens`` each. Every engine process times
-every cell in turn (``harness.run_matrix``); each setup runs in ``--repeats`` interleaved processes; round r serves
-the classes in their order rotated by r. With ``--side-by-side`` each round's engines are all started at once
-and take turns cell by cell, so the setups' times of a cell are taken minutes apart at most (four engines of
-one pair fit in 24 GiB; five came within 1 GiB of it, so choose four setups with ``--only``).
+``eagle-auto-4``, on the 8 + 4 and the 4 + 4 ones); and with SmolLM2-135M drafting across vocabularies: vLLM's
+``draft_model`` chain at k = 1 (its fastest k), that chain by batch size (``DRAFT_SCHEDULE``), the bridged
+tree of 4 root children + 4 lookup nodes, that tree with a table that stops speculating from batch 4, and the
+controller on a 12 + 4-node candidate. A cell is one prompt class at one batch size: ``rounds x batch``
+prompts (at least ``--min-prompts``) served ``batch`` at a time, a finished request replaced by the next
+prompt, ``--max-tokens`` each. Every engine process times every cell in turn (``harness.run_matrix``); each
+setup runs in ``--repeats`` interleaved processes; round r serves the classes in their order rotated by r.
+With ``--side-by-side`` each round's engines are all started at once and take turns cell by cell, so the
+setups' times of a cell are taken minutes apart at most (in 24 GiB four engines of one pair fit in bfloat16,
+five came within 1 GiB of it, and in float32 three fit: choose the setups with ``--only``; a round that would
+not fit stops before the engine that would not, naming this).
 
 Results: ``benchmarks/results/{stem}.{json,md}``, ``{stem}_speed.png`` (speed against batch per class),
 ``{stem}_calibration.png`` (the controller's predicted against observed acceptance, by bin) and
@@ -113,16 +115,16 @@ def setups(pairs: list[str]) -> list[Setup]:
     return chosen
 
 
-def cells(classes: list[str], batches: list[int], max_tokens: int, rounds: int = 2, ragged: bool = False
-          ) -> list[Cell]:
-    """Every class at every batch size: ``rounds x batch`` prompts (at least 4), the class's prompts repeated in
-    order when it has fewer. With ``ragged``, each prompt's output length is drawn uniformly from
+def cells(classes: list[str], batches: list[int], max_tokens: int, rounds: int = 2, ragged: bool = False,
+          min_prompts: int = 4) -> list[Cell]:
+    """Every class at every batch size: ``rounds x batch`` prompts (at least ``min_prompts``), the class's prompts
+    repeated in order when it has fewer. With ``ragged``, each prompt's output length is drawn uniformly from
     ``max_tokens / 2`` to ``3 max_tokens / 2`` (:func:`ragged_lengths`: the same draw for every setup)."""
     out = []
     for prompt_class in classes:
         pool = _prompts(prompt_class, 48)
         for batch in batches:
-            count = max(rounds * batch, 4)
+            count = max(rounds * batch, min_prompts)
             name = f"{prompt_class}-b{batch}"
             lengths = ragged_lengths(name, count, max_tokens) if ragged else None
             out.append(Cell(name, list(islice(cycle(pool), count)), batch, max_tokens, lengths, prompt_class))
@@ -451,7 +453,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ragged", action="store_true",
                         help="each request's output length uniform in [max_tokens / 2, 3 max_tokens / 2], so "
                              "requests end on different steps as a server's do")
-    parser.add_argument("--rounds", type=int, default=2, help="prompts per cell: rounds x batch (at least 4)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="prompts per cell: rounds x batch (at least --min-prompts)")
+    parser.add_argument("--min-prompts", type=int, default=4,
+                        help="the fewest prompts of a cell (raise it to lengthen the batch-1 and batch-2 cells)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--side-by-side", action="store_true",
                         help="each round's engines resident together, taking turns cell by cell")
@@ -464,7 +469,7 @@ def main(argv: list[str] | None = None) -> None:
     command = "python -m benchmarks.auto_matrix " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     chosen = select_setups(setups(args.pairs), args.only)
     names = [s.name for s in chosen]
-    matrix = cells(args.classes, args.batches, args.max_tokens, args.rounds, args.ragged)
+    matrix = cells(args.classes, args.batches, args.max_tokens, args.rounds, args.ragged, args.min_prompts)
     workload = Workload(target=str(fetch_model(QWEN)), prompts=[], batch_size=max(args.batches), dtype=args.dtype,
                         kv_cache_gib=SIDE_BY_SIDE_KV_CACHE_GIB if args.side_by_side else Workload.kv_cache_gib)
     runs_file = RESULTS_DIR / "logs" / f"{args.stem}.runs.jsonl"
@@ -479,7 +484,8 @@ def main(argv: list[str] | None = None) -> None:
     spread_over = ("rounds, each a process whose engines took turns cell by cell" if args.side_by_side
                    else "interleaved engine processes")
     md = (f"# The controller against fixed setups, by prompt class and batch\n\nCommand: `{command}`\n\n"
-          f"Setups: {described}.\n\nCells: {args.rounds} x batch prompts (at least 4) served batch at a time, "
+          f"Setups: {described}.\n\nCells: {args.rounds} x batch prompts (at least {args.min_prompts}) served batch "
+          f"at a time, "
           f"{lengths}, {args.dtype}, greedy. Ratios: median throughput (output tokens / "
           f"wall time of the cell, prefills included) / vanilla's median "
           f"[min–max over {args.repeats} {spread_over}].\n\n{table}\n\n"

@@ -611,18 +611,41 @@ def _child_main(request_path: Path, result_path: Path) -> None:
     result_path.write_text(json.dumps(result))
 
 
+SIDE_BY_SIDE_MEMORY_MARGIN = 1.25  # the next engine must find this much more memory than the dearest one took
+
+
+def side_by_side_memory_refusal(setup_name: str, available: int, taken: list[int], dtype: str) -> str | None:
+    """Why the next engine of a side-by-side round would not fit (``available`` bytes free, ``taken`` what each
+    engine started so far took), or None. An engine that runs out of memory while loading is killed (-9) and
+    the round is lost minutes in, so the round stops before starting it, naming the fix."""
+    if not taken or available >= SIDE_BY_SIDE_MEMORY_MARGIN * max(taken):
+        return None
+    gib = 2**30
+    return (f"--side-by-side: engine {len(taken) + 1} ({setup_name}) would not fit: {available / gib:.1f} GiB "
+            f"free, and each engine so far took up to {max(taken) / gib:.1f} GiB ({dtype}); choose fewer setups "
+            f"with --only (vanilla counts as one) or run without --side-by-side")
+
+
 def _side_by_side_round(setups: list[Setup], workload: Workload, tokenizer, cells: list[Cell],
                         round_index: int) -> list[dict[str, Any]]:
     """Every setup's engine started (each with its own environment), then each cell timed on each engine in
     turn, the setups rotated by round and cell; vanilla records its top logits in round 0. vLLM's acceptance
     counters are read for the last setup only: each engine unregisters the metrics of those built before it."""
+    import psutil
+
     engines = {}
     base = dict(os.environ)
+    taken: list[int] = []  # memory each started engine took
     try:
         for setup in setups:  # the engine's processes inherit the environment it starts in
+            available = psutil.virtual_memory().available
+            refusal = side_by_side_memory_refusal(setup.name, available, taken, workload.dtype)
+            if refusal is not None:
+                raise MemoryError(refusal)
             os.environ.clear()
             os.environ.update(base | _engine_environment(setup))
             engines[setup.name] = _start_engine(setup, workload)
+            taken.append(available - psutil.virtual_memory().available)
     finally:
         os.environ.clear()
         os.environ.update(base)

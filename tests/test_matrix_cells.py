@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks.auto_matrix import cells, ragged_lengths
-from benchmarks.harness import Cell, _generate
+from benchmarks.harness import Cell, _generate, side_by_side_memory_refusal
 
 
 def test_ragged_lengths_are_the_same_draw_for_every_setup_and_span_half_to_one_and_a_half_the_mean():
@@ -61,3 +61,20 @@ def test_a_cells_sampling_params_give_each_prompt_its_length():
     ragged = Cell("chat-b1", ["a", "b"], 1, 32, [10, 20]).sampling_params(temperature=0.0, seed=0)
     assert [params.max_tokens for params in ragged] == [10, 20]
     assert [params.max_tokens for params in Cell("chat-b1", ["a", "b"], 1, 32).sampling_params()] == [32, 32]
+
+
+def test_min_prompts_lengthens_the_small_batch_cells_and_leaves_the_large_ones():
+    default = cells(["chat"], [1, 2, 8], 32)
+    longer = cells(["chat"], [1, 2, 8], 32, min_prompts=12)
+    assert [len(cell.prompts) for cell in default] == [4, 4, 16]
+    assert [len(cell.prompts) for cell in longer] == [12, 12, 16]
+    assert longer[0].prompts[:4] == default[0].prompts  # the same prompts first, then the class's next ones
+
+
+def test_a_side_by_side_round_stops_before_an_engine_that_would_not_fit_and_names_the_fix():
+    gib = 2**30
+    assert side_by_side_memory_refusal("vanilla", 20 * gib, [], "float32") is None  # the first engine always starts
+    assert side_by_side_memory_refusal("eagle-auto", 9 * gib, [6 * gib, 5 * gib], "float32") is None
+    refusal = side_by_side_memory_refusal("eagle-auto-4", 7 * gib, [6 * gib, 5 * gib, 6 * gib], "float32")
+    assert refusal is not None and "engine 4 (eagle-auto-4)" in refusal
+    assert "--only" in refusal and "without --side-by-side" in refusal
