@@ -154,22 +154,30 @@ def held_against(name: str, prefix: str) -> bool:
     return name.startswith((prefix, MODEL_FREE))
 
 
+def is_controller(name: str) -> bool:
+    """Whether setup ``name`` runs the controller: ``{pair}-auto``, or ``{pair}-auto-{candidate}``."""
+    return name.endswith("-auto") or "-auto-" in name
+
+
 def cell_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per pair: the best fixed setup (the median-fastest of the pair's setups other than ``-auto`` and of the
-    model-free ones), the controller's ratio to vanilla and to that setup, and its model's predicted against
-    realised tokens."""
+    """Per pair: the best fixed setup (the median-fastest of the pair's setups that do not run the controller
+    and of the model-free ones), the controller's ratio to vanilla and to that setup, and its model's predicted
+    against realised tokens. The controller is the pair's ``-auto`` setup, else its first ``-auto-`` one."""
     by_name = {row["setup"]: row for row in rows}
     summary: dict[str, Any] = {"vanilla_tok_per_s": by_name[VANILLA][MATRIX_SPEED]}
     for prefix in ("eagle", "smol"):
         pair = [row for row in rows if held_against(row["setup"], prefix)]
-        auto = next((row for row in pair if row["setup"].endswith("-auto")), None)
-        fixed = [row for row in pair if row is not auto and row[MATRIX_SPEED]]
+        controllers = [row for row in pair if is_controller(row["setup"])]
+        auto = next((row for row in controllers if row["setup"] == f"{prefix}-auto"), None) or next(
+            iter(controllers), None)
+        fixed = [row for row in pair if not is_controller(row["setup"]) and row[MATRIX_SPEED]]
         if auto is None or not fixed:
             continue
         best = max(fixed, key=lambda row: row[MATRIX_SPEED])
         controller = auto.get("controller") or {}
         steps = controller.get("steps") or 0
         summary[prefix] = {
+            "controller": auto["setup"],
             "best_fixed": best["setup"],
             "best_fixed_vs_vanilla": best["speedup_vs_vanilla"],
             "auto_vs_vanilla": auto["speedup_vs_vanilla"],
@@ -260,7 +268,7 @@ def markdown(rows_by_cell: dict[str, list[dict[str, Any]]], names: list[str]) ->
             low, high = s["auto_vs_best_fixed_range"]
             predicted, realised = s["predicted_accepted_per_step"], s["realised_accepted_per_step"]
             lines.append(
-                f"| {cell} | {label} | {s['best_fixed']} | {s['best_fixed_vs_vanilla']:.2f} "
+                f"| {cell} | {label}{_controller_named(s, prefix)} | {s['best_fixed']} | {s['best_fixed_vs_vanilla']:.2f} "
                 f"| {s['auto_vs_vanilla']:.2f} | {s['auto_vs_best_fixed']:.2f} [{low:.2f}–{high:.2f}] "
                 f"| {_paired(s['auto_vs_vanilla_by_round'])}, {_paired(s['auto_vs_best_fixed_by_round'])} "
                 f"| {_num(s.get('steps_best_fixed_over_auto'))} "
@@ -269,6 +277,11 @@ def markdown(rows_by_cell: dict[str, list[dict[str, Any]]], names: list[str]) ->
                 f"| {', '.join(_num(s['cost_predicted_over_observed'].get(p)) for p in ('verify', 'draft', 'first_pass', 'overhead'))} |"
             )
     return "\n".join(lines)
+
+
+def _controller_named(summary: dict[str, Any], prefix: str) -> str:
+    """`` (its setup)`` when the pair's controller row is not ``{prefix}-auto``."""
+    return "" if summary["controller"] == f"{prefix}-auto" else f" ({summary['controller']})"
 
 
 def _num(value: float | None) -> str:
@@ -370,7 +383,7 @@ def plot_speed(rows_by_cell: dict[str, list[dict[str, Any]]], names: list[str], 
             for name in [n for n in names if n.startswith(prefix)]:
                 ratios = [next((r["speedup_vs_vanilla"] for r in rows_by_cell[c] if r["setup"] == name), None)
                           for c in cells_here]
-                style = {"linewidth": 2.5, "color": "black"} if name.endswith("-auto") else {"alpha": 0.8}
+                style = {"linewidth": 2.5, "color": "black"} if is_controller(name) else {"alpha": 0.8}
                 ax.plot(batches, ratios, marker="o", label=name, **style)
             ax.axhline(1.0, color="grey", linewidth=0.8)
             ax.set_xscale("log", base=2)
@@ -390,7 +403,7 @@ def _auto_states(raw_rows: dict[str, list[dict[str, Any]]]) -> dict[str, dict[st
     """Per controller setup, its first run's controller state after the last cell (cumulative tables)."""
     last_cell = list(raw_rows)[-1]
     return {row["setup"]: row["controller"] for row in raw_rows[last_cell]
-            if row["setup"].endswith("-auto") and row.get("controller")}
+            if is_controller(row["setup"]) and row.get("controller")}
 
 
 def plot_calibration(states: dict[str, dict[str, Any]], path: Path) -> None:
