@@ -440,10 +440,10 @@ def plot_cost(states: dict[str, dict[str, Any]], path: Path) -> None:
     for name, state in states.items():
         verify, level = state["verify_curve"], state["draft_level_curve"]
         axes[0].plot(verify["rows"], [1e3 * s * verify["scale"] for s in verify["seconds"]], marker="o",
-                     label=f"{name} (scale {verify['scale']:.2f}, +{1e3 * verify['extra_per_masked_row']:.2f} "
+                     label=f"{name}: scale {verify['scale']:.2f},\n+{1e3 * verify['extra_per_masked_row']:.2f} "
                            f"ms per masked row, +{1e3 * verify.get('extra_per_masked_request', 0.0):.2f} ms "
-                           f"per masked tree, +{1e3 * verify.get('extra_per_speculating_row', 0.0):.2f} ms per "
-                           "row of a step with nodes)")
+                           f"per masked tree,\n+{1e3 * verify.get('extra_per_speculating_row', 0.0):.2f} ms per "
+                           "row of a step with nodes")
         axes[1].plot(level["rows"], [1e3 * s * level["scale"] for s in level["seconds"]], marker="o",
                      label=f"{name} (scale {level['scale']:.2f})")
     axes[0].set_title("target verify: start-up curve x current scale", fontsize=9)
