@@ -497,9 +497,8 @@ def main(argv: list[str] | None = None) -> None:
     spread_over = ("rounds, each a process whose engines took turns cell by cell" if args.side_by_side
                    else "interleaved engine processes")
     md = (f"# The controller against fixed setups, by prompt class and batch\n\nCommand: `{command}`\n\n"
-          f"Setups: {described}.\n\nCells: {args.rounds} x batch prompts (at least {args.min_prompts}) served batch "
-          f"at a time, "
-          f"{lengths}, {args.dtype}, greedy. Ratios: median throughput (output tokens / "
+          f"Setups: {described}.\n\nCells: {args.rounds} x batch prompts (at least {args.min_prompts}) served "
+          f"batch at a time, {lengths}, {args.dtype}, greedy. Ratios: median throughput (output tokens / "
           f"wall time of the cell, prefills included) / vanilla's median "
           f"[min–max over {args.repeats} {spread_over}].\n\n{table}\n\n"
           f"Goals (auto >= vanilla beyond the spread, >= 0.97x the best fixed setup of its pair):\n\n"
