@@ -52,17 +52,11 @@ def test_the_controllers_ratio_is_split_into_steps_needed_and_the_price_of_a_ste
     assert cell_summary([vanilla, auto | {"engine_steps": None}, table])["eagle"]["steps_best_fixed_over_auto"] is None
 
 
-def _setup(name: str, speed: float, steps: int) -> dict:
-    return {"setup": name, MATRIX_SPEED: speed, f"{MATRIX_SPEED}_min": speed, f"{MATRIX_SPEED}_max": speed,
-            f"{MATRIX_SPEED}_runs": [speed], "speedup_vs_vanilla": speed / 10.0, "speedup_min": speed / 10.0,
-            "speedup_max": speed / 10.0, "engine_steps": steps, "controller": None}
-
-
 def test_a_controller_on_another_candidate_is_the_controller_not_a_fixed_setup():
-    vanilla = _vanilla(10.0, 10.0) | {f"{MATRIX_SPEED}_runs": [10.0], "engine_steps": 100}
-    table, auto_4 = _setup("eagle-table", 15.0, 60), _setup("eagle-auto-4", 16.0, 70)
+    vanilla = _row(VANILLA, [10.0, 10.0], 10.0)
+    table, auto_4 = _row("eagle-table", [15.0, 15.0], 10.0), _row("eagle-auto-4", [16.0, 16.0], 10.0)
     alone = cell_summary([vanilla, table, auto_4])["eagle"]
     assert (alone["controller"], alone["best_fixed"]) == ("eagle-auto-4", "eagle-table")
     assert abs(alone["auto_vs_best_fixed"] - 16 / 15) < 1e-9
-    both = cell_summary([vanilla, table, auto_4, _setup("eagle-auto", 14.0, 75)])["eagle"]
+    both = cell_summary([vanilla, table, auto_4, _row("eagle-auto", [14.0, 14.0], 10.0)])["eagle"]
     assert (both["controller"], both["best_fixed"]) == ("eagle-auto", "eagle-table")  # auto-4 is no fixed setup
