@@ -10,10 +10,14 @@
 - after a tree run the target's KV cache holds the verified chain (the accepted branches were moved);
 - requests whose options a tree cannot honour are served without speculation and still equal vanilla;
 - aborted requests, preemption and recomputation, and trees cut short by the token budget;
+- a drafter that raises costs its steps their drafts, never the engine, and outputs stay exact;
 - EasySpec's tensor_parallel mode drafts trees on 2 ranks.
 """
 
 from __future__ import annotations
+
+import functools
+import itertools
 
 import pytest
 import torch
@@ -246,6 +250,51 @@ def test_aborted_requests_leave_the_others_exact(llm_pool, tree_llama_dir, tiny_
     for index, (tokens, _, _) in enumerate(expected):
         if f"abort-{index}" not in aborted:
             assert finished[f"abort-{index}"] == tokens
+
+
+def fail_drafting_calls(worker, calls: tuple[int, ...]) -> None:
+    """The worker's drafter raises at its ``calls``-th ``propose`` calls from now (1 = the next one)."""
+    drafter = worker.model_runner.drafter
+    original = drafter.propose
+    counter = itertools.count(1)
+
+    def propose(*args, **kwargs):
+        if next(counter) in calls:
+            raise RuntimeError("drafter fault injected by the test")
+        return original(*args, **kwargs)
+
+    drafter.propose = propose
+
+
+def failed_drafting_steps(worker) -> int:
+    """The runner's count of steps whose drafter raised."""
+    return worker.model_runner.failed_drafting_steps
+
+
+def restore_drafting(worker) -> int:
+    """Undo :func:`fail_drafting_calls`; the runner's count of steps whose drafter raised."""
+    del worker.model_runner.drafter.propose  # the instance attribute: the class's propose again
+    return failed_drafting_steps(worker)
+
+
+def test_a_drafter_that_raises_costs_its_steps_their_drafts_not_the_engine(
+    llm_pool, tree_llama_dir, tiny_llama_draft_dir
+):
+    expected = _vanilla(llm_pool, tree_llama_dir, "mixed", MIXED)
+    llm = llm_pool.get(tree_llama_dir, speculative_config=_spec(tiny_llama_draft_dir),
+                       additional_config=_tree("static", layer_parallel_size=1))
+    failed_before = llm.collective_rpc(failed_drafting_steps)[0]
+    before = llm.collective_rpc(read_tree_stats)[0]
+    llm.collective_rpc(functools.partial(fail_drafting_calls, calls=(2, 3, 5)))
+    try:
+        outputs = generate(llm, MIXED)
+    finally:
+        failed = llm.collective_rpc(restore_drafting)[0] - failed_before
+    assert outputs == expected
+    assert failed == 3
+    after = llm.collective_rpc(read_tree_stats)[0]
+    assert after["tree_requests"] > before["tree_requests"]  # the steps between the faults drafted trees
+    assert generate(llm, MIXED) == expected  # and the engine serves on
 
 
 @pytest.mark.parametrize(

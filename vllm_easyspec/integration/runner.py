@@ -56,11 +56,14 @@ class TreeRunnerMixin:
     _step_clock: tuple[float, int, int] | None = None  # auto: (start, rows, masked rows) of a decode step's verify
     _controller_publisher: ControllerPublisher | None = None  # auto, tensor-parallel rank 0: to vLLM's metrics
     _step_trace: str | None = None  # VLLM_EASYSPEC_STEP_TRACE: where tree verify steps are traced
+    _guards_drafting: bool = False  # easyspec options set: a drafter that raises costs the step its drafts only
+    failed_drafting_steps: int = 0  # steps whose drafter raised (served without drafts)
 
     def __init__(self, vllm_config, device) -> None:
         options = easyspec_options(vllm_config)
         with plugin_proposers(options):
             super().__init__(vllm_config, device)
+        self._guards_drafting = options is not None
         if options is None or options.tree is None or getattr(self, "drafter", None) is None:
             return
         drafting = self.drafter.tree_drafting
@@ -150,6 +153,31 @@ class TreeRunnerMixin:
         if self._controller_publisher is not None:
             self._controller_publisher.publish()
         return output
+
+    # Extends GPUModelRunner.propose_draft_token_ids: with easyspec options, a drafter that raises (a bug, or one
+    # request's input it cannot handle) costs the step its drafts, never the engine. Every request of the batch
+    # then verifies no draft next step (with async scheduling: zeros), which is exact; draft K/V the failed step
+    # did not write stays stale, which lowers acceptance there and never changes what the target emits.
+    def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
+        if not self._guards_drafting:
+            return super().propose_draft_token_ids(scheduler_output, *args, **kwargs)
+        try:
+            return super().propose_draft_token_ids(scheduler_output, *args, **kwargs)
+        except Exception:
+            self.failed_drafting_steps += 1
+            count = self.failed_drafting_steps
+            if count == 1:
+                logger.exception("easyspec: the drafter raised; this step's requests go on without drafts "
+                                 "(output unchanged, this step not sped up)")
+            elif count & (count - 1) == 0:  # 2, 4, 8, ...: the log stays readable when a drafter keeps failing
+                logger.warning("easyspec: the drafter has raised in %d steps; each went on without drafts", count)
+            if self.tree_verifier is not None:
+                self.tree_verifier.drop_drafts()
+            if self.use_async_scheduling:  # the next step's input ids read drafts from a tensor: zeros, as vLLM
+                # gives a batch that does not fit its drafter (verified exactly, and almost always rejected)
+                return torch.zeros(len(self.input_batch.req_ids), self.num_spec_tokens, dtype=torch.int32,
+                                   device=self.device)
+            return [[] for _ in self.input_batch.req_ids]
 
     # Extends GPUModelRunner.take_draft_token_ids: requests served without speculation get no drafts.
     def take_draft_token_ids(self):

@@ -197,6 +197,12 @@ class TreeVerifier:
         self.stats.last_limit_is_chain = chain
         self.stats.steps_without_speculation += node_limit == 0
 
+    def drop_drafts(self) -> None:
+        """The drafting stage failed: no tree of it is pending, and no request gets drafts this step."""
+        self.pending = {}
+        self.no_drafts = set()
+        self.drafted_this_step = False
+
     def trim_drafts(self, drafts) -> None:
         """``take_draft_token_ids``: requests without speculation (or a step without drafting) get none, and
         trees smaller than the widest (sources added fewer nodes) get their own node count."""
