@@ -3,7 +3,7 @@ vLLM with vLLM's best built-in speculative method and the plugin's fastest setup
 
 Run from the repository root: ``python -m benchmarks.main_job`` (the README's first command does this).
 
-- Default (13-14 minutes in bf16 on the 2-core AVX-512 machine, 19-20 in float32 on an AVX2-only one, after
+- Default (13-14 minutes in bf16 on the 2-core AVX-512 machine, 19-31 in float32 on AVX2-only ones, after
   the one-time model fetch): vanilla, vLLM's ``eagle3`` with this project's committed head, the plugin's
   EAGLE-2 tree with that head merged with prompt lookup, and the plugin's speculation controller
   (``easyspec.tree.auto``) cutting that tree per request and step. The draft-model setups are left out: each
