@@ -159,11 +159,11 @@ class TreeRunnerMixin:
     # then verifies no draft next step (with async scheduling: zeros), which is exact; draft K/V the failed step
     # did not write stays stale, which lowers acceptance there and never changes what the target emits.
     def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
-        if not self._guards_drafting:
-            return super().propose_draft_token_ids(scheduler_output, *args, **kwargs)
         try:
             return super().propose_draft_token_ids(scheduler_output, *args, **kwargs)
         except Exception:
+            if not self._guards_drafting:
+                raise
             self.failed_drafting_steps += 1
             count = self.failed_drafting_steps
             if count == 1:
