@@ -1,7 +1,9 @@
 """A session-wide pool of ``vllm.LLM`` engines keyed by their arguments.
 
 Invariant: two requests for the same arguments get the same engine; at most ``max_alive`` engines run at
-once (the least recently used one is shut down first), so the suite fits in this machine's memory.
+once, so the suite fits in this machine's memory. When one must go, the least recently used speculative engine
+is shut down first and an engine without speculation only when no speculative one is left: nearly every test
+compares against a plain engine of the same tiny target, and each start costs about half a minute here.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ ENGINE_DEFAULTS: dict[str, Any] = {
 
 
 class EnginePool:
-    def __init__(self, max_alive: int = 2) -> None:
+    def __init__(self, max_alive: int = 3) -> None:
         self.max_alive = max_alive
         self._engines: OrderedDict[str, Any] = OrderedDict()
+        self._speculative: set[str] = set()
 
     def get(self, model: str | Any, **kwargs: Any):
         """Return an ``LLM(model, **ENGINE_DEFAULTS | kwargs)``, built on first use."""
@@ -34,18 +37,27 @@ class EnginePool:
             self._engines.move_to_end(key)
             return self._engines[key]
         while len(self._engines) >= self.max_alive:
-            _, oldest = self._engines.popitem(last=False)
-            shutdown_engine(oldest)
+            self._shut_down(self._next_to_shut_down())
         from vllm import LLM
 
         engine = LLM(**arguments)
         self._engines[key] = engine
+        if arguments.get("speculative_config"):
+            self._speculative.add(key)
         return engine
+
+    def _next_to_shut_down(self) -> str:
+        """The least recently used speculative engine's key, else the least recently used engine's."""
+        return next((key for key in self._engines if key in self._speculative), next(iter(self._engines)))
+
+    def _shut_down(self, key: str) -> None:
+        engine = self._engines.pop(key)
+        self._speculative.discard(key)
+        shutdown_engine(engine)
 
     def close(self) -> None:
         while self._engines:
-            _, engine = self._engines.popitem()
-            shutdown_engine(engine)
+            self._shut_down(next(reversed(self._engines)))
 
 
 def shutdown_engine(engine: Any) -> None:

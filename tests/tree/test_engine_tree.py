@@ -107,7 +107,11 @@ def test_a_draft_equal_to_the_target_gets_its_whole_top_path_accepted_in_a_batch
     assert counters.accepted_per_position[:depth] == (counters.num_drafts,) * depth
 
 
-@pytest.mark.parametrize("choices", [[[0], [1], [0, 0]], [[0], [0, 0], [0, 0, 0]]], ids=["branching", "path"])
+@pytest.mark.parametrize("choices", [
+    [[0], [1], [0, 0]],
+    # lookup merged into a branching tree stays in the default suite (here and tests/tree/test_engine_auto.py)
+    pytest.param([[0], [0, 0], [0, 0, 0]], marks=pytest.mark.slow),
+], ids=["branching", "path"])
 def test_prompt_lookup_nodes_merged_into_trees_are_accepted_and_exact(llm_pool, tree_llama_dir, tiny_llama_draft_dir,
                                                                      choices):
     """``sources.prompt_lookup`` merges the continuation of the latest earlier n-gram match into every tree.
