@@ -1,5 +1,5 @@
 """Shared fixtures: tiny random models built once per test session, and a pool of vLLM engines shared by
-every test (engine start-up costs ~20 s on this machine, so a test asks the pool instead of building one).
+every test (an engine start costs 20-45 s on these 2-core machines, so a test asks the pool instead of building one).
 
 Every test that starts a vLLM engine is marked ``engine``: those that use the engine pool or the real models
 here (:data:`ENGINE_FIXTURES`), the others with ``@pytest.mark.engine``. ``pytest -m "not engine and not
