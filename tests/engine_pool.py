@@ -1,9 +1,11 @@
 """A session-wide pool of ``vllm.LLM`` engines keyed by their arguments.
 
 Invariant: two requests for the same arguments get the same engine; at most ``max_alive`` engines run at
-once, so the suite fits in this machine's memory. When one must go, the least recently used speculative engine
-is shut down first and an engine without speculation only when no speculative one is left: nearly every test
-compares against a plain engine of the same tiny target, and each start costs about half a minute here.
+once, and an engine starts only with ``min_free_gib`` of memory available (others are shut down until it is,
+or none is left), so the suite fits in this machine's memory: three tiny engines, two of the real models.
+When one must go, the least recently used speculative engine is shut down first and an engine without
+speculation only when no speculative one is left: nearly every test compares against a plain engine of the
+same tiny target, and each start costs about half a minute here.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ ENGINE_DEFAULTS: dict[str, Any] = {
 
 
 class EnginePool:
-    def __init__(self, max_alive: int = 3) -> None:
+    def __init__(self, max_alive: int = 3, min_free_gib: float = 10.0) -> None:
         self.max_alive = max_alive
+        self.min_free_gib = min_free_gib
         self._engines: OrderedDict[str, Any] = OrderedDict()
         self._speculative: set[str] = set()
 
@@ -36,7 +39,7 @@ class EnginePool:
         if key in self._engines:
             self._engines.move_to_end(key)
             return self._engines[key]
-        while len(self._engines) >= self.max_alive:
+        while len(self._engines) >= self.max_alive or (self._engines and _available_gib() < self.min_free_gib):
             self._shut_down(self._next_to_shut_down())
         from vllm import LLM
 
@@ -58,6 +61,12 @@ class EnginePool:
     def close(self) -> None:
         while self._engines:
             self._shut_down(next(reversed(self._engines)))
+
+
+def _available_gib() -> float:
+    import psutil
+
+    return psutil.virtual_memory().available / 2**30
 
 
 def shutdown_engine(engine: Any) -> None:
