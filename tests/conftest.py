@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random models built once per test session, and a pool of vLLM engines shared by
-every test (an engine start costs 20-45 s on these 2-core machines, so a test asks the pool instead of building one).
+every test (``engine_pool``: engines run in the test process unless a test asks for ``LLM()``'s own processes,
+which take 25-40 s to start on these 2-core machines).
 
 Every test that starts a vLLM engine is marked ``engine``: those that use the engine pool or the real models
 here (:data:`ENGINE_FIXTURES`), the others with ``@pytest.mark.engine``. ``pytest -m "not engine and not

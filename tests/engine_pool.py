@@ -1,18 +1,25 @@
 """A session-wide pool of ``vllm.LLM`` engines keyed by their arguments.
 
-Invariant: two requests for the same arguments get the same engine; at most ``max_alive`` engines run at
-once, and an engine starts only with ``min_free_gib`` of memory available (others are shut down until it is,
-or none is left), so the suite fits in this machine's memory: three tiny engines, two of the real models.
-When one must go, the least recently used speculative engine is shut down first and an engine without
-speculation only when no speculative one is left: nearly every test compares against a plain engine of the
-same tiny target, and each start costs about half a minute here.
+Invariant: two requests for the same arguments get the same engine while it is alive. An engine runs in this
+process unless asked for ``multiprocess``: vLLM's engine core and its worker then run here
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as in vLLM's own tests), with the same scheduler, runner and plugin
+code, and start in 1-5 s where two spawned processes that each import vLLM take 25-40 s on these machines.
+Such engines share this process's torch.distributed groups, which each one sets up for its own model and
+tears down as it stops, so at most one is alive: asking for another shuts it down, and using it afterwards
+raises :class:`EngineShutDown` (take its outputs first). ``LLM()``'s default, the core and the worker in
+processes of their own, is what ``multiprocess=True`` and the server tests run; such engines stay alive
+beside it, at most ``max_alive`` engines in all, each started only with ``min_free_gib`` of memory available
+(the least recently used is shut down until it is, or none is left).
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import os
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 ENGINE_DEFAULTS: dict[str, Any] = {
@@ -25,38 +32,53 @@ ENGINE_DEFAULTS: dict[str, Any] = {
 }
 
 
+class EngineShutDown(RuntimeError):
+    """An engine of the pool was used after the pool shut it down."""
+
+
+class _ShutDownEngine:
+    def __init__(self, key: str) -> None:
+        self._key = key
+
+    def __getattr__(self, name: str) -> Any:
+        raise EngineShutDown(f"the engine pool shut this engine down to start another in this process ({self._key});"
+                             " read what a test needs from an engine before asking the pool for the next one")
+
+
 class EnginePool:
     def __init__(self, max_alive: int = 3, min_free_gib: float = 10.0) -> None:
         self.max_alive = max_alive
         self.min_free_gib = min_free_gib
         self._engines: OrderedDict[str, Any] = OrderedDict()
-        self._speculative: set[str] = set()
+        self._in_process: str | None = None  # the key of the engine running in this process
 
-    def get(self, model: str | Any, **kwargs: Any):
-        """Return an ``LLM(model, **ENGINE_DEFAULTS | kwargs)``, built on first use."""
+    def get(self, model: str | Any, *, multiprocess: bool = False, **kwargs: Any):
+        """Return an ``LLM(model, **ENGINE_DEFAULTS | kwargs)``, built on first use; ``multiprocess``: its
+        engine core and worker in processes of their own (module docstring)."""
         arguments = ENGINE_DEFAULTS | {"model": str(model)} | kwargs
-        key = json.dumps(arguments, sort_keys=True, default=str)
+        key = json.dumps([arguments, multiprocess], sort_keys=True, default=str)
         if key in self._engines:
             self._engines.move_to_end(key)
             return self._engines[key]
+        if not multiprocess and self._in_process is not None:
+            self._shut_down(self._in_process)
         while len(self._engines) >= self.max_alive or (self._engines and _available_gib() < self.min_free_gib):
-            self._shut_down(self._next_to_shut_down())
+            self._shut_down(next(iter(self._engines)))
         from vllm import LLM
 
-        engine = LLM(**arguments)
+        with engine_processes(multiprocess):
+            engine = LLM(**arguments)
         self._engines[key] = engine
-        if arguments.get("speculative_config"):
-            self._speculative.add(key)
+        if not multiprocess:
+            self._in_process = key
         return engine
-
-    def _next_to_shut_down(self) -> str:
-        """The least recently used speculative engine's key, else the least recently used engine's."""
-        return next((key for key in self._engines if key in self._speculative), next(iter(self._engines)))
 
     def _shut_down(self, key: str) -> None:
         engine = self._engines.pop(key)
-        self._speculative.discard(key)
+        if key == self._in_process:
+            self._in_process = None
         shutdown_engine(engine)
+        engine.llm_engine = _ShutDownEngine(key)
 
     def close(self) -> None:
         while self._engines:
@@ -69,9 +91,31 @@ def _available_gib() -> float:
     return psutil.virtual_memory().available / 2**30
 
 
+@contextmanager
+def engine_processes(multiprocess: bool) -> Iterator[None]:
+    """Within: ``LLM()`` runs its engine core and worker in processes of their own or in this one. vLLM
+    caches its environment once an engine core has started in this process; the cache is dropped on both
+    sides so that the next engine reads the variable again."""
+    import vllm.envs as envs
+
+    name = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    before = os.environ.get(name)
+    os.environ[name] = "1" if multiprocess else "0"
+    envs.disable_envs_cache()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+        envs.disable_envs_cache()
+
+
 def shutdown_engine(engine: Any) -> None:
     engine.llm_engine.engine_core.shutdown()
-    del engine
+    # An engine core that ran in this process froze the garbage collector's heap (vLLM's freeze_gc_heap) and
+    # unfroze it as it stopped: the engine's reference cycles are collected now.
     gc.collect()
 
 

@@ -98,10 +98,12 @@ def _worker_plugin_state(worker) -> dict:
 
 
 def test_plugin_is_loaded_in_worker_processes(llm_pool, tiny_llama_dir, tiny_llama_draft_dir):
-    """Observed from the front end: the worker (another process) reports the plugin registered, and its
-    runner built the plugin's proposer class for a draft_model config."""
+    """Observed from the front end of ``LLM()`` as users start it (engine core and worker in processes of
+    their own): the worker reports the plugin registered, and its runner built the plugin's proposer class for
+    a draft_model config."""
     llm = llm_pool.get(
         tiny_llama_dir,
+        multiprocess=True,
         speculative_config={"method": "draft_model", "model": str(tiny_llama_draft_dir), "num_speculative_tokens": 3},
         additional_config={"easyspec": {}},
     )
