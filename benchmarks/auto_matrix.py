@@ -55,6 +55,8 @@ from benchmarks.harness import (
 from vllm_easyspec.models import fetch_model
 
 CLASSES = ("chat", "heldout", "edit", "mixed")
+# undrafted decode steps each of two runs needs at one request count before their forwards are compared
+MIN_MATCHED_STEPS = 3
 BATCHES = (1, 2, 4, 8, 16)
 LOOKUP = {"prompt_lookup": {"nodes": 4}}
 # The README's table for the merged EAGLE tree: the whole tree alone, a k=2 chain from 2 requests, none from 5.
@@ -187,6 +189,11 @@ def cell_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
                                          auto[f"{MATRIX_SPEED}_max"] / best[MATRIX_SPEED]],
             "auto_vs_vanilla_by_round": paired_ratios(auto, by_name[VANILLA]),
             "auto_vs_best_fixed_by_round": paired_ratios(auto, best),
+            # the same with the processes' speed difference taken out, and that difference (auto's forward time
+            # over the other process's at equal request counts)
+            "auto_vs_vanilla_equal_speed_by_round": equal_speed_ratios(auto, by_name[VANILLA])[0],
+            "auto_vs_best_fixed_equal_speed_by_round": equal_speed_ratios(auto, best)[0],
+            "process_slowness_auto_over_best_fixed_by_round": equal_speed_ratios(auto, best)[1],
             # the ratio's split: fewer tokens per step (the choice and acceptance) or dearer steps (cost, host work,
             # the process's speed); steps are counted in each setup's first round and barely move between rounds
             "steps_best_fixed_over_auto": (best["engine_steps"] / auto["engine_steps"]
@@ -209,6 +216,38 @@ def paired_ratios(row: dict[str, Any], reference: dict[str, Any]) -> list[float]
     if len(mine) != len(theirs) or not all(mine) or not all(theirs):
         return []
     return sorted(a / b for a, b in zip(mine, theirs, strict=True))
+
+
+def process_slowness(mine: dict[str, list[float]] | None, theirs: dict[str, list[float]] | None) -> float | None:
+    """How much longer ``mine``'s engine process took than ``theirs`` for the same target forward (above 1: mine
+    is the slower process): the median, over the request counts at which both ran at least
+    ``MIN_MATCHED_STEPS`` undrafted decode steps, of the ratio of their median forward seconds (each a run's
+    ``harness.undrafted_forward_seconds``); None without such a request count."""
+    if not mine or not theirs:
+        return None
+    ratios = [mine[n][0] / theirs[n][0] for n in mine
+              if n in theirs and min(mine[n][1], theirs[n][1]) >= MIN_MATCHED_STEPS]
+    return statistics.median(ratios) if ratios else None
+
+
+def equal_speed_ratios(row: dict[str, Any], reference: dict[str, Any]) -> tuple[list[float], list[float]]:
+    """Per round, ``row``'s speed over ``reference``'s with their processes' speed difference taken out (the
+    ratio times ``process_slowness``), and that slowness, each sorted; rounds without a matched request count
+    are left out. Engine processes of one setup differ in speed by up to a third on the 2-core machines, so a
+    ratio of two processes carries their difference; this is the part of it that is not the setups'."""
+    mine, theirs = row.get(f"{MATRIX_SPEED}_runs") or [], reference.get(f"{MATRIX_SPEED}_runs") or []
+    mine_forwards = row.get("undrafted_forward_seconds_runs") or []
+    theirs_forwards = reference.get("undrafted_forward_seconds_runs") or []
+    if not (len(mine) == len(theirs) == len(mine_forwards) == len(theirs_forwards)):
+        return [], []
+    adjusted, slowness = [], []
+    for speed, reference_speed, forwards, reference_forwards in zip(
+            mine, theirs, mine_forwards, theirs_forwards, strict=True):
+        slower = process_slowness(forwards, reference_forwards)
+        if slower is not None and speed and reference_speed:
+            adjusted.append(speed / reference_speed * slower)
+            slowness.append(slower)
+    return sorted(adjusted), sorted(slowness)
 
 
 def _paired(ratios: list[float]) -> str:
@@ -255,10 +294,11 @@ def markdown(rows_by_cell: dict[str, list[dict[str, Any]]], names: list[str]) ->
         )
     lines += ["", "| cell | pair | best fixed | its ratio | auto vs vanilla | auto vs best fixed | "
               "by round: auto / vanilla, auto / best fixed | "
+              "by round at equal process speed: auto / vanilla, auto / best fixed (auto's process time / best fixed's) | "
               "steps: best fixed / auto | "
               "predicted / realised accepted per step | nodes per request-step | controller share "
               "| cost model predicted / observed: verify, levels, first pass, host work |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for cell, rows in rows_by_cell.items():
         summary = cell_summary(rows)
         for prefix, label in PAIR_OF.items():
@@ -271,6 +311,9 @@ def markdown(rows_by_cell: dict[str, list[dict[str, Any]]], names: list[str]) ->
                 f"| {cell} | {label}{_controller_named(s, prefix)} | {s['best_fixed']} | {s['best_fixed_vs_vanilla']:.2f} "
                 f"| {s['auto_vs_vanilla']:.2f} | {s['auto_vs_best_fixed']:.2f} [{low:.2f}–{high:.2f}] "
                 f"| {_paired(s['auto_vs_vanilla_by_round'])}, {_paired(s['auto_vs_best_fixed_by_round'])} "
+                f"| {_paired(s['auto_vs_vanilla_equal_speed_by_round'])}, "
+                f"{_paired(s['auto_vs_best_fixed_equal_speed_by_round'])} "
+                f"({_paired(s['process_slowness_auto_over_best_fixed_by_round'])}) "
                 f"| {_num(s.get('steps_best_fixed_over_auto'))} "
                 f"| {_num(predicted)} / {_num(realised)} | {_num(s['nodes_per_request_step'])} "
                 f"| {_pct(s['controller_share_of_step'])} "
@@ -316,7 +359,8 @@ def goals(rows_by_cell: dict[str, list[dict[str, Any]]]) -> str:
                 if by_vanilla[-1] < 1.0:  # slower than vanilla in every round
                     paired_below_vanilla.append(f"{cell} ({statistics.median(by_vanilla):.2f})")
                 if statistics.median(by_best) < 0.97:
-                    paired_below_best.append(f"{cell} ({statistics.median(by_best):.2f} of {s['best_fixed']})")
+                    paired_below_best.append(f"{cell} ({statistics.median(by_best):.2f} of {s['best_fixed']}"
+                                             f"{_at_equal_speed(s)})")
         if cells_seen:
             lines.append(f"- {label}: {cells_seen} cells; auto below vanilla's spread in "
                          f"{len(below_vanilla)}: {', '.join(below_vanilla) or 'none'}; below 0.97x the best fixed "
@@ -342,6 +386,16 @@ def goals(rows_by_cell: dict[str, list[dict[str, Any]]]) -> str:
                      f"{', '.join(drifted)}: the machine's speed changed during the run, and these cells' ratios "
                      "carry that; re-run them with more --repeats")
     return "\n".join(lines)
+
+
+def _at_equal_speed(summary: dict[str, Any]) -> str:
+    """``; X at equal process speed, auto's process Y times slower`` for a goal's split, or nothing."""
+    adjusted = summary["auto_vs_best_fixed_equal_speed_by_round"]
+    slowness = summary["process_slowness_auto_over_best_fixed_by_round"]
+    if not adjusted:
+        return ""
+    return (f"; {statistics.median(adjusted):.2f} at equal process speed, auto's process took "
+            f"{statistics.median(slowness):.2f}x the other's time for the same forward")
 
 
 def vanilla_spread(rows: list[dict[str, Any]]) -> float:

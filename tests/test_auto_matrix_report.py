@@ -3,8 +3,15 @@ and compares setups round by round."""
 
 from __future__ import annotations
 
-from benchmarks.auto_matrix import VANILLA_SPREAD_WARNING, cell_summary, goals, paired_ratios, vanilla_spread
-from benchmarks.harness import MATRIX_SPEED, VANILLA
+from benchmarks.auto_matrix import (
+    VANILLA_SPREAD_WARNING,
+    cell_summary,
+    goals,
+    paired_ratios,
+    process_slowness,
+    vanilla_spread,
+)
+from benchmarks.harness import MATRIX_SPEED, VANILLA, undrafted_forward_seconds
 
 
 def _vanilla(low: float, high: float) -> dict:
@@ -60,3 +67,40 @@ def test_a_controller_on_another_candidate_is_the_controller_not_a_fixed_setup()
     assert abs(alone["auto_vs_best_fixed"] - 16 / 15) < 1e-9
     both = cell_summary([vanilla, table, auto_4, _row("eagle-auto", [14.0, 14.0], 10.0)])["eagle"]
     assert (both["controller"], both["best_fixed"]) == ("eagle-auto", "eagle-table")  # auto-4 is no fixed setup
+
+
+def _step(requests: int, forward: float, drafts: int = 0, decode: bool = True) -> dict:
+    return {"requests": requests, "draft_tokens": drafts, "requests_with_drafts": min(drafts, requests),
+            "decode": decode, "seconds": forward + 0.01, "forward_seconds": forward, "drafting_seconds": 0.005}
+
+
+def test_undrafted_decode_steps_are_grouped_by_request_count_and_the_rest_left_out():
+    log = [_step(8, 1.0, decode=False), _step(8, 0.30), _step(8, 0.32), _step(8, 0.50, drafts=4), _step(8, 0.31),
+           _step(3, 0.20)]
+    assert undrafted_forward_seconds(log) == {"3": [0.20, 1], "8": [0.31, 3]}
+
+
+def test_process_speed_is_compared_at_equal_request_counts_with_enough_steps_only():
+    slow = {"8": [0.33, 5], "7": [0.33, 4], "2": [0.9, 1]}
+    fast = {"8": [0.30, 6], "7": [0.30, 3], "2": [0.1, 9], "1": [0.2, 9]}
+    assert abs(process_slowness(slow, fast) - 1.1) < 1e-9  # the request count 2 has one slow step only
+    assert process_slowness({"2": [0.9, 1]}, fast) is None
+    assert process_slowness(None, fast) is None
+
+
+def test_a_controller_behind_only_because_its_process_ran_slower_is_shown_level_at_equal_process_speed():
+    # auto reached 0.93 of the table in both rounds while its process took 1.08x the table's time for the same
+    # target forward: level with the table once the processes' difference is taken out
+    vanilla = _row(VANILLA, [18.0, 18.0], 18.0) | {"undrafted_forward_seconds_runs": [{"8": [0.30, 9]}] * 2}
+    auto = _row("eagle-auto-4", [18.6, 18.6], 18.0) | {"undrafted_forward_seconds_runs": [{"8": [0.324, 4]}] * 2}
+    table = _row("eagle-table", [20.0, 20.0], 18.0) | {"undrafted_forward_seconds_runs": [{"8": [0.30, 9]}] * 2}
+    summary = cell_summary([vanilla, auto, table])["eagle"]
+    assert summary["auto_vs_best_fixed_by_round"] == [0.93, 0.93]
+    assert [round(r, 4) for r in summary["auto_vs_best_fixed_equal_speed_by_round"]] == [1.0044, 1.0044]
+    assert [round(r, 2) for r in summary["process_slowness_auto_over_best_fixed_by_round"]] == [1.08, 1.08]
+    report = goals({"heldout-b8": [vanilla, auto, table]})
+    assert "heldout-b8 (0.93 of eagle-table; 1.00 at equal process speed, auto's process took 1.08x" in report
+    # without undrafted steps at a shared request count there is nothing to compare: no split is claimed
+    unmatched = auto | {"undrafted_forward_seconds_runs": [{"1": [0.2, 9]}] * 2}
+    assert cell_summary([vanilla, unmatched, table])["eagle"]["auto_vs_best_fixed_equal_speed_by_round"] == []
+    assert "at equal process speed" not in goals({"heldout-b8": [vanilla, unmatched, table]})
