@@ -95,7 +95,9 @@ def _available_gib() -> float:
 def engine_processes(multiprocess: bool) -> Iterator[None]:
     """Within: ``LLM()`` runs its engine core and worker in processes of their own or in this one. vLLM
     caches its environment once an engine core has started in this process; the cache is dropped on both
-    sides so that the next engine reads the variable again."""
+    sides so that the next engine reads the variable again. Only this variable is restored (not the whole
+    environment, as ``mock.patch.dict`` would): vLLM sets others while an engine starts, and the engine outlives
+    this block."""
     import vllm.envs as envs
 
     name = "VLLM_ENABLE_V1_MULTIPROCESSING"
