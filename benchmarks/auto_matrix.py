@@ -294,7 +294,8 @@ def markdown(rows_by_cell: dict[str, list[dict[str, Any]]], names: list[str]) ->
         )
     lines += ["", "| cell | pair | best fixed | its ratio | auto vs vanilla | auto vs best fixed | "
               "by round: auto / vanilla, auto / best fixed | "
-              "by round at equal process speed: auto / vanilla, auto / best fixed (auto's process time / best fixed's) | "
+              "by round at equal process speed: auto / vanilla, auto / best fixed (auto's process time / best fixed's; "
+              "rounds with undrafted steps to compare) | "
               "steps: best fixed / auto | "
               "predicted / realised accepted per step | nodes per request-step | controller share "
               "| cost model predicted / observed: verify, levels, first pass, host work |",
@@ -313,7 +314,9 @@ def markdown(rows_by_cell: dict[str, list[dict[str, Any]]], names: list[str]) ->
                 f"| {_paired(s['auto_vs_vanilla_by_round'])}, {_paired(s['auto_vs_best_fixed_by_round'])} "
                 f"| {_paired(s['auto_vs_vanilla_equal_speed_by_round'])}, "
                 f"{_paired(s['auto_vs_best_fixed_equal_speed_by_round'])} "
-                f"({_paired(s['process_slowness_auto_over_best_fixed_by_round'])}) "
+                f"({_paired(s['process_slowness_auto_over_best_fixed_by_round'])}; rounds compared "
+                f"{len(s['auto_vs_vanilla_equal_speed_by_round'])}, "
+                f"{len(s['auto_vs_best_fixed_equal_speed_by_round'])} of {len(s['auto_vs_vanilla_by_round'])}) "
                 f"| {_num(s.get('steps_best_fixed_over_auto'))} "
                 f"| {_num(predicted)} / {_num(realised)} | {_num(s['nodes_per_request_step'])} "
                 f"| {_pct(s['controller_share_of_step'])} "
@@ -394,7 +397,8 @@ def _at_equal_speed(summary: dict[str, Any]) -> str:
     slowness = summary["process_slowness_auto_over_best_fixed_by_round"]
     if not adjusted:
         return ""
-    return (f"; {statistics.median(adjusted):.2f} at equal process speed, auto's process took "
+    return (f"; {statistics.median(adjusted):.2f} at equal process speed in {len(adjusted)} of "
+            f"{len(summary['auto_vs_best_fixed_by_round'])} rounds, auto's process took "
             f"{statistics.median(slowness):.2f}x the other's time for the same forward")
 
 

@@ -99,7 +99,7 @@ def test_a_controller_behind_only_because_its_process_ran_slower_is_shown_level_
     assert [round(r, 4) for r in summary["auto_vs_best_fixed_equal_speed_by_round"]] == [1.0044, 1.0044]
     assert [round(r, 2) for r in summary["process_slowness_auto_over_best_fixed_by_round"]] == [1.08, 1.08]
     report = goals({"heldout-b8": [vanilla, auto, table]})
-    assert "heldout-b8 (0.93 of eagle-table; 1.00 at equal process speed, auto's process took 1.08x" in report
+    assert "heldout-b8 (0.93 of eagle-table; 1.00 at equal process speed in 2 of 2 rounds, auto's process took 1.08x" in report
     # without undrafted steps at a shared request count there is nothing to compare: no split is claimed
     unmatched = auto | {"undrafted_forward_seconds_runs": [{"1": [0.2, 9]}] * 2}
     assert cell_summary([vanilla, unmatched, table])["eagle"]["auto_vs_best_fixed_equal_speed_by_round"] == []
