@@ -178,6 +178,7 @@ def cell_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         best = max(fixed, key=lambda row: row[MATRIX_SPEED])
         controller = auto.get("controller") or {}
         steps = controller.get("steps") or 0
+        equal_speed_vs_best, slowness_vs_best = equal_speed_ratios(auto, best)
         summary[prefix] = {
             "controller": auto["setup"],
             "best_fixed": best["setup"],
@@ -192,8 +193,8 @@ def cell_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             # the same with the processes' speed difference taken out, and that difference (auto's forward time
             # over the other process's at equal request counts)
             "auto_vs_vanilla_equal_speed_by_round": equal_speed_ratios(auto, by_name[VANILLA])[0],
-            "auto_vs_best_fixed_equal_speed_by_round": equal_speed_ratios(auto, best)[0],
-            "process_slowness_auto_over_best_fixed_by_round": equal_speed_ratios(auto, best)[1],
+            "auto_vs_best_fixed_equal_speed_by_round": equal_speed_vs_best,
+            "process_slowness_auto_over_best_fixed_by_round": slowness_vs_best,
             # the ratio's split: fewer tokens per step (the choice and acceptance) or dearer steps (cost, host work,
             # the process's speed); steps are counted in each setup's first round and barely move between rounds
             "steps_best_fixed_over_auto": (best["engine_steps"] / auto["engine_steps"]
@@ -360,10 +361,13 @@ def goals(rows_by_cell: dict[str, list[dict[str, Any]]]) -> str:
             if by_vanilla and by_best:
                 paired_cells += 1
                 if by_vanilla[-1] < 1.0:  # slower than vanilla in every round
-                    paired_below_vanilla.append(f"{cell} ({statistics.median(by_vanilla):.2f})")
+                    paired_below_vanilla.append(
+                        f"{cell} ({statistics.median(by_vanilla):.2f}"
+                        f"{_at_equal_speed(s['auto_vs_vanilla_equal_speed_by_round'], len(by_vanilla))})")
                 if statistics.median(by_best) < 0.97:
-                    paired_below_best.append(f"{cell} ({statistics.median(by_best):.2f} of {s['best_fixed']}"
-                                             f"{_at_equal_speed(s)})")
+                    paired_below_best.append(
+                        f"{cell} ({statistics.median(by_best):.2f} of {s['best_fixed']}"
+                        f"{_at_equal_speed(s['auto_vs_best_fixed_equal_speed_by_round'], len(by_best), s['process_slowness_auto_over_best_fixed_by_round'])})")
         if cells_seen:
             lines.append(f"- {label}: {cells_seen} cells; auto below vanilla's spread in "
                          f"{len(below_vanilla)}: {', '.join(below_vanilla) or 'none'}; below 0.97x the best fixed "
@@ -391,15 +395,15 @@ def goals(rows_by_cell: dict[str, list[dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
-def _at_equal_speed(summary: dict[str, Any]) -> str:
-    """``; X at equal process speed, auto's process Y times slower`` for a goal's split, or nothing."""
-    adjusted = summary["auto_vs_best_fixed_equal_speed_by_round"]
-    slowness = summary["process_slowness_auto_over_best_fixed_by_round"]
+def _at_equal_speed(adjusted: list[float], rounds: int, slowness: list[float] | None = None) -> str:
+    """A goal's split: ``; X at equal process speed in N of M rounds`` (and, given ``slowness``, how much
+    longer auto's process took for the same forward), or nothing without a comparable round."""
     if not adjusted:
         return ""
-    return (f"; {statistics.median(adjusted):.2f} at equal process speed in {len(adjusted)} of "
-            f"{len(summary['auto_vs_best_fixed_by_round'])} rounds, auto's process took "
-            f"{statistics.median(slowness):.2f}x the other's time for the same forward")
+    split = f"; {statistics.median(adjusted):.2f} at equal process speed in {len(adjusted)} of {rounds} rounds"
+    if slowness:
+        split += f", auto's process took {statistics.median(slowness):.2f}x the other's time for the same forward"
+    return split
 
 
 def vanilla_spread(rows: list[dict[str, Any]]) -> float:
