@@ -21,6 +21,10 @@ setups' times of a cell are taken minutes apart at most (in 24 GiB four engines 
 five came within 1 GiB of it, and in float32 three fit: choose the setups with ``--only``; a round that would
 not fit stops before the engine that would not, naming this).
 
+The report gives the controller's ratio to vanilla and to the best fixed setup by round, and again at equal
+process speed (``equal_speed_ratios``: each round's ratio times how much longer the controller's process took
+for the same undrafted forward), the split a missed goal is read by.
+
 Results: ``benchmarks/results/{stem}.{json,md}``, ``{stem}_speed.png`` (speed against batch per class),
 ``{stem}_calibration.png`` (the controller's predicted against observed acceptance, by bin) and
 ``{stem}_cost.png`` (the verify and draft-level cost curves it measured). Finished runs are kept in
