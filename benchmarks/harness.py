@@ -956,7 +956,9 @@ def steps_by_drafts(records: list[dict[str, Any]]) -> dict[str, dict[str, float]
 def undrafted_forward_seconds(records: list[dict[str, Any]]) -> dict[str, list[float]]:
     """The timed call's decode-only steps that verified no draft token, by their request count: ``{requests:
     [median forward seconds, steps]}``. Such steps run the same target forward in every setup (one row per
-    request), so their times at equal request counts compare the speed of two setups' engine processes."""
+    request), so their times at equal request counts compare the speed of two setups' engine processes, as far
+    as nothing else a setup does is counted in its forward (docs/results.md: held-out batch 16 puts that in
+    doubt for ``auto``)."""
     forwards: dict[int, list[float]] = {}
     for record in records:
         if record["decode"] and record["draft_tokens"] == 0:
