@@ -226,7 +226,7 @@ def paired_ratios(row: dict[str, Any], reference: dict[str, Any]) -> list[float]
 def process_slowness(mine: dict[str, list[float]] | None, theirs: dict[str, list[float]] | None) -> float | None:
     """How much longer ``mine``'s engine process took than ``theirs`` for the same target forward (above 1: mine
     is the slower process): the median, over the request counts at which both ran at least
-    ``MIN_MATCHED_STEPS`` undrafted decode steps, of the ratio of their median forward seconds (each a run's
+    ``MIN_MATCHED_STEPS`` undrafted decode steps, of the ratio of their median seconds (each a run's
     ``harness.undrafted_forward_seconds``); None without such a request count."""
     if not mine or not theirs:
         return None
@@ -235,20 +235,29 @@ def process_slowness(mine: dict[str, list[float]] | None, theirs: dict[str, list
     return statistics.median(ratios) if ratios else None
 
 
+def _undrafted_seconds(row: dict[str, Any], other: dict[str, Any], index: int) -> tuple[Any, Any]:
+    """Round ``index``'s undrafted seconds of ``row`` and ``other`` to compare: the target model's own forward
+    and logits where both runs timed them, else all of ``execute_model`` (runs recorded before the model's part
+    was timed)."""
+    for field in ("undrafted_model_seconds_runs", "undrafted_forward_seconds_runs"):
+        mine, theirs = row.get(field) or [], other.get(field) or []
+        if index < min(len(mine), len(theirs)) and mine[index] and theirs[index]:
+            return mine[index], theirs[index]
+    return None, None
+
+
 def equal_speed_ratios(row: dict[str, Any], reference: dict[str, Any]) -> tuple[list[float], list[float]]:
     """Per round, ``row``'s speed over ``reference``'s with their processes' speed difference taken out (the
-    ratio times ``process_slowness``), and that slowness, each sorted; rounds without a matched request count
-    are left out. Engine processes of one setup differ in speed by up to a third on the 2-core machines, so a
-    ratio of two processes carries their difference; this is the part of it that is not the setups'."""
+    ratio times ``process_slowness`` of their target model's forwards on undrafted steps), and that slowness,
+    each sorted; rounds without a matched request count are left out. Engine processes of one setup differ in
+    speed by up to a third on the 2-core machines, so a ratio of two processes carries their difference; this
+    is the part of it that is not the setups'."""
     mine, theirs = row.get(f"{MATRIX_SPEED}_runs") or [], reference.get(f"{MATRIX_SPEED}_runs") or []
-    mine_forwards = row.get("undrafted_forward_seconds_runs") or []
-    theirs_forwards = reference.get("undrafted_forward_seconds_runs") or []
-    if not (len(mine) == len(theirs) == len(mine_forwards) == len(theirs_forwards)):
+    if len(mine) != len(theirs):
         return [], []
     adjusted, slowness = [], []
-    for speed, reference_speed, forwards, reference_forwards in zip(
-            mine, theirs, mine_forwards, theirs_forwards, strict=True):
-        slower = process_slowness(forwards, reference_forwards)
+    for index, (speed, reference_speed) in enumerate(zip(mine, theirs, strict=True)):
+        slower = process_slowness(*_undrafted_seconds(row, reference, index))
         if slower is not None and speed and reference_speed:
             adjusted.append(speed / reference_speed * slower)
             slowness.append(slower)

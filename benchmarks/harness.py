@@ -76,8 +76,9 @@ ROW_FIELDS = (
     "verify_seconds_per_step", "decode_steps", "verify_seconds_per_decode_step",
     "drafting_seconds_per_decode_step", "forward_seconds_per_decode_step", "nodes_per_step",
     "engine_start_seconds", "controller", "tree_stats", "decode_steps_by_drafts",
-    # per run, its undrafted decode steps' forward seconds by request count (``undrafted_forward_seconds``)
-    "undrafted_forward_seconds_runs",
+    # per run, its undrafted decode steps' forward seconds, and the target model's seconds inside them, by
+    # request count (``undrafted_forward_seconds``)
+    "undrafted_forward_seconds_runs", "undrafted_model_seconds_runs",
 )  # fmt: skip
 # Timing fields reported as the median over a setup's runs; every other field comes from its first run.
 MEDIAN_FIELDS = (
@@ -347,7 +348,8 @@ def finalize_rows(raw: list[dict[str, Any]], order: list[str] | None = None,
             row[key] = _median_or_none([r.get(key) for r in results])
         speeds = [_speed(r, speed) for r in results]
         row[f"{speed}_runs"] = speeds
-        row["undrafted_forward_seconds_runs"] = [r.get("undrafted_forward_seconds") for r in results]
+        for undrafted in ("undrafted_forward_seconds", "undrafted_model_seconds"):
+            row[f"{undrafted}_runs"] = [r.get(undrafted) for r in results]
         if all(s is not None for s in speeds):
             row[speed], row[f"{speed}_min"], row[f"{speed}_max"] = spread(speeds)
             if baseline:
@@ -771,6 +773,7 @@ def _measure(llm, tokenizer, setup: Setup, workload: Workload, cell: Cell, recor
         **_step_split(steps_before, steps_after),
         "decode_steps_by_drafts": None if step_log is None else steps_by_drafts(step_log),
         "undrafted_forward_seconds": None if step_log is None else undrafted_forward_seconds(step_log),
+        "undrafted_model_seconds": None if step_log is None else undrafted_forward_seconds(step_log, "model_seconds"),
         "token_ids": token_ids,
         # easyspec.tree.auto: the controller's counters over the timed call, its cost curves and calibration
         # tables as they stand after it (None without it)
@@ -953,17 +956,18 @@ def steps_by_drafts(records: list[dict[str, Any]]) -> dict[str, dict[str, float]
     return summary
 
 
-def undrafted_forward_seconds(records: list[dict[str, Any]]) -> dict[str, list[float]]:
+def undrafted_forward_seconds(records: list[dict[str, Any]], part: str = "forward_seconds") -> dict[str, list[float]]:
     """The timed call's decode-only steps that verified no draft token, by their request count: ``{requests:
-    [median forward seconds, steps]}``. Such steps run the same target forward in every setup (one row per
-    request), so their times at equal request counts compare the speed of two setups' engine processes, as far
-    as nothing else a setup does is counted in its forward (docs/results.md: held-out batch 16 puts that in
-    doubt for ``auto``)."""
-    forwards: dict[int, list[float]] = {}
+    [median seconds, steps]}`` of the steps' ``part``: ``forward_seconds`` (all of ``execute_model``) or
+    ``model_seconds`` (the target model's forward and logits inside it). Such steps run the same target forward
+    in every setup (one row per request), so their ``model_seconds`` at equal request counts compare the speed
+    of two setups' engine processes whatever else a setup does in its step; records without the part (logged
+    before it was timed) are left out."""
+    seconds_by_count: dict[int, list[float]] = {}
     for record in records:
-        if record["decode"] and record["draft_tokens"] == 0:
-            forwards.setdefault(record["requests"], []).append(record["forward_seconds"])
-    return {str(n): [statistics.median(seconds), len(seconds)] for n, seconds in sorted(forwards.items())}
+        if record["decode"] and record["draft_tokens"] == 0 and part in record:
+            seconds_by_count.setdefault(record["requests"], []).append(record[part])
+    return {str(n): [statistics.median(seconds), len(seconds)] for n, seconds in sorted(seconds_by_count.items())}
 
 
 def steps_by_drafts_table(rows: list[dict[str, Any]]) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from benchmarks.auto_matrix import (
     VANILLA_SPREAD_WARNING,
     cell_summary,
+    equal_speed_ratios,
     goals,
     paired_ratios,
     process_slowness,
@@ -71,13 +72,18 @@ def test_a_controller_on_another_candidate_is_the_controller_not_a_fixed_setup()
 
 def _step(requests: int, forward: float, drafts: int = 0, decode: bool = True) -> dict:
     return {"requests": requests, "draft_tokens": drafts, "requests_with_drafts": min(drafts, requests),
-            "decode": decode, "seconds": forward + 0.01, "forward_seconds": forward, "drafting_seconds": 0.005}
+            "decode": decode, "seconds": forward + 0.01, "forward_seconds": forward, "model_seconds": forward - 0.1,
+            "drafting_seconds": 0.005}
 
 
 def test_undrafted_decode_steps_are_grouped_by_request_count_and_the_rest_left_out():
     log = [_step(8, 1.0, decode=False), _step(8, 0.30), _step(8, 0.32), _step(8, 0.50, drafts=4), _step(8, 0.31),
            _step(3, 0.20)]
     assert undrafted_forward_seconds(log) == {"3": [0.20, 1], "8": [0.31, 3]}
+    model = undrafted_forward_seconds(log, "model_seconds")
+    assert {n: [round(s, 6), count] for n, (s, count) in model.items()} == {"3": [0.1, 1], "8": [0.21, 3]}
+    older = [{k: v for k, v in record.items() if k != "model_seconds"} for record in log]  # logged before it was timed
+    assert undrafted_forward_seconds(older, "model_seconds") == {}
 
 
 def test_process_speed_is_compared_at_equal_request_counts_with_enough_steps_only():
@@ -108,3 +114,17 @@ def test_a_controller_behind_only_because_its_process_ran_slower_is_shown_level_
     unmatched = auto | {"undrafted_forward_seconds_runs": [{"1": [0.2, 9]}] * 2}
     assert cell_summary([vanilla, unmatched, table])["eagle"]["auto_vs_best_fixed_equal_speed_by_round"] == []
     assert "at equal process speed" not in goals({"heldout-b8": [vanilla, unmatched, table]})
+
+
+def test_the_processes_are_compared_by_the_target_models_own_forward_where_both_runs_timed_it():
+    # auto's execute_model took 1.2x the table's on undrafted steps, but its target model's forward and logits
+    # took the same time: the extra is auto's own work in the step, not a slower process, so nothing is taken out
+    table = _row("eagle-table", [20.0, 20.0], 18.0) | {"undrafted_forward_seconds_runs": [{"16": [0.30, 9]}] * 2,
+                                                        "undrafted_model_seconds_runs": [{"16": [0.25, 9]}] * 2}
+    auto = _row("eagle-auto-4", [19.0, 19.0], 18.0) | {"undrafted_forward_seconds_runs": [{"16": [0.36, 9]}] * 2,
+                                                       "undrafted_model_seconds_runs": [{"16": [0.25, 9]}] * 2}
+    adjusted, slowness = equal_speed_ratios(auto, table)
+    assert slowness == [1.0, 1.0] and adjusted == [0.95, 0.95]
+    # a round recorded before the model's part was timed falls back to the whole forward
+    older = auto | {"undrafted_model_seconds_runs": [None, {"16": [0.25, 9]}]}
+    assert [round(s, 2) for s in equal_speed_ratios(older, table)[1]] == [1.0, 1.2]

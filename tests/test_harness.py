@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import benchmarks.harness as harness
@@ -327,10 +329,22 @@ def test_the_step_log_records_each_steps_drafts_and_times_and_empties_when_taken
 
     from vllm_easyspec.instruments.drafting_timer import take_step_log, time_steps
 
+    class Model:
+        def compute_logits(self, hidden):
+            time.sleep(0.002)
+            return hidden
+
     class Runner:
         drafter = None
+        model = Model()
+
+        def _model_forward(self, **inputs):
+            time.sleep(0.003)
+            return inputs["input_ids"]
 
         def execute_model(self, scheduler_output):
+            time.sleep(0.001)
+            self.model.compute_logits(self._model_forward(input_ids=[1]))
             return None
 
         def sample_tokens(self, grammar_output=None):
@@ -352,7 +366,8 @@ def test_the_step_log_records_each_steps_drafts_and_times_and_empties_when_taken
     log = take_step_log(worker)
     assert [(r["requests"], r["draft_tokens"], r["requests_with_drafts"], r["decode"]) for r in log] == [
         (2, 4, 1, True), (2, 2, 1, True), (1, 0, 0, False)]
-    assert all(r["seconds"] >= r["forward_seconds"] >= 0 and r["drafting_seconds"] == 0 for r in log)
+    assert all(r["seconds"] >= r["forward_seconds"] > r["model_seconds"] >= 0.005 and r["drafting_seconds"] == 0
+               for r in log)
     assert take_step_log(worker) == []
 
 

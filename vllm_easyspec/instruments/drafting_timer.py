@@ -6,8 +6,9 @@ vLLM's ``SpecDecodeBaseProposer.propose`` / ``NgramProposer.propose`` -- so that
 drafting time at the same boundary (one ``drafter.propose`` call per engine step) for every method.
 
 ``time_steps`` times whole engine steps on any worker, vanilla included, by wrapping the model runner's
-``execute_model`` and ``sample_tokens``; with the drafting time read inside the same steps, benchmarks split
-each step into verify (target forward, sampling, bookkeeping) and drafting.
+``execute_model`` and ``sample_tokens``, and inside them the target model's forward and logits; with the
+drafting time read inside the same steps, benchmarks split each step into verify (target forward, sampling,
+bookkeeping) and drafting.
 """
 
 from __future__ import annotations
@@ -101,7 +102,9 @@ STEP_LOG_LENGTH = 100_000  # the newest engine steps kept in a timed worker's st
 class StepRecord:
     """One engine step of a timed worker: its requests, the draft tokens scheduled for verification (tree
     nodes or chain drafts) and how many requests had any, whether it was decode-only, and its seconds: the whole
-    step, ``execute_model`` alone (the forward), and the drafting stage inside it."""
+    step, ``execute_model`` alone (the forward), the target model's own forward and logits inside it (the
+    runner's ``_model_forward`` and ``model.compute_logits``: the same work for the same rows whatever the setup
+    does around it), and the drafting stage."""
 
     requests: int
     draft_tokens: int
@@ -109,6 +112,7 @@ class StepRecord:
     decode: bool
     seconds: float
     forward_seconds: float
+    model_seconds: float
     drafting_seconds: float
 
 
@@ -153,6 +157,7 @@ class _StepClock:
         self.decode = False
         self.seconds = 0.0
         self.forward_seconds = 0.0
+        self.model_seconds = 0.0
         self.drafting_at_start = 0.0
 
     def begin(self, scheduler_output: Any) -> None:
@@ -162,6 +167,7 @@ class _StepClock:
         self.scheduled = _scheduled_drafts(scheduler_output)
         self.seconds = 0.0
         self.forward_seconds = 0.0
+        self.model_seconds = 0.0
         self.drafting_at_start = _cumulative_drafting_seconds(self.runner)
 
     def close(self) -> None:
@@ -176,7 +182,8 @@ class _StepClock:
         stats.step_seconds += self.seconds
         stats.drafting_seconds += drafting
         stats.forward_seconds += self.forward_seconds
-        self.log.append(StepRecord(*self.scheduled, self.decode, self.seconds, self.forward_seconds, drafting))
+        self.log.append(StepRecord(*self.scheduled, self.decode, self.seconds, self.forward_seconds,
+                                   self.model_seconds, drafting))
         if self.decode:
             stats.decode_steps += 1
             stats.decode_step_seconds += self.seconds
@@ -236,9 +243,33 @@ def time_steps(worker: Any) -> bool:
 
     runner.execute_model = timed_execute_model
     runner.sample_tokens = timed_sample_tokens
+    _time_target_model(runner, clock)
     setattr(runner, _STEP_TIMER_ATTRIBUTE, stats)
     setattr(runner, _STEP_CLOCK_ATTRIBUTE, clock)
     return True
+
+
+def _time_target_model(runner: Any, clock: _StepClock) -> None:
+    """Adds to the open step's ``model_seconds`` the time in the target model's forward (vLLM's
+    ``GPUModelRunner._model_forward``, replaced on this runner instance) and logits (``compute_logits`` of the
+    runner's model instance); the drafter's own model is not counted. Runners without them are left alone."""
+    model = getattr(runner, "model", None)
+    for owner, name in ((runner, "_model_forward"), (model, "compute_logits")):
+        untimed = getattr(owner, name, None) if owner is not None else None
+        if untimed is None:
+            continue
+
+        def timed(*args: Any, _untimed: Any = untimed, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                result = _untimed(*args, **kwargs)
+                _synchronize(runner)
+            finally:
+                if clock.open:
+                    clock.model_seconds += time.perf_counter() - start
+            return result
+
+        setattr(owner, name, functools.wraps(untimed)(timed))
 
 
 def read_step_stats(worker: Any) -> dict[str, Any] | None:
