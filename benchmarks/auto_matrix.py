@@ -23,7 +23,7 @@ not fit stops before the engine that would not, naming this).
 
 The report gives the controller's ratio to vanilla and to the best fixed setup by round, and again at equal
 process speed (``equal_speed_ratios``: each round's ratio times how much longer the controller's process took
-for the same undrafted forward), the split a missed goal is read by.
+for the same target model forward on undrafted steps), the split a missed goal is read by.
 
 Results: ``benchmarks/results/{stem}.{json,md}``, ``{stem}_speed.png`` (speed against batch per class),
 ``{stem}_calibration.png`` (the controller's predicted against observed acceptance, by bin) and
