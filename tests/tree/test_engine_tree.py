@@ -275,9 +275,17 @@ def failed_drafting_steps(worker) -> int:
     return worker.model_runner.failed_drafting_steps
 
 
+def drafting_fault_counts(worker) -> tuple[int, int]:
+    """The runner's counts of steps whose drafter raised and of steps whose drafter it paused."""
+    return worker.model_runner.failed_drafting_steps, worker.model_runner.paused_drafting_steps
+
+
 def restore_drafting(worker) -> int:
-    """Undo :func:`fail_drafting_calls`; the runner's count of steps whose drafter raised."""
-    del worker.model_runner.drafter.propose  # the instance attribute: the class's propose again
+    """Undo :func:`fail_drafting_calls` (the pause it left behind included, for the next test on this pooled
+    engine); the runner's count of steps whose drafter raised."""
+    runner = worker.model_runner
+    del runner.drafter.propose  # the instance attribute: the class's propose again
+    runner._drafting_pause = runner._failures_in_a_row = 0
     return failed_drafting_steps(worker)
 
 
@@ -299,6 +307,27 @@ def test_a_drafter_that_raises_costs_its_steps_their_drafts_not_the_engine(
     after = llm.collective_rpc(read_tree_stats)[0]
     assert after["tree_requests"] > before["tree_requests"]  # the steps between the faults drafted trees
     assert generate(llm, MIXED) == expected  # and the engine serves on
+
+
+def test_a_drafter_that_raises_every_step_is_tried_a_few_times_not_every_step(
+    llm_pool, tree_llama_dir, tiny_llama_draft_dir
+):
+    expected = _vanilla(llm_pool, tree_llama_dir, "mixed", MIXED)
+    llm = llm_pool.get(tree_llama_dir, speculative_config=_spec(tiny_llama_draft_dir),
+                       additional_config=_tree("static", layer_parallel_size=1))
+    failed_before, paused_before = llm.collective_rpc(drafting_fault_counts)[0]
+    llm.collective_rpc(functools.partial(fail_drafting_calls, calls=tuple(range(1, 10_000))))
+    try:
+        outputs = generate(llm, MIXED)
+        failed, paused = (after - before for after, before in
+                          zip(llm.collective_rpc(drafting_fault_counts)[0], (failed_before, paused_before)))
+    finally:
+        llm.collective_rpc(restore_drafting)
+    assert outputs == expected
+    # the k-th failure in a row pauses the drafter for 2^(k-1) - 1 steps: k failures cover 2^k - 1 steps
+    steps = failed + paused
+    assert steps > 8 and 0 < failed <= steps.bit_length() < steps
+    assert generate(llm, MIXED) == expected  # restored: the engine drafts and serves on
 
 
 @pytest.mark.parametrize(

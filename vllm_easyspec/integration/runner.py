@@ -46,6 +46,7 @@ from vllm_easyspec.tree.verify_step import TreeRequest, TreeVerifyStep
 
 logger = plugin_logger(__name__)
 DENSE_CALIBRATION_ROWS = 8  # start-up cost curves: every row count up to this one is timed
+MAX_DRAFTING_PAUSE = 31  # steps without calling a drafter that keeps raising, at most, before it is tried again
 
 
 class TreeRunnerMixin:
@@ -58,6 +59,9 @@ class TreeRunnerMixin:
     _step_trace: str | None = None  # VLLM_EASYSPEC_STEP_TRACE: where tree verify steps are traced
     _guards_drafting: bool = False  # easyspec options set: a drafter that raises costs the step its drafts only
     failed_drafting_steps: int = 0  # steps whose drafter raised (served without drafts)
+    paused_drafting_steps: int = 0  # steps whose drafter was not called after failures in a row (no drafts)
+    _failures_in_a_row: int = 0
+    _drafting_pause: int = 0  # steps left whose drafter is not called
 
     def __init__(self, vllm_config, device) -> None:
         options = easyspec_options(vllm_config)
@@ -157,27 +161,43 @@ class TreeRunnerMixin:
     # Extends GPUModelRunner.propose_draft_token_ids: with easyspec options, a drafter that raises (a bug, or one
     # request's input it cannot handle) costs the step its drafts, never the engine. Every request of the batch
     # then verifies no draft next step (with async scheduling: zeros), which is exact; draft K/V the failed step
-    # did not write stays stale, which lowers acceptance there and never changes what the target emits.
+    # did not write stays stale, which lowers acceptance there and never changes what the target emits. After
+    # the k-th failure in a row the drafter is not called for the next 2^(k-1) - 1 steps (at most
+    # MAX_DRAFTING_PAUSE): a drafter that fails every step costs a few attempts, not one per step.
     def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
+        if self._drafting_pause > 0:
+            self._drafting_pause -= 1
+            self.paused_drafting_steps += 1
+            return self._without_drafts()
         try:
-            return super().propose_draft_token_ids(scheduler_output, *args, **kwargs)
+            drafts = super().propose_draft_token_ids(scheduler_output, *args, **kwargs)
         except Exception:
             if not self._guards_drafting:
                 raise
             self.failed_drafting_steps += 1
+            self._failures_in_a_row += 1
+            self._drafting_pause = min(2 ** (self._failures_in_a_row - 1) - 1, MAX_DRAFTING_PAUSE)
             count = self.failed_drafting_steps
             if count == 1:
                 logger.exception("easyspec: the drafter raised; this step's requests go on without drafts "
                                  "(output unchanged, this step not sped up)")
             elif count & (count - 1) == 0:  # 2, 4, 8, ...: the log stays readable when a drafter keeps failing
-                logger.warning("easyspec: the drafter has raised in %d steps; each went on without drafts", count)
-            if self.tree_verifier is not None:
-                self.tree_verifier.drop_drafts()
-            if self.use_async_scheduling:  # the next step's input ids read drafts from a tensor: zeros, as vLLM
-                # gives a batch that does not fit its drafter (verified exactly, and almost always rejected)
-                return torch.zeros(len(self.input_batch.req_ids), self.num_spec_tokens, dtype=torch.int32,
-                                   device=self.device)
-            return [[] for _ in self.input_batch.req_ids]
+                logger.warning("easyspec: the drafter has raised in %d steps, %d of them in a row; each went on "
+                               "without drafts, and drafting pauses for the next %d steps", count,
+                               self._failures_in_a_row, self._drafting_pause)
+            return self._without_drafts()
+        self._failures_in_a_row = 0
+        return drafts
+
+    def _without_drafts(self):
+        """What ``propose_draft_token_ids`` returns for a step without drafts: no request verifies any."""
+        if self.tree_verifier is not None:
+            self.tree_verifier.drop_drafts()
+        if self.use_async_scheduling:  # the next step's input ids read drafts from a tensor: zeros, as vLLM
+            # gives a batch that does not fit its drafter (verified exactly, and almost always rejected)
+            return torch.zeros(len(self.input_batch.req_ids), self.num_spec_tokens, dtype=torch.int32,
+                               device=self.device)
+        return [[] for _ in self.input_batch.req_ids]
 
     # Extends GPUModelRunner.take_draft_token_ids: requests served without speculation get no drafts.
     def take_draft_token_ids(self):
