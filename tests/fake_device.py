@@ -8,6 +8,11 @@ advanced indexing (``x[i]``, ``x[i] = v``), and explicit copies between the two 
 ``.cpu()``, ``copy_``). Factories called with ``device=DEVICE`` make device tensors; ``.tolist()``,
 ``.item()`` and ``int()`` read values as they would (with a sync) on a GPU.
 
+Inside :func:`counting_syncs` as well, device tensors say ``is_cuda``, ``torch.cuda.synchronize`` and
+``torch.cuda.Event`` are stand-ins, and every call that would make the host wait for a GPU is counted: a
+synchronize (of the device or of an event), and a read of a device tensor's values on the host (``tolist``,
+``item``, ``int``/``float``/``bool``, ``.cpu()``, ``.to("cpu")``, ``.numpy()``).
+
 Invariant: code that runs here without an error makes no host/device mix that CUDA would refuse, and computes
 the same values it computes on the host.
 """
@@ -15,7 +20,10 @@ the same values it computes on the host.
 from __future__ import annotations
 
 import contextlib
+import traceback
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from unittest import mock
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -35,6 +43,11 @@ class DeviceTensor(torch.Tensor):
     """A tensor on :data:`DEVICE` whose values live on the host (in ``host``)."""
 
     host: torch.Tensor
+    reports_cuda = False  # True inside counting_syncs(): code that asks ``is_cuda`` takes its GPU path
+
+    @property
+    def is_cuda(self) -> bool:
+        return DeviceTensor.reports_cuda
 
     @staticmethod
     def __new__(cls, host: torch.Tensor) -> DeviceTensor:
@@ -70,7 +83,11 @@ class _DeviceFactories(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func in _READS and args and isinstance(args[0], DeviceTensor):
+            _count_wait(f"Tensor.{func.__name__}")
             return func(args[0].host, *args[1:], **kwargs)  # a GPU would sync here and give the same values
+        if func is torch.Tensor.numpy and args and isinstance(args[0], DeviceTensor):
+            _count_wait("Tensor.numpy")
+            return args[0].host.numpy(*args[1:], **kwargs)
         if func is torch.Tensor.to:
             target = kwargs.get("device", next((a for a in args[1:] if _is_device(a) or isinstance(a, str)), None))
             if target is not None and _is_device(target):
@@ -102,6 +119,9 @@ class _SecondDevice(TorchDispatchMode):
             )
         to_device = kwargs.get("device") == DEVICE
         to_host = func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("cpu")
+        if to_host and on_device or (func is torch.ops.aten.copy_.default and on_device
+                                     and not isinstance(args[0], DeviceTensor)):
+            _count_wait(f"copy to the host ({func})")
         if to_device:
             kwargs["device"] = torch.device("cpu")
         unwrapped_args, unwrapped_kwargs = tree_map(
@@ -125,3 +145,68 @@ def second_device() -> Iterator[torch.device]:
 def on_host(x):
     """The host values of a device tensor (a host tensor as it is), outside :func:`second_device` too."""
     return x.host if isinstance(x, DeviceTensor) else x
+
+
+@dataclass
+class SyncCount:
+    """What :func:`counting_syncs` saw: each wait with where it came from (the innermost project frame)."""
+
+    waits: list[tuple[str, str]] = field(default_factory=list)  # (what, file:line)
+
+    def __len__(self) -> int:
+        return len(self.waits)
+
+    def describe(self) -> str:
+        return "; ".join(f"{what} at {where}" for what, where in self.waits) or "none"
+
+
+_active_count: SyncCount | None = None
+
+
+def _count_wait(what: str) -> None:
+    if _active_count is None:
+        return
+    frames = [f for f in traceback.extract_stack()[:-2] if "vllm_easyspec" in f.filename]
+    where = f"{frames[-1].filename.rsplit('/', 2)[-1]}:{frames[-1].lineno}" if frames else "?"
+    _active_count.waits.append((what, where))
+
+
+class _StandInEvent:
+    """``torch.cuda.Event`` on the stand-in device: work on it is done when it is queued, so a recorded event
+    has always been passed (``query()``); waiting for one is counted."""
+
+    _clock = 0.0
+
+    def __init__(self, enable_timing: bool = False, **_: object) -> None:
+        self.time: float | None = None
+
+    def record(self, stream: object = None) -> None:
+        _StandInEvent._clock += 1.0
+        self.time = _StandInEvent._clock
+
+    def query(self) -> bool:
+        return self.time is not None
+
+    def synchronize(self) -> None:
+        _count_wait("Event.synchronize")
+
+    def elapsed_time(self, end: _StandInEvent) -> float:
+        assert self.time is not None and end.time is not None, "elapsed_time of an event never recorded"
+        return end.time - self.time  # milliseconds
+
+
+@contextlib.contextmanager
+def counting_syncs() -> Iterator[SyncCount]:
+    """Within (and within :func:`second_device`): device tensors report ``is_cuda``, and every call that would
+    make the host wait for a GPU is counted in the yielded :class:`SyncCount` (module docstring)."""
+    global _active_count
+    count = SyncCount()
+    previous, _active_count = _active_count, count
+    DeviceTensor.reports_cuda = True
+    try:
+        with mock.patch("torch.cuda.synchronize", lambda *a, **k: _count_wait("torch.cuda.synchronize")), \
+                mock.patch("torch.cuda.Event", _StandInEvent):
+            yield count
+    finally:
+        DeviceTensor.reports_cuda = False
+        _active_count = previous
