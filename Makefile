@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q --upgrade pip
 	$(BIN)/pip install --disable-pip-version-check -q torch==2.13.0+cpu
-	$(BIN)/pip install --disable-pip-version-check -q -e ".[cpu,dev]"
+	$(BIN)/pip install --disable-pip-version-check -q -e ".[cpu,dev,train,bench]"
 	# Their registry builds need CUDA and break `import transformers`; vLLM does not need them.
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
 	$(BIN)/python -c "import transformers, vllm, vllm_easyspec.plugin"

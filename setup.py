@@ -1,9 +1,7 @@
-"""Package layout: the Triton kernels live in the top-level ``kernels/`` folder and install as
-``vllm_easyspec.kernels``; everything else is found under ``vllm_easyspec/``."""
+"""Package layout: ``vllm_easyspec`` (the runtime plugin, its Triton kernels in ``vllm_easyspec/kernels``)
+and ``vllm_easyspec_train`` (EAGLE head training; its third-party needs are the ``[train]`` extra)."""
 
 from setuptools import find_packages, setup
 
-setup(
-    packages=find_packages(include=["vllm_easyspec", "vllm_easyspec.*"]) + ["vllm_easyspec.kernels"],
-    package_dir={"vllm_easyspec.kernels": "kernels"},
-)
+setup(packages=find_packages(include=["vllm_easyspec", "vllm_easyspec.*", "vllm_easyspec_train",
+                                      "vllm_easyspec_train.*"]))

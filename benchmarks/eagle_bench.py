@@ -13,7 +13,7 @@ trees with the same head (``EAGLE_TREES``), merged with prompt lookup with ``--l
 merged tree of each budget given as the candidate of ``easyspec.tree.auto`` (the controller chooses every
 request's nodes every step); and, for
 drafting cost only, an untrained EAGLE-1 head (full-vocabulary lm_head) at k=3.  The prompts are
-``vllm_easyspec.eagle.prompts.HELDOUT_PROMPTS``: tasks that appear in no training prompt.
+``vllm_easyspec_train.prompts.HELDOUT_PROMPTS``: tasks that appear in no training prompt.
 Results: ``benchmarks/results/eagle_speed_b{B}.{json,md,png}``.
 """
 
@@ -35,8 +35,8 @@ from benchmarks.harness import (
     select_setups,
     write_results,
 )
-from vllm_easyspec.eagle.prompts import HELDOUT_PROMPTS
 from vllm_easyspec.models import fetch_model
+from vllm_easyspec_train.prompts import HELDOUT_PROMPTS
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAD3 = ROOT / "heads" / "qwen2.5-coder-0.5b-instruct-eagle3"
@@ -48,8 +48,8 @@ def _untrained_eagle1(target: str) -> Path:
     """A random EAGLE-1 head in the reference layout (drafting-cost measurement only)."""
     import torch
 
-    from vllm_easyspec.eagle.checkpoint import save_head
-    from vllm_easyspec.eagle.model import EagleHead, head_config_from_target
+    from vllm_easyspec_train.checkpoint import save_head
+    from vllm_easyspec_train.model import EagleHead, head_config_from_target
 
     out = RESULTS_DIR / "eagle1_untrained_head"
     if not (out / "model.safetensors").exists():
@@ -176,8 +176,8 @@ def distribution(num_samples: int) -> None:
     from tiny_models import build_tiny_model, build_tiny_tokenizer
     from vllm import LLM
 
-    from vllm_easyspec.eagle.trainer import train
     from vllm_easyspec.instruments.metrics import read_spec_decode_counters
+    from vllm_easyspec_train.trainer import train
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -221,10 +221,10 @@ def replay(num_prompts: int, k: int, max_tokens: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vllm_easyspec.eagle.checkpoint import load_head
-    from vllm_easyspec.eagle.prompts import train_prompts
-    from vllm_easyspec.eagle.simulate import replay_acceptance
     from vllm_easyspec.models import prompt_token_ids
+    from vllm_easyspec_train.checkpoint import load_head
+    from vllm_easyspec_train.prompts import train_prompts
+    from vllm_easyspec_train.simulate import replay_acceptance
 
     target = str(fetch_model(QWEN))
     tokenizer = AutoTokenizer.from_pretrained(target)

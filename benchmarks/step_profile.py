@@ -40,8 +40,8 @@ def profile_in_process(request: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_easyspec.eagle.prompts import HELDOUT_PROMPTS
     from vllm_easyspec.models import fetch_model, prompt_token_ids
+    from vllm_easyspec_train.prompts import HELDOUT_PROMPTS
 
     target = str(fetch_model(QWEN))
     spec = request["speculative_config"] or None

@@ -54,15 +54,37 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("vllm_arguments", nargs=argparse.REMAINDER)
     serve.set_defaults(handler=_serve)
 
-    try:
-        from vllm_easyspec.eagle.trainer import add_train_eagle_arguments, run_train_eagle
-    except ImportError:
-        pass
-    else:
-        train = commands.add_parser("train-eagle", help="train an EAGLE / EAGLE-3 head for a target model")
-        add_train_eagle_arguments(train)
-        train.set_defaults(handler=run_train_eagle)
+    _add_train_eagle(commands)
     return parser
+
+
+def _add_train_eagle(commands) -> None:
+    """``train-eagle`` from ``vllm_easyspec_train``; without the ``[train]`` extra's modules, a command
+    that only says how to install them (any other import error is a bug and propagates)."""
+    from vllm_easyspec_train import TRAIN_EXTRA_INSTALL, TRAIN_EXTRA_MODULES
+
+    help_text = "train an EAGLE / EAGLE-3 head for a target model"
+    try:
+        from vllm_easyspec_train.trainer import add_train_eagle_arguments, run_train_eagle
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in TRAIN_EXTRA_MODULES:
+            raise
+        message = f"vllm-easyspec: error: train-eagle needs the training extra ({exc.name} is missing): " \
+                  f"{TRAIN_EXTRA_INSTALL}"
+
+        def missing_extra(_args: argparse.Namespace) -> int:
+            print(message, file=sys.stderr)
+            return 2
+
+        # no option prefix: every argument (``--help`` included) is taken as given and leads to the message
+        train = commands.add_parser("train-eagle", help=f"{help_text} (needs {TRAIN_EXTRA_INSTALL})",
+                                    add_help=False, prefix_chars="\0")
+        train.add_argument("arguments", nargs="*")
+        train.set_defaults(handler=missing_extra)
+        return
+    train = commands.add_parser("train-eagle", help=help_text)
+    add_train_eagle_arguments(train)
+    train.set_defaults(handler=run_train_eagle)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,7 +38,7 @@ def train_eagle3_head(target: Path, out: Path, work: Path, steps: int) -> None:
     """The plugin's trainer through its own command line (``vllm-easyspec train-eagle``)."""
     import torch
 
-    from vllm_easyspec.eagle.trainer import main as train_eagle
+    from vllm_easyspec_train.trainer import main as train_eagle
 
     text_dir = work / "text"
     text_dir.mkdir(parents=True, exist_ok=True)

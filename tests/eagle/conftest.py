@@ -34,7 +34,7 @@ def trained_tiny_heads(tmp_path_factory, tiny_llama_dir, tiny_text_dir):
     once per session."""
     from eagle_helpers import train_args
 
-    from vllm_easyspec.eagle.trainer import train
+    from vllm_easyspec_train.trainer import train
 
     trained: dict[str, Path] = {}
 

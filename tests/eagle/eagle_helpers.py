@@ -6,7 +6,7 @@ import argparse
 
 
 def train_args(target, out, work, text_dir, fmt="eagle", extra=()) -> argparse.Namespace:
-    from vllm_easyspec.eagle.trainer import add_train_eagle_arguments
+    from vllm_easyspec_train.trainer import add_train_eagle_arguments
 
     p = argparse.ArgumentParser()
     add_train_eagle_arguments(p)

@@ -1,7 +1,7 @@
 """Test-only: write an EAGLE / EAGLE-3 head in the SafeAILab reference layout, by hand.
 
 No reference checkpoint can be downloaded here, so this script spells out the
-reference names and shapes independently of ``vllm_easyspec.eagle.checkpoint``
+reference names and shapes independently of ``vllm_easyspec_train.checkpoint``
 (EAGLE-1/2: ``eagle/model/cnets1.py``; EAGLE-3: ``eagle/model/cnets.py`` and
 ``eagle/traineagle3/config.json``) and fills them with small random weights.
 

@@ -1,4 +1,4 @@
-"""The broad self-distillation corpus (``vllm_easyspec.eagle.corpus``) and the resumable,
+"""The broad self-distillation corpus (``vllm_easyspec_train.corpus``) and the resumable,
 chat-aware data stage (``data.self_distill`` / ``self_distill_items``).  No engine: the
 generator is a fake that writes what vLLM would."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_easyspec.eagle import corpus as C
-from vllm_easyspec.eagle import data as D
-from vllm_easyspec.eagle.prompts import HELDOUT_PROMPTS, train_prompts
+from vllm_easyspec_train import corpus as C
+from vllm_easyspec_train import data as D
+from vllm_easyspec_train.prompts import HELDOUT_PROMPTS, train_prompts
 
 # --------------------------------------------------------------------------- fake sources
 
@@ -330,7 +330,7 @@ def test_chat_rendering_of_one_user_turn_equals_the_plain_prompt():
         pytest.skip("the Qwen2.5-Coder tokenizer is not downloaded")
     from transformers import AutoTokenizer
 
-    from vllm_easyspec.eagle.generate import render_prompt_ids
+    from vllm_easyspec_train.generate import render_prompt_ids
 
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     text = "Explain what this does:\n\n```python\nx = 1\n```"
@@ -346,8 +346,8 @@ def test_chat_rendering_of_one_user_turn_equals_the_plain_prompt():
 def test_trainer_broad_data_stage_records_the_corpus(tmp_path, monkeypatch, tiny_llama_dir):
     import argparse
 
-    from vllm_easyspec.eagle import trainer
-    from vllm_easyspec.eagle.errors import EagleTrainError
+    from vllm_easyspec_train import trainer
+    from vllm_easyspec_train.errors import EagleTrainError
 
     real = C.build_corpus
     monkeypatch.setattr(C, "build_corpus", lambda n, seed: real(n, seed, roots=[C.stdlib_root()]))
@@ -375,7 +375,7 @@ def test_trainer_broad_data_stage_records_the_corpus(tmp_path, monkeypatch, tiny
     args._argv = argv
     res = trainer.train(args)
     (src,) = res["data"]["sources"]
-    assert src["prompt_set"] == "vllm_easyspec.eagle.corpus.build_corpus" and src["n_prompts"] == 40
+    assert src["prompt_set"] == "vllm_easyspec_train.corpus.build_corpus" and src["n_prompts"] == 40
     corpus = src["corpus"]
     assert corpus["n_items"] == 40 and corpus["categories"]["followup"]["built"] == 4
     assert {r["name"] for r in corpus["roots"]} == {"stdlib", C.PROJECT_NAME}
@@ -392,7 +392,7 @@ def test_generator_appends_each_chunk_and_skips_prompts_too_long(tmp_path, monke
     import sys
     import types
 
-    from vllm_easyspec.eagle import generate as G
+    from vllm_easyspec_train import generate as G
 
     class Tok:
         chat_template = None

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from vllm_easyspec.eagle import data as eagle_data
-from vllm_easyspec.eagle import features as eagle_features
+from vllm_easyspec_train import data as eagle_data
+from vllm_easyspec_train import features as eagle_features
 
 
 def _seqs(n: int, seed: int) -> list[dict]:

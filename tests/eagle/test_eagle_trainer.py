@@ -9,9 +9,9 @@ import torch
 from eagle_helpers import train_args
 from safetensors.torch import load_file
 
-from vllm_easyspec.eagle import checkpoint as ckpt
-from vllm_easyspec.eagle.errors import HiddenSizeMismatchError, NotEnoughDataError, UnsupportedTargetError
-from vllm_easyspec.eagle.trainer import epoch_batches, init_from_head, run_train_eagle, train
+from vllm_easyspec_train import checkpoint as ckpt
+from vllm_easyspec_train.errors import HiddenSizeMismatchError, NotEnoughDataError, UnsupportedTargetError
+from vllm_easyspec_train.trainer import epoch_batches, init_from_head, run_train_eagle, train
 
 
 def _weights(d):
@@ -126,7 +126,7 @@ def test_too_little_data(tmp_path, tiny_llama_dir, tiny_text_dir):
 def test_hidden_size_mismatch(tmp_path, tiny_llama_dir, tiny_text_dir):
     from dataclasses import replace
 
-    from vllm_easyspec.eagle.model import EagleHead, head_config_from_target
+    from vllm_easyspec_train.model import EagleHead, head_config_from_target
 
     tcfg = json.loads((tiny_llama_dir / "config.json").read_text())
     narrow = replace(head_config_from_target(tcfg, "eagle"), hidden_size=64, intermediate_size=128,
@@ -138,7 +138,7 @@ def test_hidden_size_mismatch(tmp_path, tiny_llama_dir, tiny_text_dir):
 
 
 def test_init_from_a_head_with_another_draft_vocabulary_keeps_the_new_one(tiny_llama_dir):
-    from vllm_easyspec.eagle.model import EagleHead, head_config_from_target
+    from vllm_easyspec_train.model import EagleHead, head_config_from_target
 
     cfg = head_config_from_target(json.loads((tiny_llama_dir / "config.json").read_text()), "eagle3", 8)
     torch.manual_seed(0)

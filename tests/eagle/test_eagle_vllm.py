@@ -16,9 +16,9 @@ import pytest
 from distribution import ALPHA, run_distribution_test
 from reference_checkpoint import build_reference_checkpoint
 
-from vllm_easyspec.eagle.checkpoint import load_head
-from vllm_easyspec.eagle.simulate import replay_acceptance
 from vllm_easyspec.instruments.metrics import read_spec_decode_counters
+from vllm_easyspec_train.checkpoint import load_head
+from vllm_easyspec_train.simulate import replay_acceptance
 
 PROMPTS = [[1, 17, 42, 5, 33, 9], [1, 4, 8, 15, 16, 23, 42, 7]]
 MAX_TOKENS = 32

@@ -69,7 +69,7 @@ HEAD3 = Path(__file__).resolve().parents[2] / "heads" / "qwen2.5-coder-0.5b-inst
 def heldout_ids(real_pair):
     from transformers import AutoTokenizer
 
-    from vllm_easyspec.eagle.prompts import HELDOUT_PROMPTS
+    from vllm_easyspec_train.prompts import HELDOUT_PROMPTS
 
     tokenizer = AutoTokenizer.from_pretrained(real_pair[0])
     return [prompt_token_ids(tokenizer, text) for text in HELDOUT_PROMPTS[:8]]

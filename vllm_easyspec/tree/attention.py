@@ -1,6 +1,6 @@
 """Tree attention over vLLM's paged KV cache: torch reference, CPU path, and dispatcher.
 
-All implementations share one contract (documented in full in ``kernels/tree_attention.py``):
+All implementations share one contract (documented in full in ``vllm_easyspec/kernels/tree_attention.py``):
 
 * ``query`` ``[T, Hq, D]``, request ``b`` owns rows ``cu_query_lens[b]:cu_query_lens[b + 1]``;
 * ``key_cache`` / ``value_cache`` ``[num_blocks, block_size, Hkv, D]`` (vLLM's FlashAttention layout),

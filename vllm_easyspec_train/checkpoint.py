@@ -31,6 +31,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from .model import EagleHead, HeadConfig
 
@@ -100,8 +101,6 @@ def hf_config(cfg: HeadConfig, dtype: str = "bfloat16") -> dict:
 
 def save_head(head: EagleHead, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
               extra_files: dict[str, str] | None = None) -> Path:
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dname = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
@@ -133,8 +132,6 @@ def _cfg_from_hf(c: dict) -> HeadConfig:
 
 def load_head(head_dir: str | Path, dtype: torch.dtype = torch.float32) -> EagleHead:
     """Read a head written in either reference layout back into an :class:`EagleHead`."""
-    from safetensors.torch import load_file
-
     d = Path(head_dir)
     cfg = _cfg_from_hf(json.loads((d / "config.json").read_text()))
     head = EagleHead(cfg)

@@ -123,13 +123,13 @@ def read_part(part: Path) -> dict[str, dict]:
 
 def generate_subprocess(target: str, prompts: list[Prompt], part: Path, max_new_tokens: int, seed: int,
                         dtype: str, chunk_size: int = 64) -> dict:
-    """The default ``GenerateFn``: ``python -m vllm_easyspec.eagle.generate`` in a subprocess (so
+    """The default ``GenerateFn``: ``python -m vllm_easyspec_train.generate`` in a subprocess (so
     that vLLM's memory and workers are gone afterwards).  Its stderr (the tqdm bar with the time
     left, warnings, tracebacks) goes straight to ours; its stdout (vLLM's log) is shown only on
     failure."""
     pj = part.with_name(part.name.replace(".part.jsonl", ".pending.json"))
     pj.write_text(json.dumps(prompts))
-    cmd = [sys.executable, "-m", "vllm_easyspec.eagle.generate", "--target", target, "--out", str(part),
+    cmd = [sys.executable, "-m", "vllm_easyspec_train.generate", "--target", target, "--out", str(part),
            "--prompts-json", str(pj), "--max-tokens", str(max_new_tokens), "--seed", str(seed),
            "--dtype", dtype, "--chunk-size", str(chunk_size)]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)

@@ -1,4 +1,4 @@
-"""Triton kernels of vllm_easyspec (installed as ``vllm_easyspec.kernels``).
+"""Triton kernels of vllm_easyspec (``vllm_easyspec.kernels``).
 
 * :mod:`.tree_attention`: attention of tree query tokens over vLLM's paged KV cache.
 * :mod:`.kv_compaction`: in-place move of accepted tree nodes' K/V to linear slots.

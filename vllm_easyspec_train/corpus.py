@@ -31,7 +31,7 @@ Invariants:
   sha256 of that file's text; the manifest lists every root used with its licence, the files
   used, the items, the characters and a sha256 over the used files' contents.
 
-Run ``python -m vllm_easyspec.eagle.corpus`` for the sizes and a token estimate.
+Run ``python -m vllm_easyspec_train.corpus`` for the sizes and a token estimate.
 """
 
 from __future__ import annotations
@@ -479,7 +479,7 @@ class ExclusionFilter:
 
 
 def _repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
+    return Path(__file__).resolve().parents[1]
 
 
 def protected_texts() -> dict[str, list[str]]:
@@ -914,7 +914,7 @@ def build_corpus(n_items: int = DEFAULT_N_ITEMS, seed: int = 0, roots: Sequence[
     coding = train_prompts()[:want["coding"]]
     coding_sha = sha256_text(json.dumps(train_prompts()))
     for i, p in enumerate(coding):
-        b.add("coding", p, None, root=PROJECT_NAME, path="vllm_easyspec/eagle/prompts.py", sha=coding_sha,
+        b.add("coding", p, None, root=PROJECT_NAME, path="vllm_easyspec_train/prompts.py", sha=coding_sha,
               ref=f"train_prompts()[{i}]")
 
     def explain_fn(u: _Unit) -> str:
@@ -993,13 +993,13 @@ def build_corpus(n_items: int = DEFAULT_N_ITEMS, seed: int = 0, roots: Sequence[
         entry = {"name": name, "kind": r.kind if r else "project", "version": r.version if r else "",
                  "licence": r.licence if r else PROJECT_LICENCE,
                  "licence_source": r.licence_source if r else "pyproject.toml",
-                 "path": str(r.path) if r else "vllm_easyspec/eagle/prompts.py", "files_used": len(used),
+                 "path": str(r.path) if r else "vllm_easyspec_train/prompts.py", "files_used": len(used),
                  "items": by_root[name]["items"], "characters": by_root[name]["characters"],
                  "files_sha256": sha256_text("\n".join(f"{p}\t{used[p]}" for p in sorted(used)))}
         roots_manifest.append(entry)
     eval_files = sum(r.eval_named_files for r in src_roots)
     manifest = {
-        "builder": "vllm_easyspec.eagle.corpus.build_corpus",
+        "builder": "vllm_easyspec_train.corpus.build_corpus",
         "n_items": len(items), "n_items_requested": n_items, "seed": seed, "python": sys.version.split()[0],
         "categories": {c: {"requested": want[c], "built": built.get(c, 0)} for c in CATEGORIES},
         "n_first_round_prompts": len({json.dumps(it.first_round_prompt()) for it in items}),
@@ -1074,7 +1074,7 @@ def _load_tokenizer(path: str | None) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m vllm_easyspec.eagle.corpus", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m vllm_easyspec_train.corpus", description=__doc__.split("\n")[0])
     ap.add_argument("--n-items", type=int, default=DEFAULT_N_ITEMS)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokenizer", default=None, help=f"for the token estimate (default {default_tokenizer_dir()}, "

@@ -1,6 +1,6 @@
 """Self-distillation data: the target answers a prompt set with vLLM.
 
-Run as a subprocess (``python -m vllm_easyspec.eagle.generate``) so that the vLLM
+Run as a subprocess (``python -m vllm_easyspec_train.generate``) so that the vLLM
 engine's memory and worker processes are gone before feature extraction starts.
 A prompt is a plain user text or a list of chat messages; both go through the
 target's chat template.  APPENDS one JSON object per answered prompt to ``--out``

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from . import checkpoint as ckpt
 from .data import (
@@ -373,7 +374,7 @@ def _read_prompts(args) -> tuple[list[str], str]:
         name = f"file:{args.prompts_file}"
     else:
         prompts = train_prompts()
-        name = "vllm_easyspec.eagle.prompts.train_prompts"
+        name = "vllm_easyspec_train.prompts.train_prompts"
     if args.num_prompts is not None:
         prompts = prompts[: args.num_prompts]
     return prompts, name
@@ -421,7 +422,7 @@ def train(args: argparse.Namespace) -> dict:
         if getattr(args, "prompt_set", "coding") == "broad":
             corpus = _read_corpus(args, log)
             prompts = [it.to_dict() for it in corpus.items]
-            pname = "vllm_easyspec.eagle.corpus.build_corpus"
+            pname = "vllm_easyspec_train.corpus.build_corpus"
             corpus_info = {"corpus": corpus.manifest}
             jl, info = self_distill_items(target, corpus.items, work, args.max_new_tokens, args.seed,
                                           args.gen_dtype, log, chunk_size=chunk)
@@ -530,8 +531,6 @@ def train(args: argparse.Namespace) -> dict:
                     "head_config": hcfg.to_dict(), "train_seconds": train_s_prev + (time.time() - t_train)},
                    out / (STATE + ".tmp"))
         os.replace(out / (STATE + ".tmp"), out / STATE)
-
-    from tqdm.auto import tqdm
 
     t_train = time.time()
     head.train()

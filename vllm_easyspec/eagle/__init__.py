@@ -1,1 +1,0 @@
-"""EAGLE draft heads: model, reference checkpoint formats, data, features, trainer."""
