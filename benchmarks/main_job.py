@@ -1,7 +1,7 @@
 """The main job on built-in defaults: fetch the default models and compare, side by side in one run, vanilla
 vLLM with vLLM's best built-in speculative method and the plugin's fastest setup on the same prompts.
 
-Run from the repository root: ``python -m benchmarks.main_job`` (the README's first command does this).
+Run from the repository root: ``python -m benchmarks main`` (``make demo`` runs it).
 
 - Default (13-14 minutes in bf16 on the 2-core AVX-512 machine, 19-31 in float32 on AVX2-only ones, after
   the one-time model fetch): vanilla, vLLM's ``eagle3`` with this project's committed head, the plugin's
@@ -28,20 +28,19 @@ Invariants:
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from pathlib import Path
 
-from benchmarks.harness import (
+from benchmarks.defaults import HEAD3
+from benchmarks.harness.processes import run_setups
+from benchmarks.harness.report import command_line, markdown_table, write_results
+from benchmarks.harness.setups import (
     DEFAULT_REPEATS,
     VANILLA,
     Setup,
     Workload,
     cpu_native_dtype,
     load_prompts,
-    markdown_table,
-    run_setups,
-    write_results,
 )
 from vllm_easyspec.models import (
     DEFAULT_DRAFT,
@@ -58,17 +57,16 @@ from vllm_easyspec.tree.config import TreeConfig
 PLUGIN_ADDITIONAL_CONFIG: dict = {"easyspec": {"layer_parallel_size": 2, "mode": "fused"}}
 PLUGIN_DESCRIPTION = "vllm-easyspec EasySpec drafter (fused, N=2, every_round calibration), same draft"
 # The plugin's token tree as the main job runs it: the fastest tree on this pair in
-# benchmarks/results/tree_compare_c_retokenize.md (python -m benchmarks.tree_bench compare --pairs c --budgets 8 16
+# benchmarks/results/tree_compare_c_retokenize.md (python -m benchmarks easyspec tree-compare --pairs c --budgets 8 16
 # --merged --retokenize): the four most likely root children (one draft forward per step) plus up to 4
 # prompt-lookup nodes, the vocabularies bridged by text.
 PLUGIN_TREE: dict = {"choices": [[0], [1], [2], [3]], "sources": {"prompt_lookup": {"nodes": 4}}, "retokenize": True}
 PLUGIN_TREE_DESCRIPTION = "vllm-easyspec token tree (4 root children + 4 prompt-lookup nodes, retokenized), same draft"
-REPO_ROOT = Path(__file__).resolve().parent.parent
-EAGLE3_HEAD = REPO_ROOT / "heads" / "qwen2.5-coder-0.5b-instruct-eagle3"
-# The fastest k at batch 1 in benchmarks/results/eagle_speed_b1.md (python -m benchmarks.eagle_bench speed).
+EAGLE3_HEAD = HEAD3
+# The fastest k at batch 1 in benchmarks/results/eagle_speed_b1.md (python -m benchmarks eagle speed).
 EAGLE3_K = 3
 # The plugin's EAGLE proposer as the main job runs it: the fastest setup of
-# benchmarks/results/eagle_tree_speed_b1.md (python -m benchmarks.eagle_bench speed --tree-budgets 4 8
+# benchmarks/results/eagle_tree_speed_b1.md (python -m benchmarks eagle speed --tree-budgets 4 8
 # --lookup-nodes 4): an EAGLE-2 tree of 4 head nodes merged with up to 4 prompt-lookup nodes.
 EAGLE3_TREE: dict = {"top_k": 2, "depth": 3, "budget": 4, "sources": {"prompt_lookup": {"nodes": 4}}}
 # The speculation controller (easyspec.tree.auto) cutting that same merged tree per request and step: at batch 1
@@ -197,8 +195,8 @@ def plan_text(
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str], prog: str = "python -m benchmarks main") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--full", action="store_true", help="all seven setups (about 25 minutes on a 2-core CPU)")
     parser.add_argument("--target", default=DEFAULT_TARGET, help="catalogue name or HF folder")
     parser.add_argument(
@@ -247,11 +245,11 @@ def main(argv: list[str] | None = None) -> int:
         for name in models:
             resolve_model(name)
     except ModelFetchError as exc:
-        print(f"main_job: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
 
     rows = run_setups(setups, workload, repeats=args.repeats)
-    command = "python -m benchmarks.main_job " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = command_line("main", argv)
     drafters = ([f"draft {Path(model_folder(args.draft)).name}"] if needs_draft else []) + (
         [f"EAGLE head {EAGLE3_HEAD.name}"] if any(s.name.startswith("eagle3") for s in setups) else []
     )
@@ -275,13 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         f"over {best['repeats']} runs"
     )
     if left_out:
-        print(f"left out of this run: {', '.join(s.name for s in left_out)} (python -m benchmarks.main_job --full)")
+        print(f"left out of this run: {', '.join(s.name for s in left_out)} (python -m benchmarks main --full)")
     print("results: " + ", ".join(str(p) for p in paths.values()))
     if failed:
         print(f"LOSSLESS CHECK FAILED for: {', '.join(failed)} (see the lines above)", file=sys.stderr)
         return 1
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,16 +3,17 @@ and compares setups round by round."""
 
 from __future__ import annotations
 
-from benchmarks.auto_matrix import (
+from benchmarks.harness.setups import MATRIX_SPEED, VANILLA
+from benchmarks.harness.steps import undrafted_forward_seconds
+from benchmarks.matrix.report import goals
+from benchmarks.matrix.summary import (
     VANILLA_SPREAD_WARNING,
     cell_summary,
     equal_speed_ratios,
-    goals,
     paired_ratios,
     process_slowness,
     vanilla_spread,
 )
-from benchmarks.harness import MATRIX_SPEED, VANILLA, undrafted_forward_seconds
 
 
 def _vanilla(low: float, high: float) -> dict:

@@ -6,25 +6,13 @@ import time
 
 import pytest
 
-import benchmarks.harness as harness
-from benchmarks.harness import (
-    Cell,
-    Setup,
-    Workload,
-    cell_order,
-    classify_identity,
-    counter_delta,
-    finalize_rows,
-    identity_cell,
-    identity_failures,
-    interleaved_order,
-    markdown_table,
-    near_tie_threshold,
-    run_matrix,
-    select_setups,
-    spread,
-    ulp,
-)
+from benchmarks.harness import engine, processes, report, steps
+from benchmarks.harness.aggregate import finalize_rows, spread
+from benchmarks.harness.identity import classify_identity, identity_failures, near_tie_threshold, ulp
+from benchmarks.harness.processes import run_matrix
+from benchmarks.harness.report import identity_cell, markdown_table
+from benchmarks.harness.setups import Cell, Setup, Workload, cell_order, interleaved_order, select_setups
+from benchmarks.harness.steps import counter_delta
 
 
 def _raw(name: str, tok_s: float, ids: list[list[int]], **extra) -> dict:
@@ -229,7 +217,7 @@ def test_a_matrix_aggregates_each_cell_and_resumes_from_its_runs_file(tmp_path, 
             c.name: _raw(setup.name, 1.0, [[1, 2]], throughput_tok_per_s=factor * speeds[setup.name, c.name])
             for c in cells_asked}}
 
-    monkeypatch.setattr(harness, "_run_in_child", fake_child)
+    monkeypatch.setattr(processes, "_run_in_child", fake_child)
     runs = tmp_path / "runs.jsonl"
     setups = [Setup("vanilla"), Setup("spec")]
     workload = Workload(target="t", prompts=[], batch_size=4)
@@ -263,7 +251,7 @@ def test_side_by_side_every_engine_takes_each_cell_in_turn_before_the_next_cell(
     started, measured = [], []
 
     def fake_start(setup, workload):
-        started.append((setup.name, harness.os.environ.get("BENCH_MARK")))
+        started.append((setup.name, engine.os.environ.get("BENCH_MARK")))
         return setup.name, 1.0
 
     def fake_measure(llm, tokenizer, setup, workload, cell, record_top_logits, limit_in_flight, counters_readable):
@@ -275,21 +263,21 @@ def test_side_by_side_every_engine_takes_each_cell_in_turn_before_the_next_cell(
         def reset_prefix_cache(self):
             pass
 
-    monkeypatch.setattr(harness, "_start_engine", lambda s, w: (Engine(fake_start(s, w)[0]), 1.0))
-    monkeypatch.setattr(harness, "_measure", fake_measure)
+    monkeypatch.setattr(engine, "_start_engine", lambda s, w: (Engine(fake_start(s, w)[0]), 1.0))
+    monkeypatch.setattr(engine, "_measure", fake_measure)
     monkeypatch.delenv("BENCH_MARK", raising=False)
     setups = [Setup("vanilla"), Setup("a", env={"BENCH_MARK": "a"}), Setup("b")]
     cells = [Cell("chat-b1", ["p"] * 4, 1, 8, group="chat"), Cell("edit-b1", ["p"] * 4, 1, 8, group="edit")]
-    runs = harness._side_by_side_round(setups, Workload(target="t", prompts=[]), None, cells, round_index=1)
+    runs = engine._side_by_side_round(setups, Workload(target="t", prompts=[]), None, cells, round_index=1)
     assert [r["setup"] for r in runs] == ["vanilla", "a", "b"]
     assert all(set(r["cells"]) == {"chat-b1", "edit-b1"} for r in runs)
     assert started == [("vanilla", None), ("a", "a"), ("b", None)]  # each engine starts under its setup's env
-    assert "BENCH_MARK" not in harness.os.environ
+    assert "BENCH_MARK" not in engine.os.environ
     # cell by cell, the setups rotated by round and cell; vanilla records top logits in round 0 only
     assert measured == [("chat-b1", "a", False), ("chat-b1", "b", False), ("chat-b1", "vanilla", False),
                         ("edit-b1", "b", False), ("edit-b1", "vanilla", False), ("edit-b1", "a", False)]
     measured.clear()
-    harness._side_by_side_round(setups, Workload(target="t", prompts=[]), None, cells[:1], round_index=0)
+    engine._side_by_side_round(setups, Workload(target="t", prompts=[]), None, cells[:1], round_index=0)
     assert measured[0] == ("chat-b1", "vanilla", True)
 
 
@@ -303,7 +291,7 @@ def test_a_side_by_side_matrix_runs_whole_rounds_and_resumes_from_its_runs_file(
                                                              * (1 + (s.name == "spec")) + round_index)}}
                 for s in setups]
 
-    monkeypatch.setattr(harness, "_run_round_in_child", fake_round)
+    monkeypatch.setattr(processes, "_run_round_in_child", fake_round)
     runs = tmp_path / "runs.jsonl"
     setups = [Setup("vanilla"), Setup("spec")]
     workload = Workload(target="t", prompts=[], batch_size=1)
@@ -382,7 +370,7 @@ def test_steps_by_drafts_groups_decode_steps_and_files_each_drafting_stage_under
                record(5, 0.070, 0.011),   # drafted 7
                record(7, 0.074, 0.002),   # drafted nothing
                record(0, 0.051, 0.0)]
-    summary = harness.steps_by_drafts(records)
+    summary = steps.steps_by_drafts(records)
     assert list(summary) == ["0", "4-7"]
     none, some = summary["0"], summary["4-7"]
     assert none["steps"] == 3 and none["draft_tokens"] == 0
@@ -391,6 +379,6 @@ def test_steps_by_drafts_groups_decode_steps_and_files_each_drafting_stage_under
     assert some["steps"] == 2 and some["draft_tokens"] == 6 and some["requests_with_drafts"] == 1
     assert some["verify_seconds"] == pytest.approx((0.059 + 0.072) / 2)
     assert some["drafting_stages"] == 2 and some["drafting_seconds"] == pytest.approx((0.012 + 0.011) / 2)
-    table = harness.steps_by_drafts_table([{"setup": "auto", "decode_steps_by_drafts": summary}])
+    table = report.steps_by_drafts_table([{"setup": "auto", "decode_steps_by_drafts": summary}])
     assert "| auto | 4-7 | 2 | 6.0 | 1.0 | 65.5 |" in table
-    assert harness._draft_bucket(64) == "64-" and harness._draft_bucket(1) == "1" and harness._draft_bucket(3) == "2-3"
+    assert steps._draft_bucket(64) == "64-" and steps._draft_bucket(1) == "1" and steps._draft_bucket(3) == "2-3"

@@ -6,8 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.auto_matrix import cells, ragged_lengths
-from benchmarks.harness import Cell, _generate, side_by_side_memory_refusal
+from benchmarks.harness.engine import _generate, side_by_side_memory_refusal
+from benchmarks.harness.setups import Cell
+from benchmarks.matrix.setups import cells, ragged_lengths
 
 
 def test_ragged_lengths_are_the_same_draw_for_every_setup_and_span_half_to_one_and_a_half_the_mean():

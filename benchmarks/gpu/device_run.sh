@@ -22,7 +22,7 @@ VLLM_EASYSPEC_STEP_TRACE=/tmp/tr/t EXTRA_SETUPS=benchmarks/gpu/engine_setups.jso
 tar czf "$OUT/traces.tgz" -C /tmp tr
 
 echo "======== bench (t=${SECONDS}s)"
-( source $KIT/env.sh && timeout "${BENCH_LIMIT:-120}" python3 -P benchmarks/tree_attention_gpu.py \
+( source $KIT/env.sh && timeout "${BENCH_LIMIT:-120}" python3 -P benchmarks/kernels/gpu.py \
     --out "$OUT/tree_attention_gpu.jsonl" --batches 1,8,64 --prefixes 2048,8192 --trees 16,64 ) > "$OUT/bench.log" 2>&1
 tail -16 "$OUT/bench.log"
 

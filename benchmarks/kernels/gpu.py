@@ -2,8 +2,11 @@
 
 Usage (on a GPU machine with vLLM's CUDA build and this package installed)::
 
-    python benchmarks/tree_attention_gpu.py --out tree_attention_gpu.jsonl
-    python benchmarks/tree_attention_gpu.py --small   # CPU dry run under TRITON_INTERPRET=1, tiny shapes
+    python -m benchmarks kernels gpu --out tree_attention_gpu.jsonl
+    python -m benchmarks kernels gpu --small   # CPU dry run under TRITON_INTERPRET=1, tiny shapes
+
+The GPU kit runs it as a file against the installed wheel, ``python3 -P benchmarks/kernels/gpu.py``, so it
+imports nothing from ``benchmarks``.
 
 Shapes: Llama-3-8B attention (32 query heads, 8 KV heads, head size 128), bf16, block size 16; batch
 {1, 4, 8, 16, 64} x prefix {512, 2048, 8192} x tree {8, 16, 32, 64} query tokens per request (a random
@@ -23,7 +26,7 @@ the cache. Per shape:
 * the launch ``choose_launch`` picked (``block_m``, ``block_n``, ``num_splits``, warps, stages).
 
 Writes one JSON line per shape (after a header line with the device and the copy bandwidth) to ``--out``
-and prints a markdown table at the end. ``--small`` runs everything on CPU under Triton's interpreter with
+(default ``$OUT/tree_attention_gpu.jsonl`` where ``OUT`` is set, else under ``benchmarks/results/``) and prints a markdown table at the end. ``--small`` runs everything on CPU under Triton's interpreter with
 tiny shapes and fp16 (the interpreter's ``tl.dot`` misreads bf16 operands, and vLLM's kernel does not
 upcast them): its times are meaningless, it only checks that every path runs.
 """
@@ -45,12 +48,12 @@ if "--small" in sys.argv:  # the interpreter must be on before triton is first i
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
+
 from vllm_easyspec.kernels.tree_attention import (  # noqa: E402
     _device_limits,
     choose_launch,
     tree_attention_triton,
 )
-
 from vllm_easyspec.tree.attention import ancestor_mask_from_parents  # noqa: E402
 
 
@@ -244,14 +247,16 @@ def integers(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tree_attention_gpu.jsonl"))
+def main(argv: list[str], prog: str = "python -m benchmarks kernels gpu") -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    results = os.environ.get("OUT") or os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                      os.pardir, "results"))
+    parser.add_argument("--out", default=os.path.join(results, "tree_attention_gpu.jsonl"))
     parser.add_argument("--batches", type=integers, default=[1, 4, 8, 16, 64])
     parser.add_argument("--prefixes", type=integers, default=[512, 2048, 8192])
     parser.add_argument("--trees", type=integers, default=[8, 16, 32, 64])
     parser.add_argument("--small", action="store_true", help="CPU dry run under the interpreter, tiny shapes")
-    options = parser.parse_args()
+    options = parser.parse_args(argv)
     on_gpu = not options.small
     if on_gpu and not torch.cuda.is_available():
         sys.exit("no GPU: run with --small for a CPU dry run under the interpreter")
@@ -288,5 +293,5 @@ def main() -> None:
     print(f"records in {options.out}")
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the GPU kit's way in (module docstring)
+    main(sys.argv[1:], prog="benchmarks/kernels/gpu.py")

@@ -5,7 +5,7 @@ the matrix multiplications (oneDNN GEMM calls), and sums the Python time spent i
 (``vllm_easyspec``, self time) per step. Two setups doing the same steps with the same GEMM calls differ in
 speed only by that plugin time and by the process (this machine's processes vary by up to 1.5x for life).
 
-    python -m benchmarks.step_profile --prompts edit --batch 4 --max-tokens 64 --num-prompts 8 \
+    python -m benchmarks eagle profile --prompts edit --batch 4 --max-tokens 64 --num-prompts 8 \
         --setup eagle3-k2 '{"method": "eagle3", "model": "heads/qwen2.5-coder-0.5b-instruct-eagle3", "num_speculative_tokens": 2}' '{}' \
         --setup table '{"method": "eagle3", "model": "heads/qwen2.5-coder-0.5b-instruct-eagle3"}' \
             '{"easyspec": {"tree": {"top_k": 2, "depth": 3, "budget": 4, "sources": {"prompt_lookup": {"nodes": 4}}, "budget_by_batch": {"2": {"chain": 2}, "5": 0}}}}'
@@ -23,10 +23,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.harness import RESULTS_DIR, engine_env, load_prompts
+from benchmarks.defaults import QWEN, REPO_ROOT, class_prompts
+from benchmarks.harness.setups import RESULTS_DIR, engine_env
 
-ROOT = Path(__file__).resolve().parents[1]
-QWEN = "qwen2.5-coder-0.5b-instruct"
 GEMM = "onednn_mm"
 
 
@@ -41,17 +40,16 @@ def profile_in_process(request: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     from vllm_easyspec.models import fetch_model, prompt_token_ids
-    from vllm_easyspec_train.prompts import HELDOUT_PROMPTS
 
     target = str(fetch_model(QWEN))
     spec = request["speculative_config"] or None
-    if spec and "model" in spec and not Path(spec["model"]).is_absolute() and (ROOT / spec["model"]).exists():
-        spec = spec | {"model": str(ROOT / spec["model"])}
+    if spec and "model" in spec and not Path(spec["model"]).is_absolute() and (REPO_ROOT / spec["model"]).exists():
+        spec = spec | {"model": str(REPO_ROOT / spec["model"])}
     llm = LLM(model=target, dtype="bfloat16", enforce_eager=True, max_model_len=2048, max_num_seqs=request["batch"],
               speculative_config=spec, additional_config=request["additional_config"], seed=0)
     tokenizer = AutoTokenizer.from_pretrained(target)
     count = max(request["num_prompts"], request["batch"])
-    texts = load_prompts(limit=count, kinds=("edit",)) if request["prompts"] == "edit" else HELDOUT_PROMPTS[:count]
+    texts = class_prompts(request["prompts"], count)
     prompts = [TokensPrompt(prompt_token_ids=prompt_token_ids(tokenizer, text)) for text in texts]
     params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"])
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
@@ -81,9 +79,9 @@ def run_setup(name: str, spec: dict, additional: dict, args: argparse.Namespace)
         request_path, result_path = Path(folder) / "request.json", Path(folder) / "result.json"
         request_path.write_text(json.dumps(request))
         env = os.environ | engine_env(1) | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                                            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        subprocess.run([sys.executable, "-m", "benchmarks.step_profile", "--child", str(request_path),
-                        str(result_path)], env=env, check=True, cwd=ROOT)
+                                            "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        subprocess.run([sys.executable, "-m", "benchmarks.eagle.profile", "--child", str(request_path),
+                        str(result_path)], env=env, check=True, cwd=REPO_ROOT)
         return {"setup": name} | json.loads(result_path.read_text())
 
 
@@ -98,12 +96,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    if len(sys.argv) == 4 and sys.argv[1] == "--child":
-        result = profile_in_process(json.loads(Path(sys.argv[2]).read_text()))
-        Path(sys.argv[3]).write_text(json.dumps(result))
-        return
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--setup", nargs=3, action="append", required=True, metavar=("NAME", "SPEC", "ADDITIONAL"),
                         help="a setup: its name, speculative config JSON, additional config JSON")
     parser.add_argument("--prompts", choices=("heldout", "edit"), default="heldout")
@@ -112,21 +105,25 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2, help="processes per setup, interleaved")
     parser.add_argument("--stem", default="step_profile")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> None:
+    """Where an engine step's time goes: steps, GEMM calls and the plugin's Python time per setup."""
     rows = []
-    for run in range(1, args.repeats + 1):
+    for repeat in range(1, args.repeats + 1):
         for name, spec, additional in args.setup:
-            rows.append(run_setup(name, json.loads(spec), json.loads(additional), args) | {"run": run})
+            rows.append(run_setup(name, json.loads(spec), json.loads(additional), args) | {"run": repeat})
             print(table(rows[-1:]), flush=True)
-    command = "python -m benchmarks.step_profile " + " ".join(
-        f"'{a}'" if a.startswith("{") else a for a in sys.argv[1:])
     text = (f"# Engine step profile: {args.prompts} prompts, batch {args.batch}, {args.max_tokens} tokens, bfloat16, "
-            f"greedy\n\nCommand: `{command}`\n\n{table(rows)}\n\nOne cProfile'd `generate` per engine process "
+            f"greedy\n\nCommand: `{args.command}`\n\n{table(rows)}\n\nOne cProfile'd `generate` per engine process "
             "(in-process engine); plugin Python = self time of functions in `vllm_easyspec`.\n")
     path = RESULTS_DIR / f"{args.stem}.md"
     path.write_text(text)
     print(text)
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the child process of run_setup
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--child", nargs=2, metavar=("REQUEST", "RESULT"), required=True)
+    request, result = (Path(path) for path in parser.parse_args().child)
+    result.write_text(json.dumps(profile_in_process(json.loads(request.read_text()))))

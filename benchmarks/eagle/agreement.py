@@ -1,6 +1,6 @@
 """Held-out agreement of EAGLE heads against the tokens they trained on: does more data still pay?
 
-    python -m benchmarks.eagle_agreement_curve HEAD_OR_TRAIN_DIR [...] --out benchmarks/results/eagle_agreement_vs_tokens
+    python -m benchmarks eagle agreement HEAD_OR_TRAIN_DIR [...] [--labels ...] [--out benchmarks/results/eagle_agreement_vs_tokens]
 
 Each argument is a head folder (its ``eagle_manifest.json``) or a training output folder still in progress (its
 ``train_state.pt``). Every evaluation in the training history is a point: the teacher-forced top-1 agreement
@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+from benchmarks.harness.setups import RESULTS_DIR
 
 
 def load_history(folder: Path) -> tuple[list[dict], dict]:
@@ -39,15 +41,17 @@ def tokens_axis(history: list[dict], manifest: dict) -> tuple[list[float], bool]
     return [h["step"] * per_step for h in history], True
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("folders", nargs="+", type=Path)
     parser.add_argument("--labels", nargs="*", help="one per folder (default: the folder's name)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/eagle_agreement_vs_tokens"))
-    args = parser.parse_args(argv)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "eagle_agreement_vs_tokens")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Held-out agreement of heads against the tokens they trained on."""
     labels = args.labels or [folder.name for folder in args.folders]
     if len(labels) != len(args.folders):
-        parser.error("--labels needs one label per folder")
+        raise SystemExit("--labels needs one label per folder")
 
     import matplotlib
 
@@ -85,6 +89,3 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """The speculation controller's own time per step, engine-free: the same synthetic steps fed to
 ``SpeculationController`` at each batch size, its four calls timed apart.
 
-    python -m benchmarks.controller_cost [--batches 1 4 16] [--steps 300] [--repeats 5] [--stem controller_cost]
+    python -m benchmarks matrix controller-cost [--batches 1 4 16] [--steps 300] [--repeats 5] [--stem controller_cost]
 
 A step is what the runner does with ``easyspec.tree.auto`` on the EAGLE matrix setup (a 16 + 4-node candidate:
 top-k 4, depth 5, 4 prompt-lookup nodes): ``plan_depth`` for every running request, the drafted trees (an EAGLE-2
@@ -14,7 +14,7 @@ compare the controller's code alone. Each repeat runs a fresh controller for ``-
 ones; the report gives each call's median ms per step over the repeats, with their range.
 
 Results: ``benchmarks/results/{stem}.{md,json}``. Engine runs report the controller's share of a step in
-``benchmarks.auto_matrix`` (``controller share``), which includes the worker's snapshot for vLLM's metrics.
+``python -m benchmarks matrix`` (``controller share``), which includes the worker's snapshot for vLLM's metrics.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from collections import defaultdict
 from pathlib import Path
 
 import vllm_easyspec
+from benchmarks.harness.setups import RESULTS_DIR
 from vllm_easyspec.control.acceptance import NodeFeatures
 from vllm_easyspec.control.controller import RequestTree, SpeculationController
 from vllm_easyspec.control.cost import CostCurve, StepCostModel
 
-RESULTS = Path(__file__).parent / "results"
 # measured at start-up on the AVX-512 EPYC, bf16 (docs/results.md, "Cost curves")
 VERIFY_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 VERIFY_SECONDS = (0.0515, 0.0529, 0.0529, 0.0529, 0.0645, 0.102, 0.180, 0.387)
@@ -107,13 +107,13 @@ def run(batch: int, steps: int, seed: int) -> dict[str, float]:
     return {call: 1e3 * seconds[call] / steps for call in CALLS}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str], prog: str = "python -m benchmarks matrix controller-cost") -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--stem", default="controller_cost")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(vllm_easyspec.__file__).parent).stdout.strip()  # the code timed
     rows = []
@@ -124,7 +124,7 @@ def main() -> None:
         row |= {f"{call}_ms": statistics.median(r[call] for r in runs) for call in CALLS}
         rows.append(row)
         print(f"batch {batch}: {row['total_ms']:.3f} ms per step [{min(totals):.3f}-{max(totals):.3f}]", flush=True)
-    command = "python -m benchmarks.controller_cost " + " ".join(
+    command = "python -m benchmarks matrix controller-cost " + " ".join(
         [f"--batches {' '.join(map(str, args.batches))}", f"--steps {args.steps}", f"--repeats {args.repeats}"])
     lines = [f"# The controller's own time per step, engine-free (commit {commit})", "", f"Command: `{command}`", "",
              "| batch | ms per step [min–max over repeats] | " + " | ".join(CALLS) + " |",
@@ -133,11 +133,8 @@ def main() -> None:
         low, high = row["total_ms_range"]
         lines.append(f"| {row['batch']} | {row['total_ms']:.3f} [{low:.3f}–{high:.3f}] | "
                      + " | ".join(f"{row[f'{call}_ms']:.3f}" for call in CALLS) + " |")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.stem}.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / f"{args.stem}.json").write_text(json.dumps({"command": command, "commit": commit, "rows": rows},
+    RESULTS_DIR.mkdir(exist_ok=True)
+    (RESULTS_DIR / f"{args.stem}.md").write_text("\n".join(lines) + "\n")
+    (RESULTS_DIR / f"{args.stem}.json").write_text(json.dumps({"command": command, "commit": commit, "rows": rows},
                                                           indent=1))
 
-
-if __name__ == "__main__":
-    main()

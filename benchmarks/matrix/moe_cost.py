@@ -1,7 +1,7 @@
 """The step cost that ``easyspec.tree.auto`` measures at start-up, on a mixture-of-experts target and a dense
 one of the same shape: milliseconds of the target's forward and logits by rows, and per extra row.
 
-    python -m benchmarks.cost_curves [--layers 4] [--hidden 512] [--intermediate 1408] [--experts 8] [--repeats 3]
+    python -m benchmarks matrix moe-cost [--layers 4] [--hidden 512] [--intermediate 1408] [--experts 8] [--repeats 3]
 
 An MoE layer runs each row through its top-k experts, so rows added to a small batch touch experts that were
 idle: the cost per extra row is higher than a dense target's while rows are few. Both targets are small random
@@ -23,9 +23,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.harness import RESULTS_DIR
+from benchmarks.harness.report import command_line
+from benchmarks.harness.setups import RESULTS_DIR
 
-TESTS_DIR = Path(__file__).resolve().parents[1] / "tests"
+TESTS_DIR = Path(__file__).resolve().parents[2] / "tests"
 TREE = {"top_k": 2, "depth": 3, "budget": 6, "auto": True}
 
 
@@ -63,8 +64,8 @@ def _curve(target: str, draft: str, queue) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str], prog: str = "python -m benchmarks matrix moe-cost") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--intermediate", type=int, default=1408, help="an expert's MLP width")
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| rows {low} to {high} | {moe:.3f} | {dense:.3f} | {moe / dense if dense > 0 else float('inf'):.1f}x |")
     table = "\n".join(lines)
     RESULTS_DIR.mkdir(exist_ok=True)
-    command = "python -m benchmarks.cost_curves " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("matrix", ["moe-cost", *argv])
     (RESULTS_DIR / "cost_curves.json").write_text(json.dumps({"command": command.strip(), "runs": runs}, indent=1))
     (RESULTS_DIR / "cost_curves.md").write_text(
         f"# Verify cost by rows: a small MoE against a dense target of the same active width\n\n"
@@ -111,6 +112,3 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

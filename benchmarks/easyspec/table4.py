@@ -3,7 +3,7 @@
 Runs the transformers models directly (float32), grouped by the plugin's own layer-grouping code, over
 the benchmark prompts (chat template applied) followed by each model's own greedy continuation.
 
-    python -m benchmarks.easyspec_table4 --prompts 8 --continuation 48
+    python -m benchmarks easyspec table4 --prompts 8 --continuation 48
 
 Writes benchmarks/results/easyspec_table4.{json,md}.
 """
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from benchmarks.harness import RESULTS_DIR, load_prompts
+from benchmarks.harness.setups import RESULTS_DIR, load_prompts
 from vllm_easyspec.easyspec.cosine import QUANTITIES, table4_for_model
 from vllm_easyspec.models import prompt_token_ids
 
@@ -36,12 +36,13 @@ def _sequences(model, tokenizer, prompts: list[str], continuation: int) -> list[
     return sequences
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--continuation", type=int, default=48)
     parser.add_argument("--models", nargs="*", default=list(MODELS))
-    args = parser.parse_args()
+
+
+def table4(args: argparse.Namespace) -> None:
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -62,7 +63,7 @@ def main() -> None:
                          "num_sequences": len(sequences), "num_tokens": tokens, **values})  # fmt: skip
         print(f"{name}: {time.perf_counter() - started:.0f}s", file=sys.stderr)
         del model
-    command = "python -m benchmarks.easyspec_table4 " + " ".join(sys.argv[1:])
+    command = args.command
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     (RESULTS_DIR / "easyspec_table4.json").write_text(
         json.dumps({"command": command, "prompts": args.prompts, "continuation": args.continuation, "rows": rows},
@@ -85,6 +86,3 @@ def main() -> None:
     (RESULTS_DIR / "easyspec_table4.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
-
-if __name__ == "__main__":
-    main()

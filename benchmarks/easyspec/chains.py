@@ -1,36 +1,22 @@
-"""EasySpec measurements on real weights, through the shared harness (one fresh engine per setup).
+"""EasySpec chains drafted by a draft model, through the shared harness: acceptance of fuzzy drafting against
+exact, drafting time on two ranks, and decode speed end to end (``acceptance``, ``tp``, ``e2e``).
 
-    python -m benchmarks.easyspec_bench acceptance   # exact vs fuzzy N=2,3,4 x every_round/never, pairs a,b,c
-    python -m benchmarks.easyspec_bench tp           # drafting time on 2 CPU ranks (tensor_parallel, fused-TP)
-    python -m benchmarks.easyspec_bench e2e          # decode tok/s batch 1 and 8, TP 1 and 2, pair c
-    python -m benchmarks.easyspec_bench plot         # acceptance vs N with/without calibration
-
-Pairs: (a) SmolLM2-135M drafting for itself, (b) Qwen2.5-Coder-0.5B drafting for itself, (c) SmolLM2-135M
-drafting for Qwen2.5-Coder-0.5B across vocabularies (``use_heterogeneous_vocab``). Greedy (T=0).
-Results: benchmarks/results/easyspec_<part>.{json,md,png}.
+``acceptance`` also plots the acceptance against N of the pairs it ran (``easyspec_acceptance_vs_n.png``) and
+tabulates each fuzzy setup's drop against exact drafting (``easyspec_acceptance_drop.md``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from typing import Any
 
-from benchmarks.harness import (
-    DEFAULT_REPEATS,
-    RESULTS_DIR,
-    Setup,
-    Workload,
-    load_prompts,
-    run_setups,
-    write_results,
-)
+from benchmarks.defaults import QWEN, SMOL
+from benchmarks.harness.processes import run_setups
+from benchmarks.harness.report import write_results
+from benchmarks.harness.setups import RESULTS_DIR, Setup, Workload, load_prompts
 from vllm_easyspec.models import fetch_model
 
 K = 4
-SMOL = "smollm2-135m-instruct"
-QWEN = "qwen2.5-coder-0.5b-instruct"
 PAIRS: dict[str, tuple[str, str, bool]] = {
     "a": (SMOL, SMOL, False),
     "b": (QWEN, QWEN, False),
@@ -61,6 +47,8 @@ def _easyspec_setup(name: str, draft: str, hetero: bool, tp: int = 1, **options:
 
 
 def acceptance(args: argparse.Namespace) -> None:
+    """Acceptance of exact drafting against fuzzy N = 2, 3, 4, with and without bonus calibration, per pair."""
+    rows_by_pair = {}
     for pair in args.pairs:
         target, draft, hetero = PAIRS[pair]
         setups = [_easyspec_setup(f"easyspec_{pair}_exact", draft, hetero)]
@@ -76,8 +64,10 @@ def acceptance(args: argparse.Namespace) -> None:
             target=str(fetch_model(target)), prompts=load_prompts(limit=args.prompts), max_tokens=args.max_tokens,
             batch_size=args.batch, dtype="float32",
         )  # fmt: skip
-        rows = run_setups(setups, workload, repeats=args.repeats)
-        _write(rows, f"easyspec_acceptance_{pair}", f"EasySpec acceptance, pair ({pair}): {draft} -> {target}")
+        rows_by_pair[pair] = run_setups(setups, workload, repeats=args.repeats)
+        _write(rows_by_pair[pair], f"easyspec_acceptance_{pair}",
+               f"EasySpec acceptance, pair ({pair}): {draft} -> {target}", args.command)
+    plot_acceptance(rows_by_pair)
 
 
 def tp(args: argparse.Namespace) -> None:
@@ -104,10 +94,12 @@ def tp(args: argparse.Namespace) -> None:
             batch_size=args.batch, dtype="float32",
         )  # fmt: skip
         rows = run_setups(setups, workload, repeats=args.repeats)
-        _write(rows, f"easyspec_drafting_time_{pair}", f"EasySpec drafting time per step, pair ({pair}), batch {args.batch}")
+        _write(rows, f"easyspec_drafting_time_{pair}", f"EasySpec drafting time per step, pair ({pair}), batch {args.batch}",
+               args.command)
 
 
 def e2e(args: argparse.Namespace) -> None:
+    """Decode speed on pair (c): vanilla, vLLM's draft_model, the fused chain, and both at TP 2, per batch."""
     target, draft, hetero = PAIRS["c"]
     for batch in args.batches:
         setups = [
@@ -126,10 +118,12 @@ def e2e(args: argparse.Namespace) -> None:
             batch_size=batch, dtype=args.dtype,
         )  # fmt: skip
         rows = run_setups(setups, workload, repeats=args.repeats)
-        _write(rows, f"easyspec_e2e_b{batch}", f"EasySpec end to end, pair (c), batch {batch}, {args.dtype}")
+        _write(rows, f"easyspec_e2e_b{batch}", f"EasySpec end to end, pair (c), batch {batch}, {args.dtype}", args.command)
 
 
-def plot(args: argparse.Namespace) -> None:
+def plot_acceptance(rows_by_pair: dict[str, list[dict[str, Any]]]) -> None:
+    """Mean acceptance length and the acceptance-rate drop against N, per pair and calibration, from the rows of
+    ``acceptance``; and the drops as a table."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -138,10 +132,9 @@ def plot(args: argparse.Namespace) -> None:
     fig, (length_axis, drop_axis) = plt.subplots(1, 2, figsize=(11, 4.2))
     summary = []
     for pair, color in (("a", "tab:blue"), ("b", "tab:green"), ("c", "tab:red")):
-        path = RESULTS_DIR / f"easyspec_acceptance_{pair}.json"
-        if not path.exists():
+        if pair not in rows_by_pair:
             continue
-        rows = {r["setup"]: r for r in json.loads(path.read_text())["rows"]}
+        rows = {r["setup"]: r for r in rows_by_pair[pair]}
         exact = rows[f"easyspec_{pair}_exact"]
         for calibration, style in (("every_round", "-"), ("never", "--")):
             fuzzy = [rows[f"easyspec_{pair}_n{n}_{calibration}"] for n in (2, 3, 4)]
@@ -172,29 +165,6 @@ def plot(args: argparse.Namespace) -> None:
     print("\n".join(lines))
 
 
-def _write(rows: list[dict[str, Any]], stem: str, title: str) -> None:
-    command = "python -m benchmarks.easyspec_bench " + " ".join(sys.argv[1:])
+def _write(rows: list[dict[str, Any]], stem: str, title: str, command: str) -> None:
     paths = write_results(rows, stem, title, command)
     print(paths["md"].read_text())
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=("acceptance", "tp", "e2e", "plot"))
-    parser.add_argument("--pairs", nargs="*", default=["a", "b", "c"], choices=sorted(PAIRS))
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--batches", type=int, nargs="*", default=[1, 8])
-    parser.add_argument("--n", type=int, default=2, help="EasySpec N for the e2e run")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument(
-        "--repeats", type=int, default=DEFAULT_REPEATS,
-        help="engine processes per setup, run interleaved; speeds are medians with their min-max",
-    )  # fmt: skip
-    args = parser.parse_args()
-    {"acceptance": acceptance, "tp": tp, "e2e": e2e, "plot": plot}[args.part](args)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,12 +1,13 @@
 """CPU tree attention: prefix-once + tree-part + log-sum-exp merge vs naive gather-plus-SDPA per node.
 
-Usage:  python benchmarks/tree_attention_cpu.py [--repeats 15] [--dtype float32] [--threads 1]
+Usage:  python -m benchmarks kernels [--repeats 15] [--dtype float32] [--threads 1] [--prefix-lens 256 1024 4096]
 
 One request with a 16-token tree (the root plus 15 draft nodes, EAGLE-like shape, depth 5) over a
 paged KV cache (block size 16, blocks shuffled), Llama-3-8B attention shape (32 query heads, 8 KV
 heads, head size 128), prefix lengths 256 / 1024 / 4096. Reports the median wall time of each
 implementation and the max abs difference between them. Writes
-``benchmarks/results/tree_attention_cpu.{md,json}``.
+``benchmarks/results/tree_attention_cpu.{md,json}``. The engine does not use this path; the Triton kernel it
+serves on GPUs is timed by ``python -m benchmarks kernels gpu`` (``benchmarks.kernels.gpu``).
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ import os
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from benchmarks.harness.report import command_line
+from benchmarks.harness.setups import RESULTS_DIR
 from vllm_easyspec.tree.attention import ancestor_mask_from_parents, tree_attention_cpu, tree_attention_naive
 
-RESULTS = Path(__file__).resolve().parent / "results"
 # root, then 15 nodes: 3 root children, 2 grandchildren each ... (parents are query indices)
 TREE_PARENTS = [-1, 0, 0, 0, 1, 1, 2, 3, 4, 4, 5, 6, 8, 9, 12, 13]
 
@@ -59,15 +60,15 @@ def median_ms(fn, args: dict, repeats: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str], prog: str = "python -m benchmarks kernels") -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (default 1: the 2-core machine is shared, and more threads "
                              "than free cores makes OpenMP timings meaningless)")
     parser.add_argument("--prefix-lens", type=int, nargs="+", default=[256, 1024, 4096])
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     rows = []
@@ -83,13 +84,12 @@ def main() -> None:
                cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
                load_average=[round(x, 2) for x in os.getloadavg()], repeats=args.repeats,
                shape="1 request, 32 q heads, 8 kv heads, head size 128, block size 16")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "tree_attention_cpu.json").write_text(json.dumps(dict(env=env, rows=rows), indent=2) + "\n")
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    (RESULTS_DIR / "tree_attention_cpu.json").write_text(json.dumps(dict(env=env, rows=rows), indent=2) + "\n")
     lines = [
         "# CPU tree attention: prefix once + tree part + LSE merge vs naive per-node gather + SDPA",
         "",
-        f"Command: `python benchmarks/tree_attention_cpu.py --repeats {args.repeats} --dtype {args.dtype} "
-        f"--threads {args.threads}`",
+        f"Command: `{command_line('kernels', argv)}`",
         f"Environment: torch {env['torch']}, {env['threads']} threads, {env['cores']} cores, "
         f"load average at the end {env['load_average']} (shared machine: timings are noisy). "
         f"Shape: {env['shape']}; tree of {len(TREE_PARENTS)} query tokens (root + 15 nodes, depth 5). "
@@ -100,8 +100,5 @@ def main() -> None:
     ]
     lines += [f"| {r['prefix_len']} | {r['naive_ms']:.2f} | {r['cpu_path_ms']:.2f} | {r['speedup']:.1f}x | "
               f"{r['max_abs_diff']:.1e} |" for r in rows]
-    (RESULTS / "tree_attention_cpu.md").write_text("\n".join(lines) + "\n")
+    (RESULTS_DIR / "tree_attention_cpu.md").write_text("\n".join(lines) + "\n")
 
-
-if __name__ == "__main__":
-    main()
