@@ -1,7 +1,7 @@
 # Two commands do everything on a fresh machine (2-core x86 CPU, Python 3.11):
 #   make demo   set up, fetch the default models, run the main job (vanilla vs vLLM eagle3 vs the plugin's
-#               EAGLE-2 tree and its speculation controller, 13-20 minutes; python -m benchmarks.main_job
-#               --full runs all seven setups)
+#               EAGLE-2 tree and its speculation controller, 13-20 minutes; python -m benchmarks main
+#               --full runs all seven setups; benchmarks/README.md lists the other benchmarks)
 #   make test   set up, run the default test suite (what CI runs)
 PYTHON ?= python3
 VENV ?= .venv
@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml setup.py
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m benchmarks.main_job
+	$(BIN)/python -m benchmarks main
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15
