@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from benchmarks.harness.identity import classify_identity
+from benchmarks.harness.identity import classify_identity, identity_verdict
 from benchmarks.harness.setups import MEDIAN_FIELDS, ROW_FIELDS, VANILLA
 
 
@@ -94,15 +94,9 @@ def _identity_over_runs(
              "vanilla_token": None, "setup_token": None, "near_tie": False,
              "reason": "vanilla's tokens changed when logprobs were requested: the top-logit record is not of this path"}
         )  # fmt: skip
-    if not divergences:
-        identity = "identical"
-    elif all(d["near_tie"] for d in divergences):
-        identity = "near-tie"
-    else:
-        identity = "FAILED"
     return {
         "outputs_identical_to_vanilla": not divergences,
-        "identity": identity,
+        "identity": identity_verdict(divergences),
         "divergences": sorted(
             divergences, key=lambda d: (d["prompt"] is None, d["prompt"] or 0, d["position"] or 0)
         ),

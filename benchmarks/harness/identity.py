@@ -92,13 +92,14 @@ def classify_identity(
             else:  # not even among vanilla's recorded choices: at least the margin to the last of them
                 divergence["margin"] = first_logit - ranked[-1][1]
         divergences.append(divergence)
+    return {"identity": identity_verdict(divergences), "divergences": divergences}
+
+
+def identity_verdict(divergences: list[dict[str, Any]]) -> str:
+    """"identical" without divergences, "near-tie" when every one is a near-tie, else "FAILED"."""
     if not divergences:
-        identity = "identical"
-    elif all(d["near_tie"] for d in divergences):
-        identity = "near-tie"
-    else:
-        identity = "FAILED"
-    return {"identity": identity, "divergences": divergences}
+        return "identical"
+    return "near-tie" if all(d["near_tie"] for d in divergences) else "FAILED"
 
 
 def identity_failures(rows: list[dict[str, Any]]) -> list[str]:
