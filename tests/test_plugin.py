@@ -28,6 +28,58 @@ def test_register_is_idempotent():
     assert gpu_model_runner.EagleProposer is EagleProposer
 
 
+def test_register_leaves_the_process_environment_alone(monkeypatch):
+    from vllm_easyspec import plugin
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    monkeypatch.setattr(plugin, "_registered", False)
+    before = dict(os.environ)
+    plugin.register()
+    assert dict(os.environ) == before
+
+
+def test_only_engines_with_easyspec_options_are_moved_to_vllms_v1_model_runner(monkeypatch):
+    """Config level, as on a GPU with Triton (where vLLM 0.32.0 picks Model Runner V2): an engine without
+    easyspec options keeps vLLM's choice, whatever it is; one with them runs V1, and forcing V2 on it is one
+    line naming the variable and the fix."""
+    import vllm.config.vllm as vllm_config_module
+    import vllm.envs as envs
+    from vllm.config import VllmConfig
+
+    from vllm_easyspec import plugin
+    from vllm_easyspec.integration.model_runner_choice import ModelRunnerConflictError, vllm_choice
+
+    plugin.register()
+    plain, with_easyspec = VllmConfig(), VllmConfig(additional_config={"easyspec": {}})
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
+    for forced in (None, False, True):  # unset, =0, =1 (a module attribute shadows vLLM's lazy lookup)
+        monkeypatch.setattr(envs, "VLLM_USE_V2_MODEL_RUNNER", forced, raising=False)
+        expected = forced is not False
+        assert vllm_choice(plain) is expected and plain.use_v2_model_runner is expected
+        assert vllm_choice(with_easyspec) is expected
+        if forced is True:
+            with pytest.raises(ModelRunnerConflictError, match=r"VLLM_USE_V2_MODEL_RUNNER=1 forces Model Runner V2; "
+                                                          r"unset VLLM_USE_V2_MODEL_RUNNER"):
+                _ = with_easyspec.use_v2_model_runner
+        else:
+            assert with_easyspec.use_v2_model_runner is False
+
+
+def test_forcing_v2_with_easyspec_options_fails_where_the_engine_is_created(monkeypatch, tiny_llama_dir):
+    import vllm.envs as envs
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_easyspec import plugin
+    from vllm_easyspec.integration.model_runner_choice import ModelRunnerConflictError
+
+    plugin.register()
+    monkeypatch.setattr(envs, "VLLM_USE_V2_MODEL_RUNNER", True, raising=False)
+    args = EngineArgs(model=str(tiny_llama_dir), additional_config={"easyspec": {}}, enforce_eager=True)
+    with pytest.raises(ModelRunnerConflictError, match=r"^additional_config.easyspec runs on vLLM's V1 model runner, "
+                                                  r"but VLLM_USE_V2_MODEL_RUNNER=1[^\n]*$"):
+        args.create_engine_config()
+
+
 def test_the_plugin_proposers_are_built_only_where_the_options_ask_for_them():
     import vllm.v1.worker.gpu_model_runner as gpu_model_runner
     from vllm.v1.spec_decode.draft_model import DraftModelProposer

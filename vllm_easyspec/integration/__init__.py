@@ -21,8 +21,9 @@ def install() -> None:
     check_vllm_version()
     from vllm.platforms import current_platform
 
-    from vllm_easyspec.integration import front_end, runner
+    from vllm_easyspec.integration import front_end, model_runner_choice, runner
 
+    model_runner_choice.install()
     front_end.install()
     runner.install()
     if current_platform.is_cpu():
