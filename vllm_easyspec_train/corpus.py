@@ -17,8 +17,9 @@ distributions whose licence metadata is permissive (MIT, BSD, Apache-2.0, PSF, I
 their SPDX variants; ``classify_licence``).  Everything else is left out, and so are tests,
 vendored code, this project itself, and anything whose name suggests a public evaluation
 set.  No item shares an 8-word shingle or a task phrase with the EAGLE benchmark's held-out
-prompts (``prompts.HELDOUT_PROMPTS``) or the code-edit benchmark prompts
-(``benchmarks/prompts.json``, kind ``edit``); ``ExclusionFilter`` counts what it removed.
+prompts (``prompts.HELDOUT_PROMPTS``), the main job's chat, code and math prompts or the
+code-edit benchmark prompts (``benchmarks/prompts.json``); ``ExclusionFilter`` counts what it
+removed.
 
 Invariants:
 
@@ -483,16 +484,19 @@ def _repo_root() -> Path:
 
 
 def protected_texts() -> dict[str, list[str]]:
-    """The texts no training item may overlap: the EAGLE benchmark's held-out prompts and the
-    code-edit benchmark prompts (``benchmarks/prompts.json``, kind ``edit``)."""
+    """The texts no training item may overlap: the EAGLE benchmark's held-out prompts, the main job's
+    chat prompts (``benchmarks/prompts.json``, every kind but ``edit``: the chat, code and math prompts
+    ``python -m benchmarks main`` answers) and the code-edit benchmark prompts (kind ``edit``)."""
     from .prompts import HELDOUT_PROMPTS
 
     pj = _repo_root() / "benchmarks" / "prompts.json"
     if not pj.exists():
-        raise FileNotFoundError(f"{pj} (the code-edit benchmark prompts) is missing; build the corpus from a "
-                                "checkout of the repository or pass protected= explicitly")
+        raise FileNotFoundError(f"{pj} (the benchmark prompts) is missing; build the corpus from a checkout of "
+                                "the repository or pass protected= explicitly")
     entries = json.loads(pj.read_text())["prompts"]
-    return {"heldout": list(HELDOUT_PROMPTS), "code_edit": [e["text"] for e in entries if e["kind"] == "edit"]}
+    return {"heldout": list(HELDOUT_PROMPTS),
+            "main_job": [e["text"] for e in entries if e["kind"] != "edit"],
+            "code_edit": [e["text"] for e in entries if e["kind"] == "edit"]}
 
 
 # --------------------------------------------------------------------------- units cut from source

@@ -120,8 +120,24 @@ def test_no_item_contains_a_heldout_or_code_edit_prompt(small_corpus):
         assert filt.match(it.text()) is None
         words = " ".join(C._words(it.text()))
         assert not any(t in words for t in norm)
-    # the full coding set passes the filter (its tasks are disjoint from the held-out ones)
-    assert not any(filt.match(p) for p in train_prompts())
+    # the coding set's tasks are disjoint from the held-out and code-edit ones (main-job overlaps: next test)
+    assert {filt.match(p) for p in train_prompts()} <= {None, "main_job"}
+
+
+def test_coding_prompts_sharing_a_main_job_task_are_left_out_of_the_corpus():
+    protected = C.protected_texts()
+    entries = json.loads((C._repo_root() / "benchmarks" / "prompts.json").read_text())["prompts"]
+    assert protected["main_job"] == [e["text"] for e in entries if e["kind"] in ("chat", "code", "math")]
+    filt = C.ExclusionFilter(protected)
+    shared = [p for p in train_prompts() if filt.match(p) == "main_job"]
+    # the ten that ask for the main job's "merges two sorted lists into one sorted list"
+    assert len(shared) == 10 and all("merges two sorted lists into one sorted list" in p for p in shared)
+    # no sources: the corpus is the coding prompts alone, enough of them to reach the last shared one
+    c = C.build_corpus(7000, 0, roots=[])
+    coding = [it.messages[0]["content"] for it in c.items if it.category == "coding"]
+    assert c.manifest["categories"]["coding"]["requested"] == len(coding) + 10
+    assert not set(coding) & set(shared) and set(coding) | set(shared) == set(train_prompts()[:len(coding) + 10])
+    assert c.manifest["exclusions"]["removed_overlapping_protected"]["main_job"] == 10
 
 
 def test_exclusion_filter_matches_protected_text_not_generic_wording():
