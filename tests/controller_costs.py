@@ -11,12 +11,12 @@ def drafting_costs_nothing(worker) -> bool:
     never holds a step back."""
     from vllm_easyspec.control.cost import CostCurve
 
-    controller = worker.model_runner.tree_verifier.controller
+    controller = worker.model_runner.tree_verifier.policy.controller
     cost = controller.cost
     cost.draft_level = CostCurve.from_measurements([1], [1e-5])
     cost.draft_forward = None
     cost.draft_scale = cost.first_pass_scale = 1.0
-    controller.observe_draft = lambda levels, rows_per_level, seconds: None
+    controller.observe_draft = lambda *arguments, **keywords: None
     controller.observe_first_pass = lambda *arguments, **keywords: None
     controller.guard.holds_back = lambda requests, plain_seconds: False
     return True
@@ -29,7 +29,7 @@ def steps_cost_nothing(worker) -> bool:
     from vllm_easyspec.control.cost import CostCurve
 
     drafting_costs_nothing(worker)
-    controller = worker.model_runner.tree_verifier.controller
+    controller = worker.model_runner.tree_verifier.policy.controller
     cost = controller.cost
     cost.verify = CostCurve.from_measurements([1], [0.01])
     cost.verify_scale, cost.extra_per_row, cost.extra_per_masked_row = 1.0, 0.0, 0.0
@@ -44,6 +44,6 @@ def only_prompt_lookup_pays(worker) -> bool:
     from vllm_easyspec.control.cost import CostCurve
 
     steps_cost_nothing(worker)
-    cost = worker.model_runner.tree_verifier.controller.cost
+    cost = worker.model_runner.tree_verifier.policy.controller.cost
     cost.draft_level = CostCurve.from_measurements([1], [1000.0])
     return True

@@ -110,7 +110,7 @@ def test_the_plugin_proposers_are_built_only_where_the_options_ask_for_them():
 
 
 def test_the_start_up_cost_curves_time_every_small_row_count_then_powers_of_two_up_to_the_most():
-    from vllm_easyspec.integration.runner import _calibration_rows
+    from vllm_easyspec.integration.auto_calibration import calibration_rows as _calibration_rows
 
     assert _calibration_rows(1) == [1] and _calibration_rows(5) == [1, 2, 3, 4, 5]
     assert _calibration_rows(21) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 21]

@@ -180,6 +180,7 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
         TreeTritonAttentionMetadataBuilder,
         TreeTritonVerifyMetadata,
     )
+    from vllm_easyspec.integration.node_policy import TreeBudget
     from vllm_easyspec.integration.runner import TreeRunnerMixin
     from vllm_easyspec.integration.tree_attention import verifying
     from vllm_easyspec.integration.tree_sampler import TreeVerdict
@@ -299,7 +300,7 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
         runner = types.SimpleNamespace(  # what TreeRunnerMixin._commit reads of the runner
             input_ids=types.SimpleNamespace(gpu=torch.zeros(num_tokens_padded, dtype=torch.int32, device=dev)),
             positions=torch.zeros(num_tokens_padded, dtype=torch.int64, device=dev),
-            tree_verifier=TreeVerifier(requests={}),
+            tree_verifier=TreeVerifier(requests={}, policy=TreeBudget()),
         )
         verdict = TreeVerdict(sampler_output=None, branch=step.accepted_moves(accepted_nodes, num_accepted))
         TreeRunnerMixin._commit(runner, forward, verdict)

@@ -107,6 +107,7 @@ def test_the_runners_commit_on_a_second_device_moves_the_branch_into_place():
     """The runner's ``_commit`` with the KV cache, its block table and the runner's input ids and positions on
     the device: the accepted nodes verified away from their destination have their K/V moved to it (P + depth),
     ids and positions of rows P + 1 .. P + a are the branch's."""
+    from vllm_easyspec.integration.node_policy import TreeBudget
     from vllm_easyspec.integration.runner import TreeRunnerMixin
     from vllm_easyspec.integration.tree_sampler import TreeVerdict
     from vllm_easyspec.integration.tree_step import TreeVerifier, TreeVerifyForward, VerifyKV
@@ -129,7 +130,8 @@ def test_the_runners_commit_on_a_second_device_moves_the_branch_into_place():
                                             write)
         runner = types.SimpleNamespace(  # what the commit reads of the runner
             input_ids=types.SimpleNamespace(gpu=torch.zeros(10, dtype=torch.int32, device=device)),
-            positions=torch.zeros(10, dtype=torch.int64, device=device), tree_verifier=TreeVerifier(requests={}),
+            positions=torch.zeros(10, dtype=torch.int64, device=device),
+            tree_verifier=TreeVerifier(requests={}, policy=TreeBudget()),
         )
         TreeRunnerMixin._commit(runner, forward, TreeVerdict(sampler_output=None, branch=branch))
         return on_host(cache).clone(), on_host(runner.input_ids.gpu).tolist(), on_host(runner.positions).tolist()
@@ -149,12 +151,13 @@ def test_the_runners_tree_step_start_writes_device_positions():
     """``_start_tree_step`` with the runner's positions on the device: tree rows get P + depth."""
     import numpy as np
 
+    from vllm_easyspec.integration.node_policy import TreeBudget
     from vllm_easyspec.integration.runner import TreeRunnerMixin
     from vllm_easyspec.integration.tree_step import PendingTree, TreeVerifier
 
     params = types.SimpleNamespace(min_tokens=0, all_stop_token_ids=set())
     requests = {"a": types.SimpleNamespace(sampling_params=params, output_token_ids=[])}
-    verifier = TreeVerifier(requests=requests)
+    verifier = TreeVerifier(requests=requests, policy=TreeBudget())
     verifier.pending = {"a": PendingTree.within(5, TREES[0][0], TREES[0][1], ChildDrawMode.WITHOUT_REPLACEMENT)}
     scheduler_output = types.SimpleNamespace(scheduled_spec_decode_tokens={"a": TREES[0][0]})
 

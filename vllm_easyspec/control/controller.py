@@ -104,6 +104,7 @@ RATIO_MEMORY = 0.98  # decay per step of a batch-size bucket of the sums behind 
 GUARD_MEMORY = 0.9  # decay per decode cycle of the sums behind a bucket's tokens per second
 GUARD_MIN_CYCLES = 8  # cycles of a kind a bucket needs before its measured rate is trusted
 GUARD_STANDARD_ERRORS = 1.0  # how far below plain cycles drafted ones must be for the guard to hold back
+CURRENT_CYCLE = object()  # an observation's default cycle: the one open when it arrives
 
 
 @dataclass
@@ -208,7 +209,7 @@ class _Rate:
 
 
 @dataclass
-class _Cycle:
+class DecodeCycle:
     """One decode cycle in progress: the drafting that ``plan_depth`` opened, then the verify that closes it."""
 
     drafted: bool
@@ -339,13 +340,20 @@ class SpeculationController:
         self._ratio_sums: dict[int, list[float]] = {}  # bucket -> decayed [realised, predicted] accepted nodes
         self.guard = OutcomeGuard()
         self._guard_requests: set[str] = set()  # the running requests whose cycles the guard has weighed
-        self._cycle: _Cycle | None = None
+        self._cycle: DecodeCycle | None = None
         self._first_pass_debt = 0.0  # catch-up first-pass seconds that drafted cycles have yet to repay to the guard
         self._explore_budget = 0.0  # seconds exploring steps may still spend
         self._exploring = Exploring.NO  # what this step's drafting explores
         self._lookup_held_back = False  # this step, if it drafts nothing, verifies no prompt-lookup path
         # receives one record per plan_depth call when set (instruments.plan_log: VLLM_EASYSPEC_PLAN_LOG)
         self.plan_log: Callable[[dict[str, Any]], None] | None = None
+
+    @property
+    def current_cycle(self) -> DecodeCycle | None:
+        """The decode cycle the last :meth:`plan_depth` opened and no :meth:`observe_verify` has closed yet. A
+        timing that reaches the controller late (a GPU's spans are read a step later) names the cycle it belongs
+        to with this."""
+        return self._cycle
 
     @property
     def realised_over_predicted(self) -> float:
@@ -451,7 +459,7 @@ class SpeculationController:
                            "exploring": self._exploring.value,
                            "options": [asdict(option) for option in options or []]})
         full_first_pass = steady + catch_up
-        self._cycle = _Cycle(drafted=depth > 0, requests=set(req_ids), weighed=self._exploring is Exploring.NO,
+        self._cycle = DecodeCycle(drafted=depth > 0, requests=set(req_ids), weighed=self._exploring is Exploring.NO,
                              first_pass_share=first_pass / full_first_pass if full_first_pass > 0 else 1.0,
                              horizon_steps=max(horizon_steps, 1.0))
         self.stats.controller_seconds += time.perf_counter() - started
@@ -594,11 +602,11 @@ class SpeculationController:
             for req_id in [r for r in state if r not in live]:
                 del state[req_id]
 
-    def observe_drafting(self, seconds: float) -> None:
+    def observe_drafting(self, seconds: float, cycle: DecodeCycle | None | object = CURRENT_CYCLE) -> None:
         """The whole drafting stage of the step that :meth:`plan_depth` planned took ``seconds`` (deferring the
         first pass, when nothing was drafted): what it took beyond its forwards keeps the cost model's
-        overhead current."""
-        cycle = self._cycle
+        overhead current. ``cycle``: the one it belongs to (:attr:`current_cycle` when it was drafted)."""
+        cycle = self._cycle if cycle is CURRENT_CYCLE else cycle
         if cycle is not None:
             cycle.seconds += seconds
             if cycle.drafted and cycle.first_pass_seconds > 0:
@@ -606,13 +614,15 @@ class SpeculationController:
                                            seconds - cycle.first_pass_seconds - cycle.level_seconds)
 
     def observe_verify(self, rows: int, seconds: float, masked_rows: int = 0, requests: int | None = None,
-                       masked_requests: int = 0) -> None:
+                       masked_requests: int = 0, cycle: DecodeCycle | None | object = CURRENT_CYCLE) -> None:
         """A decode-only verify step of ``requests`` requests over ``rows`` rows (``masked_rows`` of them in the
         branching trees of ``masked_requests`` requests) took ``seconds``: it keeps the cost model current and
-        closes the decode cycle that the last :meth:`plan_depth` opened."""
+        closes its decode cycle (``cycle``, default the one the last :meth:`plan_depth` opened)."""
         started = time.perf_counter()
         self.cost.observe_verify(rows, seconds, masked_rows, masked_requests, requests)
-        cycle, self._cycle = self._cycle, None
+        cycle = self._cycle if cycle is CURRENT_CYCLE else cycle
+        if cycle is self._cycle:
+            self._cycle = None
         self._explore_budget = min(self._explore_budget + EXPLORE_SHARE * seconds, EXPLORE_MOST_STEPS * seconds)
         # the guard weighs cycles that drafted, and apart from them cycles that verified prompt-lookup paths alone
         # (their tokens depend on their requests), against cycles that verified no node
@@ -627,13 +637,18 @@ class SpeculationController:
                            lookup_only=not cycle.drafted and cycle.nodes > 0)
         self.stats.controller_seconds += time.perf_counter() - started
 
-    def observe_draft(self, levels: int, rows_per_level: int, seconds: float) -> None:
+    def observe_draft(self, levels: int, rows_per_level: int, seconds: float,
+                      cycle: DecodeCycle | None | object = CURRENT_CYCLE) -> None:
+        """The drafter's ``levels`` level forwards of ``rows_per_level`` rows each took ``seconds``."""
         self.cost.observe_draft(levels, rows_per_level, seconds)
-        if self._cycle is not None:
-            self._cycle.level_seconds += seconds
+        cycle = self._cycle if cycle is CURRENT_CYCLE else cycle
+        if cycle is not None:
+            cycle.level_seconds += seconds
 
-    def observe_first_pass(self, rows: int, seconds: float, requests: int = 0) -> None:
+    def observe_first_pass(self, rows: int, seconds: float, requests: int = 0,
+                           cycle: DecodeCycle | None | object = CURRENT_CYCLE) -> None:
         """The drafter's first pass over ``rows`` rows, with the logits of ``requests`` roots, took ``seconds``."""
         self.cost.observe_first_pass(rows, seconds, requests)
-        if self._cycle is not None:
-            self._cycle.first_pass_seconds += seconds
+        cycle = self._cycle if cycle is CURRENT_CYCLE else cycle
+        if cycle is not None:
+            cycle.first_pass_seconds += seconds

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from vllm_easyspec.integration.proposers import DraftingStats
+from vllm_easyspec.instruments.device_clock import DraftingStats
 
 _TIMER_ATTRIBUTE = "_easyspec_drafting_timer"
 
@@ -43,14 +43,12 @@ def time_drafter(worker: Any) -> bool:
 
     @functools.wraps(untimed_propose)
     def timed_propose(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
+        start = time.perf_counter()  # host time: this instrument waits for the device (below)
         result = untimed_propose(*args, **kwargs)
         tokens = result[0] if isinstance(result, tuple) else result
         if isinstance(tokens, torch.Tensor) and tokens.is_cuda:
             torch.cuda.synchronize(tokens.device)
-        stats.drafting_seconds += time.perf_counter() - start
-        stats.steps += 1
-        stats.drafted_requests += len(tokens) if tokens is not None else 0
+        stats.count_step(start, len(tokens) if tokens is not None else 0)
         return result
 
     drafter.propose = timed_propose
@@ -64,7 +62,7 @@ def read_timed_drafting_stats(worker: Any) -> dict[str, Any] | None:
     stats: DraftingStats | None = getattr(drafter, _TIMER_ATTRIBUTE, None)
     if stats is None:
         return None
-    return asdict(stats) | {"seconds_per_step": stats.seconds_per_step, "timed_by": "drafter.propose wrapper"}
+    return stats.as_dict() | {"timed_by": "drafter.propose wrapper"}
 
 
 # ---- whole engine steps (any setup, vanilla included) ----
@@ -131,7 +129,7 @@ def _cumulative_drafting_seconds(runner: Any) -> float:
         return 0.0
     stats = getattr(drafter, _TIMER_ATTRIBUTE, None)
     if stats is None and _self_timed(drafter):
-        stats = drafter.drafting_stats
+        stats = drafter.drafting_stats.settled()  # the step timer has waited for the device anyway
     return stats.drafting_seconds if stats is not None else 0.0
 
 

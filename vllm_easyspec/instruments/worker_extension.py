@@ -22,7 +22,7 @@ def read_drafting_stats(worker) -> dict[str, Any] | None:
     stats = getattr(drafter, "drafting_stats", None)
     if stats is None:
         return None
-    result: dict[str, Any] = asdict(stats) | {"seconds_per_step": stats.seconds_per_step}
+    result: dict[str, Any] = stats.settled().as_dict()  # an instrument read: waits for pending timings
     calibration = getattr(drafter, "calibration", None)
     if calibration is not None:
         result["exact_first_forwards"] = calibration.exact_first_forwards
@@ -55,7 +55,7 @@ def read_controller_stats(worker) -> dict[str, Any] | None:
     step, predicted against realised accepted tokens, its own seconds), the measured cost curves with their
     current scales, and the acceptance model's calibration tables; None without the controller."""
     verifier = getattr(worker.model_runner, "tree_verifier", None)
-    controller = None if verifier is None else verifier.controller
+    controller = None if verifier is None else verifier.policy.controller
     if controller is None:
         return None
     stats = asdict(controller.stats)

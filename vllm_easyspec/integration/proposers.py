@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from vllm.config import VllmConfig
@@ -38,13 +38,12 @@ from vllm.v1.spec_decode.eagle import EagleProposer
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
 from vllm_easyspec.easyspec.calibration import CalibrationSchedule
+from vllm_easyspec.instruments.device_clock import DeviceClock, DraftingStats
 from vllm_easyspec.integration.compat import plugin_logger
 from vllm_easyspec.integration.options import EasySpecOptions, easyspec_options
 from vllm_easyspec.integration.tree_drafting import TreeDrafting
 
 logger = plugin_logger(__name__)
-
-LOG_EVERY_STEPS = 200
 
 PROPOSE_SIGNATURE = inspect.signature(SpecDecodeBaseProposer.propose)
 
@@ -73,27 +72,32 @@ def plugin_proposers(options: EasySpecOptions | None) -> Iterator[None]:
             setattr(gpu_model_runner, name, proposer_class)
 
 
-@dataclass
-class DraftingStats:
-    """Cumulative drafting-stage counters of one worker (one per TP rank)."""
+@dataclass(frozen=True)
+class DraftingBatch:
+    """What a drafting step reads of the runner's batch: handed to the proposer by the runner before each step
+    (:meth:`PluginProposerMixin.begin_step`), so the drafter keeps no reference to the runner. The arrays are
+    vLLM's ``InputBatch`` host arrays (rows in batch order), not copies."""
 
-    steps: int = 0
-    drafted_requests: int = 0
-    drafting_seconds: float = 0.0
+    req_ids: list[str]
+    requests: Mapping[str, Any]  # the runner's request states (vLLM's CachedRequestState) by request id
+    token_ids: np.ndarray  # [rows, max_model_len] each row's tokens so far (prompt and output)
+    num_tokens_no_spec: np.ndarray  # [rows] how many of them are real (no drafts)
+    num_computed_tokens: np.ndarray  # [rows]
+    num_prompt_tokens: np.ndarray  # [rows]
 
-    @property
-    def seconds_per_step(self) -> float:
-        return self.drafting_seconds / self.steps if self.steps else 0.0
+    @classmethod
+    def of(cls, input_batch: Any, requests: Mapping[str, Any]) -> DraftingBatch:
+        """The batch of vLLM's ``InputBatch`` and the runner's ``requests``."""
+        return cls(list(input_batch.req_ids), requests, input_batch.token_ids_cpu, input_batch.num_tokens_no_spec,
+                   input_batch.num_computed_tokens_cpu, input_batch.num_prompt_tokens)
 
-    def count_step(self, started: float, draft_token_ids: torch.Tensor) -> None:
-        """One ``propose`` call that began at ``time.perf_counter()`` = ``started`` and returned these drafts."""
-        if draft_token_ids.is_cuda:
-            torch.cuda.synchronize(draft_token_ids.device)
-        self.drafting_seconds += time.perf_counter() - started
-        self.steps += 1
-        self.drafted_requests += int(draft_token_ids.shape[0])
-        if self.steps % LOG_EVERY_STEPS == 0:
-            logger.info("EasySpec drafting: %d steps, %.2f ms per step", self.steps, 1e3 * self.seconds_per_step)
+    def has_prompt_tokens(self, rows: int) -> bool:
+        """Some request among the first ``rows`` still computes prompt tokens in this step."""
+        return bool((self.num_computed_tokens[:rows] < self.num_prompt_tokens[:rows]).any())
+
+    def history(self, row: int) -> np.ndarray:
+        """Row ``row``'s tokens so far (the runner's token ids: not yet this step's output)."""
+        return self.token_ids[row, : int(self.num_tokens_no_spec[row])]
 
 
 class PluginProposerMixin:
@@ -101,23 +105,26 @@ class PluginProposerMixin:
     a timed ``propose`` that drafts a tree when ``easyspec.tree`` is set."""
 
     options: EasySpecOptions
-    easyspec_runner: Any  # the runner that built this proposer (vLLM's base class does not keep it)
     drafting_stats: DraftingStats
     tree_drafting: TreeDrafting | None
+    drafting_batch: DraftingBatch | None = None  # this step's, from the runner (begin_step)
 
-    def _set_up_plugin(self, options: EasySpecOptions, runner: Any) -> None:
+    def _set_up_plugin(self, options: EasySpecOptions) -> None:
         self.options = options
-        self.easyspec_runner = runner
-        self.drafting_stats = DraftingStats()
+        self.drafting_stats = DraftingStats(clock=DeviceClock(self.device))
         self.tree_drafting = None
         if options.tree is not None:
             self.tree_drafting = TreeDrafting(self, options, draft_chain=super().propose)
+
+    def begin_step(self, batch: DraftingBatch) -> None:
+        """The runner, before each drafting step: the batch it drafts for."""
+        self.drafting_batch = batch
 
     def start_drafting_step(self, arguments: dict[str, Any]) -> None:
         """Called with vLLM's ``propose`` arguments before each drafting step."""
 
     def propose(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        start = time.perf_counter()
+        mark = self.drafting_stats.clock.start()
         bound = PROPOSE_SIGNATURE.bind(self, *args, **kwargs)
         arguments = {name: value for name, value in bound.arguments.items() if name != "self"}
         self.start_drafting_step(arguments)
@@ -125,7 +132,7 @@ class PluginProposerMixin:
             draft_token_ids = self.tree_drafting.propose(**arguments)
         else:
             draft_token_ids = super().propose(**arguments)
-        self.drafting_stats.count_step(start, draft_token_ids)
+        self.drafting_stats.count_step(mark, draft_token_ids.shape[0])
         return draft_token_ids
 
 
@@ -139,7 +146,7 @@ class EasySpecDraftProposer(PluginProposerMixin, DraftModelProposer):
         self.layer_grouping = options.layer_grouping
         self.calibration = CalibrationSchedule(options.config.calibration) if options.is_fuzzy else None
         self.fuzzy_controller = None
-        self._set_up_plugin(options, runner)
+        self._set_up_plugin(options)
         logger.info(
             "EasySpec drafting: %s; calibration: %s; %s",
             self.layer_grouping.describe(),
@@ -190,18 +197,9 @@ class EasySpecDraftProposer(PluginProposerMixin, DraftModelProposer):
         rejected = arguments.get("num_rejected_tokens_gpu")
         batch = arguments["common_attn_metadata"].batch_size()
         all_accepted = rejected is None or not bool((rejected[:batch] != 0).any())
-        self.calibration.start_step(has_prompt_tokens=self._batch_has_prompt_tokens(batch),
+        batch_view = self.drafting_batch
+        self.calibration.start_step(has_prompt_tokens=batch_view is None or batch_view.has_prompt_tokens(batch),
                                     all_drafts_accepted=all_accepted)
-
-    def _batch_has_prompt_tokens(self, batch: int) -> bool:
-        """True when some request of the batch still computes prompt tokens in this step."""
-        runner = self.easyspec_runner
-        if runner is None:
-            return True
-        input_batch = runner.input_batch
-        computed = input_batch.num_computed_tokens_cpu[:batch]
-        prompt = input_batch.num_prompt_tokens[:batch]
-        return bool((computed < prompt).any())
 
 
 class EasySpecEagleProposer(PluginProposerMixin, EagleProposer):
@@ -214,5 +212,5 @@ class EasySpecEagleProposer(PluginProposerMixin, EagleProposer):
         super().__init__(vllm_config=vllm_config, device=device, runner=runner)
         options = easyspec_options(vllm_config)
         assert options is not None and options.drafts_eagle_trees, "built by plugin_proposers only"
-        self._set_up_plugin(options, runner)
+        self._set_up_plugin(options)
         logger.info("EasySpec %s head drafts trees: %s", self.method, options.tree.describe())

@@ -25,27 +25,21 @@ builds the plugin's proposers (:func:`~vllm_easyspec.integration.proposers.plugi
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from vllm_easyspec.control.controller import SpeculationController
-from vllm_easyspec.control.cost import CostCurve, ForwardTimings, StepCostModel, time_forwards
-from vllm_easyspec.instruments.plan_log import appender, plan_log_path
 from vllm_easyspec.instruments.step_trace import step_trace_path, trace_tree_step
+from vllm_easyspec.integration.auto_calibration import start_auto_budget
 from vllm_easyspec.integration.compat import plugin_logger
-from vllm_easyspec.integration.metrics import ControllerPublisher
+from vllm_easyspec.integration.node_policy import TreeBudget, VerifyShape
 from vllm_easyspec.integration.options import easyspec_options
-from vllm_easyspec.integration.proposers import plugin_proposers
+from vllm_easyspec.integration.proposers import DraftingBatch, PluginProposerMixin, plugin_proposers
 from vllm_easyspec.integration.tree_attention import verifying
 from vllm_easyspec.integration.tree_sampler import TreeRejectionSampler, TreeVerdict
 from vllm_easyspec.integration.tree_step import TreeVerifier, TreeVerifyForward
 from vllm_easyspec.tree.building import ChildDrawMode
-from vllm_easyspec.tree.config import TreeConfig
 from vllm_easyspec.tree.verify_step import TreeRequest, TreeVerifyStep
 
 logger = plugin_logger(__name__)
-DENSE_CALIBRATION_ROWS = 8  # start-up cost curves: every row count up to this one is timed
 MAX_DRAFTING_PAUSE = 31  # steps without calling a drafter that keeps raising, at most, before it is tried again
 
 
@@ -54,8 +48,7 @@ class TreeRunnerMixin:
 
     tree_verifier: TreeVerifier | None = None
     tree_sampler: TreeRejectionSampler | None = None
-    _step_clock: tuple[float, int, int] | None = None  # auto: (start, rows, masked rows) of a decode step's verify
-    _controller_publisher: ControllerPublisher | None = None  # auto, tensor-parallel rank 0: to vLLM's metrics
+    _plugin_drafter: PluginProposerMixin | None = None  # the plugin's proposer, handed each step's batch
     _step_trace: str | None = None  # VLLM_EASYSPEC_STEP_TRACE: where tree verify steps are traced
     _guards_drafting: bool = False  # easyspec options set: a drafter that raises costs the step its drafts only
     failed_drafting_steps: int = 0  # steps whose drafter raised (served without drafts)
@@ -68,43 +61,35 @@ class TreeRunnerMixin:
         with plugin_proposers(options):
             super().__init__(vllm_config, device)
         self._guards_drafting = options is not None
-        if options is None or options.tree is None or getattr(self, "drafter", None) is None:
+        drafter = getattr(self, "drafter", None)
+        if isinstance(drafter, PluginProposerMixin):
+            self._plugin_drafter = drafter
+        if options is None or options.tree is None or drafter is None:
             return
-        drafting = self.drafter.tree_drafting
-        self.tree_verifier = TreeVerifier(self.requests, drafting.unshared_target_tokens)
+        drafting = drafter.tree_drafting
+        self.tree_verifier = TreeVerifier(self.requests, TreeBudget(options.tree), drafting.unshared_target_tokens)
+        drafting.verifier = self.tree_verifier
         self.tree_sampler = TreeRejectionSampler(self.sampler, self.speculative_config, self.device)
         self._step_trace = step_trace_path()
 
     # Extends GPUModelRunner.initialize_kv_cache (CPUModelRunner's too): with easyspec.tree.auto, the step's
-    # cost is measured once the caches exist, and the controller starts.
+    # cost is measured once the caches exist, and the auto policy takes over the step's budget.
     def initialize_kv_cache(self, *args, **kwargs):
         result = super().initialize_kv_cache(*args, **kwargs)
         tree = None if self.tree_verifier is None else easyspec_options(self.vllm_config).tree
         if tree is not None and tree.auto is not None:
-            controller = self._start_controller(tree)
-            self.tree_verifier.controller = controller
-            from vllm.distributed import get_tensor_model_parallel_rank
-
-            if get_tensor_model_parallel_rank() == 0:
-                self._controller_publisher = ControllerPublisher(controller, self.vllm_config.instance_id)
+            self.tree_verifier.policy = start_auto_budget(self, tree)
         return result
 
     # Extends GPUModelRunner._prepare_inputs: tree rows get the positions P + depth.
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
-        started = time.perf_counter()
+        if self.tree_verifier is None:
+            return super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        policy = self.tree_verifier.policy
+        mark = policy.start()  # the verify span opens before its inputs are prepared
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
-        if self.tree_verifier is not None:
-            self._start_tree_step(scheduler_output)
-            decode_only = not scheduler_output.scheduled_new_reqs and all(
-                count == 1 + len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
-                for req_id, count in scheduler_output.num_scheduled_tokens.items())
-            forward = self.tree_verifier.forward
-            masked = None if forward is None else forward.masked
-            masked_rows = 0 if masked is None else int(masked.num_queries.sum())
-            masked_requests = 0 if masked is None else len(masked.requests)
-            self._step_clock = ((started, scheduler_output.total_num_scheduled_tokens, masked_rows,
-                                 len(scheduler_output.num_scheduled_tokens), masked_requests)
-                                if decode_only else None)
+        self._start_tree_step(scheduler_output)
+        policy.verify_started(mark, _verify_shape(scheduler_output, self.tree_verifier.forward))
         return result
 
     # Extends GPUModelRunner._build_attention_metadata: tree requests get tree-attention metadata.
@@ -141,21 +126,16 @@ class TreeRunnerMixin:
                                 self.positions, verdict, self.input_batch.sampling_metadata)
             self._commit(forward, verdict)
             output = verdict.sampler_output
-        if self._step_clock is not None and verifier.controller is not None:  # auto: keep the cost model current
-            started, rows, masked_rows, requests, masked_requests = self._step_clock
-            if output.sampled_token_ids.is_cuda:
-                torch.cuda.synchronize(output.sampled_token_ids.device)
-            verifier.controller.observe_verify(rows, time.perf_counter() - started, masked_rows, requests,
-                                               masked_requests)
-            self._step_clock = None
+        if verifier is not None:
+            verifier.policy.verify_done()
         return output
 
     # Extends GPUModelRunner.sample_tokens (verify, then draft): with easyspec.tree.auto the controller's figures
     # go to vLLM's metrics before the step's outputs leave the engine.
     def sample_tokens(self, grammar_output):
         output = super().sample_tokens(grammar_output)
-        if self._controller_publisher is not None:
-            self._controller_publisher.publish()
+        if self.tree_verifier is not None:
+            self.tree_verifier.policy.publish()
         return output
 
     # Extends GPUModelRunner.propose_draft_token_ids: with easyspec options, a drafter that raises (a bug, or one
@@ -165,6 +145,8 @@ class TreeRunnerMixin:
     # the k-th failure in a row the drafter is not called for the next 2^(k-1) - 1 steps (at most
     # MAX_DRAFTING_PAUSE): a drafter that fails every step costs a few attempts, not one per step.
     def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
+        if self._plugin_drafter is not None:
+            self._plugin_drafter.begin_step(DraftingBatch.of(self.input_batch, self.requests))
         if self._drafting_pause > 0:
             self._drafting_pause -= 1
             self.paused_drafting_steps += 1
@@ -276,58 +258,6 @@ class TreeRunnerMixin:
         stats.tree_requests += len(requests)
         stats.nodes_verified += int(step.trees.num_nodes.sum())
 
-    def _start_controller(self, tree: TreeConfig) -> SpeculationController:
-        """easyspec.tree.auto: the step's cost measured (the target's forward and logits over the rows a verify
-        can have, one draft forward with and without logits over the rows a level can have), then the controller
-        that uses it."""
-        started = time.perf_counter()
-        level_width = tree.top_k if not tree.is_static else max(
-            len(level) for level in tree.template().expansion_levels())
-        max_nodes = tree.num_nodes if tree.auto.max_nodes is None else tree.auto.max_nodes
-        batch = self.scheduler_config.max_num_seqs
-        verify = self._forward_timings(_calibration_rows(min(batch * (1 + max_nodes), self.max_num_tokens)),
-                                       draft=False)
-        level = self._forward_timings(_calibration_rows(min(batch * level_width, self.max_num_tokens)), draft=True)
-        cost = StepCostModel(
-            verify=CostCurve.from_measurements(verify.rows, verify.with_logits),
-            draft_level=CostCurve.from_measurements(level.rows, level.with_logits),
-            draft_forward=CostCurve.from_measurements(level.rows, level.without_logits),
-        )
-        logger.info("easyspec.tree.auto: step cost measured in %.1f s: %s", time.perf_counter() - started,
-                    cost.describe())
-        controller = SpeculationController(cost, max_depth=tree.max_depth, max_nodes=max_nodes,
-                                           level_width=level_width)
-        plan_log = plan_log_path()
-        if plan_log is not None:
-            controller.plan_log = appender(plan_log)
-        return controller
-
-    def _forward_timings(self, rows: list[int], draft: bool) -> ForwardTimings:
-        """Forwards of the target, or of the drafter's model, timed as :func:`time_forwards` says; attention runs
-        without metadata (no context), as in vLLM's profiling runs."""
-        from vllm.forward_context import set_forward_context
-
-        model = self.drafter.model if draft else self.model
-
-        def forward(count: int) -> tuple[float, float]:
-            inputs = {"input_ids": self.input_ids.gpu[:count], "positions": self.positions[:count]}
-            if draft and self.drafter.pass_hidden_states_to_model:  # an EAGLE head reads a hidden state per row
-                inputs["hidden_states"] = torch.zeros(count, self.drafter.hidden_size, dtype=self.dtype,
-                                                      device=self.device)
-            started = time.perf_counter()
-            with torch.inference_mode(), set_forward_context(None, self.vllm_config, num_tokens=count):
-                output = model(**inputs)
-                hidden = output[0] if isinstance(output, tuple) else output
-                if hidden.is_cuda:
-                    torch.cuda.synchronize(hidden.device)
-                forwarded = time.perf_counter()
-                model.compute_logits(hidden[:count])
-            if hidden.is_cuda:
-                torch.cuda.synchronize(hidden.device)
-            return time.perf_counter() - started, forwarded - started
-
-        return time_forwards(rows, forward)
-
     def _commit(self, forward: TreeVerifyForward, verdict: TreeVerdict) -> None:
         """The accepted branch moves to ``P + 1 .. P + a`` in the target's cache and in the runner's input ids
         and positions (from which the drafter's first pass reads the verified tokens: rows ``P + 1 .. P + a``
@@ -353,15 +283,18 @@ class TreeRunnerMixin:
                                                                               self.positions.dtype)
 
 
-def _calibration_rows(most: int) -> list[int]:
-    """Row counts a cost curve is measured at: every count up to :data:`DENSE_CALIBRATION_ROWS` (where a
-    lone request's nodes fall, and where the cost of a row count is least regular), powers of two past it, and
-    ``most``; none above ``most``."""
-    most = max(most, 1)
-    rows = list(range(1, min(most, DENSE_CALIBRATION_ROWS) + 1))
-    while rows[-1] * 2 < most:
-        rows.append(1 << rows[-1].bit_length())
-    return sorted(set(rows) | {most})
+def _verify_shape(scheduler_output, forward: TreeVerifyForward | None) -> VerifyShape | None:
+    """The verify step's shape for the policy's cost model, or None unless the step is decode-only (every
+    scheduled request runs 1 + its scheduled drafts)."""
+    drafts = scheduler_output.scheduled_spec_decode_tokens
+    if scheduler_output.scheduled_new_reqs or any(
+            count != 1 + len(drafts.get(req_id, ())) for req_id, count in scheduler_output.num_scheduled_tokens.items()):
+        return None
+    masked = None if forward is None else forward.masked
+    return VerifyShape(rows=scheduler_output.total_num_scheduled_tokens,
+                       masked_rows=0 if masked is None else int(masked.num_queries.sum()),
+                       requests=len(scheduler_output.num_scheduled_tokens),
+                       masked_requests=0 if masked is None else len(masked.requests))
 
 
 def _cpu_runner_class():

@@ -47,19 +47,16 @@ tokens it lacks reach it through :func:`~vllm_easyspec.tree.retokenizing.approxi
 from __future__ import annotations
 
 import functools
-import statistics
-import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from vllm.forward_context import set_forward_context
 
-from vllm_easyspec.control.acceptance import NodeFeatures
-from vllm_easyspec.control.controller import RequestTree
-from vllm_easyspec.control.planning import node_depths
 from vllm_easyspec.integration.compat import plugin_logger
 from vllm_easyspec.integration.deferred_first_pass import DeferredFirstPass
+from vllm_easyspec.integration.node_policy import CandidateTree, NodePolicy
 from vllm_easyspec.integration.options import EasySpecOptions
 from vllm_easyspec.integration.tree_attention import DraftTreeAttention, TreeLevelMetadata
 from vllm_easyspec.integration.tree_step import PendingTree, TreeVerifier
@@ -69,9 +66,10 @@ from vllm_easyspec.tree.merging import merge_path, prompt_lookup
 from vllm_easyspec.tree.retokenizing import TreeRetokenizer, approximate_target_to_draft, token_bytes
 from vllm_easyspec.tree.sampling import greedy_rows
 
-logger = plugin_logger(__name__)
+if TYPE_CHECKING:
+    from vllm_easyspec.integration.proposers import DraftingBatch
 
-HORIZON_STEPS = 64  # the most steps over which easyspec.tree.auto spreads a catch-up first pass
+logger = plugin_logger(__name__)
 
 
 class TreeDrafting:
@@ -82,6 +80,7 @@ class TreeDrafting:
         self.proposer = proposer
         self.config = config = options.tree
         self.draft_chain = draft_chain
+        self.verifier: TreeVerifier | None = None  # the runner's, connected once it exists (runner.__init__)
         self.deferred = DeferredFirstPass()
         self.retokenizer: TreeRetokenizer | None = None
         self.draft_usable: torch.Tensor | None = None  # retokenize: draft tokens that have text (or map)
@@ -150,19 +149,20 @@ class TreeDrafting:
         return torch.arange(d2t.shape[0], device=d2t.device) + d2t.detach().long()
 
     @property
-    def verifier(self) -> TreeVerifier:
-        return self.proposer.easyspec_runner.tree_verifier
+    def policy(self) -> NodePolicy:
+        return self.verifier.policy
+
+    @property
+    def batch(self) -> DraftingBatch:
+        """This step's batch, as the runner handed it to the proposer."""
+        return self.proposer.drafting_batch
 
     def propose(self, **arguments) -> torch.Tensor:
-        """vLLM's ``propose`` arguments in, ``[B, N]`` node tokens out (module docstring). With
-        ``easyspec.tree.auto`` the controller learns what the whole drafting stage took (host time; work still
-        queued on a device lands in the next verify, which the controller times too)."""
-        controller = self.verifier.controller
-        if controller is None:
-            return self._propose(**arguments)
-        started = time.perf_counter()
+        """vLLM's ``propose`` arguments in, ``[B, N]`` node tokens out (module docstring); the policy times the
+        whole drafting stage."""
+        mark = self.policy.start()
         drafts = self._propose(**arguments)
-        controller.observe_drafting(time.perf_counter() - started)
+        self.policy.drafting_done(mark)
         return drafts
 
     def _propose(self, **arguments) -> torch.Tensor:
@@ -171,26 +171,26 @@ class TreeDrafting:
         batch_size = cad.batch_size()
         if proposer.pass_hidden_states_to_model:  # an EAGLE head reads the target's states of the accepted branch
             arguments["target_hidden_states"] = self.verifier.branch_hidden_states(arguments["target_hidden_states"])
-        budget = self.config.budget_at(batch_size)
+        policy = self.policy
+        budget = policy.budget(batch_size)
         req_ids = self._request_ids(batch_size)
-        depth, paths = None, None
-        controller = self.verifier.controller
-        if not budget.chain and budget.nodes and controller is not None:  # easyspec.tree.auto: as deep as pays
-            paths = self._lookup_paths(req_ids, arguments["next_token_ids"])
-            path_lengths = None if paths is None else [min(len(path), self._path_nodes) for path in paths]
-            depth = controller.plan_depth(req_ids, cad.num_actual_tokens + self.deferred.kept_rows(req_ids),
-                                          self._horizon_steps(req_ids), path_lengths)
-        if not budget.chain and (budget.nodes == 0 or depth == 0):  # nothing to draft: the first pass waits
-            self.deferred.keep(arguments, req_ids, set(self.verifier.requests))
-            if paths is not None:  # easyspec.tree.auto: the prompt-lookup paths may still pay on their own
-                return self._hand_over_paths(paths, batch_size, arguments["next_token_ids"], budget.nodes)
-            return self._hand_over(None, batch_size, arguments["next_token_ids"], 0)
-        arguments = self.deferred.catch_up(arguments, req_ids, set(self.verifier.requests), self._first_pass_room(cad))
+        live = set(self.verifier.requests)
         if budget.chain:
+            arguments = self.deferred.catch_up(arguments, req_ids, live, self._first_pass_room(cad))
             chains = self.draft_chain(**(arguments | {"num_speculative_tokens": budget.nodes}))
             return self._hand_over_chains(chains, batch_size)
-        if paths is None:
-            paths = self._lookup_paths(req_ids, arguments["next_token_ids"])
+        paths = self._lookup_paths(req_ids, arguments["next_token_ids"]) if budget.nodes else None
+        depth = 0
+        if budget.nodes:
+            path_lengths = None if paths is None else [min(len(path), self._path_nodes) for path in paths]
+            depth = policy.plan_depth(req_ids, cad.num_actual_tokens + self.deferred.kept_rows(req_ids),
+                                      self.batch.requests, path_lengths)
+        if depth == 0:  # nothing to draft: the first pass waits
+            self.deferred.keep(arguments, req_ids, live)
+            if paths is not None and budget.nodes:  # the prompt-lookup paths may still pay on their own (auto)
+                return self._hand_over_paths(paths, batch_size, arguments["next_token_ids"], budget.nodes)
+            return self._hand_over(None, batch_size, arguments["next_token_ids"], 0)
+        arguments = self.deferred.catch_up(arguments, req_ids, live, self._first_pass_room(cad))
         return self._propose_trees(budget.nodes, depth, paths, **arguments)
 
     def _lookup_paths(self, req_ids: list[str], next_token_ids: torch.Tensor) -> list[list[int]] | None:
@@ -199,26 +199,11 @@ class TreeDrafting:
         lookup = None if self.config.sources is None else self.config.sources.prompt_lookup
         if lookup is None:
             return None
-        next_tokens = next_token_ids[: len(req_ids)].tolist()
+        next_tokens = next_token_ids[: len(req_ids)].tolist()  # the step's bonus tokens: lookup runs on the host
         return [[] if self.verifier.fallback_reason(req_id) is not None else
                 prompt_lookup(self._history(row, req_id, next_tokens[row]), lookup.min_match, lookup.max_match,
                               self.config.max_depth + lookup.nodes)
                 for row, req_id in enumerate(req_ids)]
-
-    def _horizon_steps(self, req_ids: list[str]) -> float:
-        """Decode steps the batch's requests can still run, for spreading a catch-up first pass: the median of
-        their remaining tokens (``max_tokens`` less what they produced), two tokens a step, at most
-        :data:`HORIZON_STEPS`."""
-        requests = self.proposer.easyspec_runner.requests
-        remaining = []
-        for req_id in req_ids:
-            state = requests.get(req_id)
-            params = None if state is None else state.sampling_params
-            if params is None or params.max_tokens is None:
-                remaining.append(2 * HORIZON_STEPS)
-            else:
-                remaining.append(max(params.max_tokens - len(state.output_token_ids), 0))
-        return min(statistics.median(remaining) / 2, HORIZON_STEPS) if remaining else 1.0
 
     def _first_pass_room(self, cad) -> int:
         """Rows the first pass's buffers hold beyond this step's own (and the slots a draft model adds)."""
@@ -229,43 +214,47 @@ class TreeDrafting:
         extra = getattr(proposer, "net_num_new_slots_per_request", 0) if proposer.needs_extra_input_slots else 0
         return size - cad.num_actual_tokens - extra * cad.batch_size()
 
-    def _propose_trees(self, node_limit: int, depth: int | None, lookup_paths: list[list[int]] | None, *,
+    def _propose_trees(self, node_limit: int, depth: int, lookup_paths: list[list[int]] | None, *,
                        target_token_ids, target_positions,
                        target_hidden_states, next_token_ids, token_indices_to_sample, common_attn_metadata,
                        sampling_metadata, mm_embed_inputs=None, num_rejected_tokens_gpu=None,
                        **_unused) -> torch.Tensor:
-        """One tree drafting step at ``node_limit`` nodes, at most ``depth`` deep (None: the tree's depth);
-        ``lookup_paths``: the requests' prompt-lookup paths (:meth:`_lookup_paths`)."""
+        """One tree drafting step at ``node_limit`` nodes, at most ``depth`` deep; ``lookup_paths``: the requests' prompt-lookup paths (:meth:`_lookup_paths`)."""
         proposer = self.proposer
         proposer._last_draft_probs = None
         batch_size = common_attn_metadata.batch_size()
-        feeds_hidden = proposer.pass_hidden_states_to_model  # an EAGLE head: each node reads its parent's state
-        if feeds_hidden and proposer.method == "eagle3":
+        if proposer.pass_hidden_states_to_model and proposer.method == "eagle3":
             target_hidden_states = proposer.model.combine_hidden_states(target_hidden_states)
-        controller = self.verifier.controller
-        first_pass_started = time.perf_counter()
+        policy = self.policy
+        mark = policy.start()
         root_hidden, root_feed, root_positions, cad = self._first_pass(
             target_token_ids, target_positions, target_hidden_states, next_token_ids,
             token_indices_to_sample, common_attn_metadata, mm_embed_inputs, num_rejected_tokens_gpu,
         )
         root_logits = self._logits(root_hidden)
-        if controller is not None:  # the first pass's cost (the roots' logits too) keeps the controller's model current
-            if root_hidden.is_cuda:
-                torch.cuda.synchronize(root_hidden.device)
-            controller.observe_first_pass(common_attn_metadata.num_actual_tokens,
-                                          time.perf_counter() - first_pass_started, batch_size)
+        policy.first_pass_done(mark, common_attn_metadata.num_actual_tokens, batch_size)  # the roots' logits too
         greedy, temperatures = greedy_rows(sampling_metadata, batch_size)
-        drafted = self.config.drafted_within(node_limit)
-        if depth is not None:
-            drafted = drafted.within_depth(depth)
+        drafted = self.config.drafted_within(node_limit).within_depth(depth)
         draft = LevelwiseTreeDraft(drafted, root_logits, greedy, temperatures, sampling_metadata.generators)
         state = DraftTreeAttention(
-            prefix_lens=(root_positions + 1).long().cpu(),
+            prefix_lens=(root_positions + 1).long().cpu(),  # host metadata of the level forwards' attention
             block_table=cad.block_table_tensor[:batch_size],
         )
+        mark = policy.start()
+        levels, level_rows = self._draft_levels(draft, state, root_feed, root_positions, batch_size)
+        if levels:
+            policy.levels_done(mark, levels, level_rows // levels)
+        return self._hand_over(draft.build(), batch_size, next_token_ids, node_limit, lookup_paths)
+
+    def _draft_levels(self, draft: LevelwiseTreeDraft, state: DraftTreeAttention, root_feed: torch.Tensor | None,
+                      root_positions: torch.Tensor, batch_size: int) -> tuple[int, int]:
+        """One draft forward per tree level over that level's frontier, until ``draft`` is done; returns the
+        levels and the rows they forwarded. An EAGLE head's nodes read the state their parent produced."""
+        proposer = self.proposer
+        feeds_hidden = proposer.pass_hidden_states_to_model  # an EAGLE head: each node reads its parent's state
         layer_names = list(proposer._draft_attn_layer_names)
         stash_feed = None if root_feed is None else root_feed.new_zeros(batch_size, 0, root_feed.shape[-1])
-        levels_started, levels, level_rows = time.perf_counter(), 0, 0
+        levels, level_rows = 0, 0
         while not draft.done:
             tokens = draft.frontier_tokens()
             width = tokens.shape[1]
@@ -291,11 +280,7 @@ class TreeDrafting:
                 stash_feed = torch.cat([stash_feed, feed[: batch_size * width].view(batch_size, width, -1)], dim=1)
             draft.expand(self._logits(hidden[: batch_size * width]).view(batch_size, width, -1))
             levels, level_rows = levels + 1, level_rows + batch_size * width
-        if controller is not None and levels:  # the level forwards' cost keeps the controller's model current
-            if hidden.is_cuda:
-                torch.cuda.synchronize(hidden.device)
-            controller.observe_draft(levels, level_rows // levels, time.perf_counter() - levels_started)
-        return self._hand_over(draft.build(), batch_size, next_token_ids, node_limit, lookup_paths)
+        return levels, level_rows
 
     # ------------------------------------------------------------------------------------------ steps
     def _first_pass(self, target_token_ids, target_positions, target_hidden_states, next_token_ids,
@@ -356,7 +341,7 @@ class TreeDrafting:
         return chains
 
     def _request_ids(self, batch_size: int) -> list[str]:
-        return list(self.proposer.easyspec_runner.input_batch.req_ids[:batch_size])
+        return self.batch.req_ids[:batch_size]
 
     @property
     def _path_nodes(self) -> int:
@@ -366,128 +351,103 @@ class TreeDrafting:
     def _hand_over_paths(self, paths: list[list[int]], batch_size: int, next_token_ids: torch.Tensor,
                          node_limit: int) -> torch.Tensor:
         """A step that drafts nothing (``easyspec.tree.auto``): each request's prompt-lookup path alone, its first
-        :attr:`_path_nodes` tokens, of which the controller picks how many to verify. A path of deterministic
-        nodes verifies as vLLM verifies a chain, greedy or sampled."""
+        :attr:`_path_nodes` tokens, of which the policy picks how many to verify. A path of deterministic nodes
+        verifies as vLLM verifies a chain, greedy or sampled."""
         verifier = self.verifier
         req_ids = self._request_ids(batch_size)
         # a request without a path has nothing to choose from, as one that may not speculate
         no_drafts = {req_id for req_id, path in zip(req_ids, paths, strict=True)
                      if not path or verifier.fallback_reason(req_id) is not None}
-        offered = []
+        candidates = []
         for req_id, path in zip(req_ids, paths, strict=True):
             if req_id not in no_drafts:
                 path = path[: self._path_nodes]
-                parents = list(range(-1, len(path) - 1))
                 verifier.stats.source_nodes += len(path)
-                tree = RequestTree(req_id, path, parents, _node_features(parents, (True,) * len(path), None),
-                                   keeps_order=False)
-                offered.append((tree, ChildDrawMode.WITHOUT_REPLACEMENT, None))
-        pending = self._chosen(offered, batch_size)
+                candidates.append(CandidateTree(req_id, path, list(range(-1, len(path) - 1)),
+                                                ChildDrawMode.WITHOUT_REPLACEMENT, from_lookup=(True,) * len(path)))
+        pending = self.policy.choose(candidates, node_limit, batch_size, None)
         verifier.propose(pending, no_drafts, node_limit=node_limit, chain=False)
-        out = torch.zeros(batch_size, self.config.num_nodes, dtype=torch.long, device=next_token_ids.device)
-        return _with_pending_tokens(out, req_ids, pending)
-
-    def _chosen(self, offered: list[tuple[RequestTree, ChildDrawMode, torch.Tensor | None]],
-                batch_size: int) -> dict[str, PendingTree]:
-        """``easyspec.tree.auto``: each offered tree (with its draw mode and draft probabilities) cut to the
-        nodes the controller chooses, best first; the batch's ``batch_size`` requests all verify a row, those
-        offering nothing included."""
-        if not offered:
-            return {}
-        choices = self.verifier.controller.choose([tree for tree, _, _ in offered], batch_size)
-        return {tree.req_id: PendingTree.within(choice.count, choice.tokens, choice.parents, mode, probs,
-                                                tuple(f.from_lookup for f in choice.features), choice.features)
-                for (tree, mode, probs), choice in zip(offered, choices, strict=True)}
+        return _pending_tokens(req_ids, pending, self.config.num_nodes, next_token_ids.device)
 
     def _hand_over(self, trees, batch_size: int, next_token_ids: torch.Tensor, node_limit: int,
                    lookup_paths: list[list[int]] | None = None) -> torch.Tensor:
         """Map to target ids, merge the sources' candidates in (``lookup_paths``: :meth:`_lookup_paths`), give
-        the trees (cut to ``node_limit`` nodes; none drafted when it is 0) to the runner's verifier, and return
-        ``[B, N]`` node tokens (a tree with fewer than ``N`` nodes is cut to its own size later, in
+        the trees, cut by the policy (none drafted when ``node_limit`` is 0), to the runner's verifier, and
+        return ``[B, N]`` node tokens (a tree with fewer than ``N`` nodes is cut to its own size later, in
         :meth:`~vllm_easyspec.integration.tree_step.TreeVerifier.trim_drafts`)."""
-        proposer = self.proposer
         verifier = self.verifier
         req_ids = self._request_ids(batch_size)
         if trees is None:
             verifier.propose({}, set(req_ids), node_limit=node_limit, chain=False)
             return torch.zeros(batch_size, self.config.num_nodes, dtype=torch.long, device=next_token_ids.device)
-        tokens = trees.tokens
-        mapping = proposer.vocab_mapping if proposer.use_heterogeneous_vocab else None
-        token_lists = tokens.tolist()
-        parent_lists = trees.parents.tolist()
-        if self.retokenizer is not None:
-            retokenized = [self.retokenizer.retokenize(row_tokens, row_parents, self.config.drafted_nodes)
-                           for row_tokens, row_parents in zip(token_lists, parent_lists, strict=True)]
-            token_lists = [row_tokens for row_tokens, _ in retokenized]
-            parent_lists = [row_parents for _, row_parents in retokenized]
-        elif mapping is not None:
-            tokens = mapping.map_draft_to_target_ids(tokens)
-            token_lists = tokens.tolist()
-        elif self.output_ids is not None:
-            tokens = self.output_ids[tokens]
-            token_lists = tokens.tolist()
-        controller = verifier.controller
-        pending: dict[str, PendingTree] = {}
+        tokens, token_lists, parent_lists = self._target_trees(trees)
         no_drafts: set[str] = set()
-        offered: list[tuple[RequestTree, ChildDrawMode, torch.Tensor | None]] = []  # auto: the controller chooses
+        candidates: list[CandidateTree] = []
         for row, req_id in enumerate(req_ids):
             if verifier.fallback_reason(req_id) is not None:
                 no_drafts.add(req_id)
                 continue
-            probs = trees.draft_probs.get(row)  # None for top-k rows, and for every retokenized row (config)
-            if probs is not None and mapping is not None:
-                probs = _to_target_vocab(probs, mapping)
-            elif probs is not None and self.output_ids is not None:
-                probs = _spread(probs, self.output_ids, proposer.model.config.vocab_size)
             row_tokens, row_parents, mode = token_lists[row], parent_lists[row], trees.draw_modes[row]
             drafted = len(row_tokens)
             if lookup_paths is not None and mode is ChildDrawMode.WITHOUT_REPLACEMENT:
                 row_tokens, row_parents, added = merge_path(row_tokens, row_parents, lookup_paths[row],
                                                             self._path_nodes)
                 verifier.stats.source_nodes += added
-            from_lookup = tuple(index >= drafted for index in range(len(row_tokens)))
-            if controller is None:
-                pending[req_id] = PendingTree.within(node_limit, row_tokens, row_parents, mode, probs, from_lookup)
-                continue
-            # i.i.d. children: how many to verify must not depend on what was drawn (that would bias the draws)
-            value_blind = self.retokenizer is not None or mode is ChildDrawMode.IID_FROM_DRAFT
-            logprobs = None if value_blind else trees.logprobs[row, :drafted].tolist()
-            features = _node_features(row_parents, from_lookup, logprobs)
-            offered.append((RequestTree(req_id, row_tokens, row_parents, features,
-                                        keeps_order=mode is ChildDrawMode.IID_FROM_DRAFT), mode, probs))
-        pending |= self._chosen(offered, batch_size)
+            candidates.append(CandidateTree(
+                req_id, row_tokens, row_parents, mode, self._target_probs(trees.draft_probs.get(row)),
+                tuple(index >= drafted for index in range(len(row_tokens))), row,
+                # i.i.d. children: how many to verify must not depend on what was drawn (that would bias the draws)
+                value_blind=self.retokenizer is not None or mode is ChildDrawMode.IID_FROM_DRAFT))
+        pending = self.policy.choose(candidates, node_limit, batch_size, trees.logprobs)
         verifier.propose(pending, no_drafts, node_limit=node_limit, chain=False)
-        if lookup_paths is None and self.retokenizer is None and controller is None:
-            return tokens
-        out = torch.zeros(batch_size, self.config.num_nodes, dtype=tokens.dtype, device=tokens.device)
-        if self.retokenizer is None:  # rows without a pending tree get no drafts (trim_drafts) either way
-            out[:, : tokens.shape[1]] = tokens
-        return _with_pending_tokens(out, req_ids, pending)
+        if lookup_paths is None and self.retokenizer is None and self.policy.keeps_drafted_order:
+            return tokens  # each request verifies a prefix of its drafted row
+        return _pending_tokens(req_ids, pending, self.config.num_nodes, tokens.device, tokens.dtype)
+
+    def _target_trees(self, trees) -> tuple[torch.Tensor, list[list[int]], list[list[int]]]:
+        """The drafted trees in the target's vocabulary: ``[B, n]`` tokens (drafted ids where they are re-encoded
+        by text) and each row's tokens and parents as host lists."""
+        proposer = self.proposer
+        tokens = trees.tokens
+        if self.retokenizer is not None:
+            retokenized = [self.retokenizer.retokenize(row_tokens, row_parents, self.config.drafted_nodes)
+                           for row_tokens, row_parents in zip(tokens.tolist(), trees.parents.tolist(), strict=True)]
+            return tokens, [row[0] for row in retokenized], [row[1] for row in retokenized]
+        if proposer.use_heterogeneous_vocab:
+            tokens = proposer.vocab_mapping.map_draft_to_target_ids(tokens)
+        elif self.output_ids is not None:
+            tokens = self.output_ids[tokens]
+        return tokens, tokens.tolist(), trees.parents.tolist()
+
+    def _target_probs(self, probs: torch.Tensor | None) -> torch.Tensor | None:
+        """An i.i.d. tree's draft probabilities in the target's vocabulary (None for top-k and retokenized
+        rows)."""
+        proposer = self.proposer
+        if probs is not None and proposer.use_heterogeneous_vocab:
+            return _to_target_vocab(probs, proposer.vocab_mapping)
+        if probs is not None and self.output_ids is not None:
+            return _spread(probs, self.output_ids, proposer.model.config.vocab_size)
+        return probs
 
     def _history(self, row: int, req_id: str, next_token: int) -> np.ndarray:
         """The request's tokens through this step's bonus token (target vocabulary): the runner's token ids
         (not yet holding this step's output when the drafter runs), the accepted branch, the bonus token."""
-        batch = self.proposer.easyspec_runner.input_batch
-        known = batch.token_ids_cpu[row, : int(batch.num_tokens_no_spec[row])]
+        known = self.batch.history(row)
         recent = np.asarray([*self.verifier.last_branch.get(req_id, []), next_token], dtype=np.int64)
         return np.concatenate((known.astype(np.int64), recent))
 
 
-def _with_pending_tokens(out: torch.Tensor, req_ids: list[str], pending: dict[str, PendingTree]) -> torch.Tensor:
-    """``out`` (``[B, N]`` node tokens) with each pending request's row starting with its tree's tokens."""
+def _pending_tokens(req_ids: list[str], pending: dict[str, PendingTree], width: int, device: torch.device,
+                   dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``[B, width]`` node tokens on ``device``: each pending request's row starts with its tree's tokens,
+    zeros elsewhere (rows without a pending tree get no drafts, :meth:`TreeVerifier.trim_drafts`). Built on the
+    host and copied once, without waiting for the device."""
+    out = torch.zeros(len(req_ids), width, dtype=dtype)
     for row, req_id in enumerate(req_ids):
         tokens = pending[req_id].tokens if req_id in pending else []
         if tokens:
-            out[row, : len(tokens)] = torch.tensor(tokens, dtype=out.dtype, device=out.device)
-    return out
-
-
-def _node_features(parents: list[int], from_lookup: tuple[bool, ...],
-                   logprobs: list[float] | None) -> list[NodeFeatures]:
-    """What the controller knows of each node before verification: source, depth, and for drafted nodes their
-    draft log-probability given the parent (``logprobs``, None where unknown: trees re-encoded by text)."""
-    return [NodeFeatures(lookup, depth, logprobs[index] if not lookup and logprobs is not None else None)
-            for index, (lookup, depth) in enumerate(zip(from_lookup, node_depths(parents), strict=True))]
+            out[row, : len(tokens)] = torch.tensor(tokens, dtype=out.dtype)
+    return out.to(device, non_blocking=True)
 
 
 def _parent_states(root: torch.Tensor, stash: torch.Tensor, parent_columns: torch.Tensor) -> torch.Tensor:

@@ -21,15 +21,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm_easyspec.control.acceptance import NodeFeatures
-from vllm_easyspec.control.controller import SpeculationController
 from vllm_easyspec.integration.compat import plugin_logger
 from vllm_easyspec.tree.building import ChildDrawMode
 from vllm_easyspec.tree.verify_step import AcceptedBranch, TreeVerifyStep
+
+if TYPE_CHECKING:
+    from vllm_easyspec.integration.node_policy import NodePolicy
 
 logger = plugin_logger(__name__)
 
@@ -157,6 +159,7 @@ class TreeVerifier:
     """Carries trees from the drafter to the verify step of the same requests, and branches back."""
 
     requests: Mapping[str, Any]  # the runner's request states (vLLM's CachedRequestState), by request id
+    policy: NodePolicy  # the step's budget: learns what verification accepted, forgets finished requests
     unshared_target_tokens: torch.Tensor | None = None  # tree.retokenize: bool [target vocab] the draft lacks
     pending: dict[str, PendingTree] = field(default_factory=dict)
     no_drafts: set[str] = field(default_factory=set)
@@ -167,8 +170,7 @@ class TreeVerifier:
     # (source rows, destination rows) of this step's accepted nodes in the verify forward, or None
     branch_rows: tuple[torch.Tensor, torch.Tensor] | None = None
     stats: TreeStats = field(default_factory=TreeStats)
-    controller: SpeculationController | None = None  # easyspec.tree.auto
-    # auto: each request's scheduled nodes as the controller saw them (features, parents), this step
+    # each request's scheduled nodes as the policy saw them (features, parents), this step (tree.auto)
     scheduled: dict[str, tuple[list[NodeFeatures], list[int]]] = field(default_factory=dict)
     _explained: set[str] = field(default_factory=set)
 
@@ -189,8 +191,7 @@ class TreeVerifier:
         live = set(self.requests)
         self.pending = {req_id: tree for req_id, tree in self.pending.items() if req_id in live} | trees
         self._explained &= live
-        if self.controller is not None:
-            self.controller.forget(live)
+        self.policy.forget(live)
         self.no_drafts = no_drafts
         self.drafted_this_step = True
         self.stats.last_node_limit = node_limit
@@ -256,10 +257,10 @@ class TreeVerifier:
         self.branch_rows = step.branch_rows(branch)
 
     def _observe(self, req_id: str, accepted: set[int]) -> None:
-        """The controller learns what verification accepted of a request's scheduled nodes."""
+        """The policy learns what verification accepted of a request's scheduled nodes."""
         scheduled = self.scheduled.get(req_id)
-        if self.controller is not None and scheduled is not None:
-            self.controller.observe(req_id, *scheduled, accepted)
+        if scheduled is not None:
+            self.policy.observe(req_id, *scheduled, accepted)
 
     def branch_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The verify forward's per-row hidden states with each accepted node's state moved to its branch row

@@ -1,0 +1,101 @@
+"""``tree.auto`` at start-up: the step's cost measured once the KV caches exist, and the policy that uses it.
+
+:func:`start_auto_budget` times forwards of the target (its forward and logits over the row counts a verify can
+have) and of the drafter's model (one level's rows, with and without logits), fits the
+:class:`~vllm_easyspec.control.cost.StepCostModel`, and returns the
+:class:`~vllm_easyspec.integration.node_policy.AutoBudget` the runner's tree step calls from then on. This is
+the one place where the plugin waits for the device on purpose: once, before the engine serves.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from vllm_easyspec.control.controller import SpeculationController
+from vllm_easyspec.control.cost import CostCurve, ForwardTimings, StepCostModel, time_forwards
+from vllm_easyspec.instruments.device_clock import DeviceClock
+from vllm_easyspec.instruments.plan_log import appender, plan_log_path
+from vllm_easyspec.integration.compat import plugin_logger
+from vllm_easyspec.integration.metrics import ControllerPublisher
+from vllm_easyspec.integration.node_policy import AutoBudget
+from vllm_easyspec.tree.config import TreeConfig
+
+logger = plugin_logger(__name__)
+DENSE_CALIBRATION_ROWS = 8  # start-up cost curves: every row count up to this one is timed
+
+
+def start_auto_budget(runner: Any, tree: TreeConfig) -> AutoBudget:
+    """The step's cost measured on ``runner`` (vLLM's model runner, KV caches allocated), then the controller
+    that uses it, publishing its figures to vLLM's metrics from tensor-parallel rank 0."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    started = time.perf_counter()
+    level_width = tree.top_k if not tree.is_static else max(
+        len(level) for level in tree.template().expansion_levels())
+    max_nodes = tree.num_nodes if tree.auto.max_nodes is None else tree.auto.max_nodes
+    batch = runner.scheduler_config.max_num_seqs
+    verify = _forward_timings(runner, calibration_rows(min(batch * (1 + max_nodes), runner.max_num_tokens)),
+                              draft=False)
+    level = _forward_timings(runner, calibration_rows(min(batch * level_width, runner.max_num_tokens)),
+                             draft=True)
+    cost = StepCostModel(
+        verify=CostCurve.from_measurements(verify.rows, verify.with_logits),
+        draft_level=CostCurve.from_measurements(level.rows, level.with_logits),
+        draft_forward=CostCurve.from_measurements(level.rows, level.without_logits),
+    )
+    logger.info("easyspec.tree.auto: step cost measured in %.1f s: %s", time.perf_counter() - started,
+                cost.describe())
+    controller = SpeculationController(cost, max_depth=tree.max_depth, max_nodes=max_nodes, level_width=level_width)
+    plan_log = plan_log_path()
+    if plan_log is not None:
+        controller.plan_log = appender(plan_log)
+    publish = None
+    if get_tensor_model_parallel_rank() == 0:
+        publish = ControllerPublisher(controller, runner.vllm_config.instance_id).publish
+    return AutoBudget(tree, controller, DeviceClock(runner.device), publish)
+
+
+def _forward_timings(runner: Any, rows: list[int], draft: bool) -> ForwardTimings:
+    """Forwards of the target, or of the drafter's model, timed as :func:`time_forwards` says; attention runs
+    without metadata (no context), as in vLLM's profiling runs."""
+    from vllm.forward_context import set_forward_context
+
+    drafter = runner.drafter
+    model = drafter.model if draft else runner.model
+
+    def forward(count: int) -> tuple[float, float]:
+        inputs = {"input_ids": runner.input_ids.gpu[:count], "positions": runner.positions[:count]}
+        if draft and drafter.pass_hidden_states_to_model:  # an EAGLE head reads a hidden state per row
+            inputs["hidden_states"] = torch.zeros(count, drafter.hidden_size, dtype=runner.dtype,
+                                                  device=runner.device)
+        started = time.perf_counter()
+        with torch.inference_mode(), set_forward_context(None, runner.vllm_config, num_tokens=count):
+            output = model(**inputs)
+            hidden = output[0] if isinstance(output, tuple) else output
+            _wait_for(hidden)
+            forwarded = time.perf_counter()
+            model.compute_logits(hidden[:count])
+        _wait_for(hidden)
+        return time.perf_counter() - started, forwarded - started
+
+    return time_forwards(rows, forward)
+
+
+def _wait_for(tensor: torch.Tensor) -> None:
+    """Start-up timing only: the device's work so far is done (a no-op on the host)."""
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+
+
+def calibration_rows(most: int) -> list[int]:
+    """Row counts a cost curve is measured at: every count up to :data:`DENSE_CALIBRATION_ROWS` (where a
+    lone request's nodes fall, and where the cost of a row count is least regular), powers of two past it, and
+    ``most``; none above ``most``."""
+    most = max(most, 1)
+    rows = list(range(1, min(most, DENSE_CALIBRATION_ROWS) + 1))
+    while rows[-1] * 2 < most:
+        rows.append(1 << rows[-1].bit_length())
+    return sorted(set(rows) | {most})
