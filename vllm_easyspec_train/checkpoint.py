@@ -43,6 +43,7 @@ def _layer_prefix(fmt: str) -> str:
 
 
 def state_dict_reference(head: EagleHead, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """The head's tensors under the reference names, as host tensors in ``dtype`` (wherever it trained)."""
     cfg = head.cfg
     pre = _layer_prefix(cfg.format)
     L = head.layer
@@ -57,11 +58,11 @@ def state_dict_reference(head: EagleHead, dtype: torch.dtype = torch.bfloat16) -
         out[f"{pre}hidden_norm.weight"] = L.hidden_norm.weight
         out["norm.weight"] = head.norm.weight
         out["lm_head.weight"] = head.lm_head.weight
-    res = {k: v.detach().to(dtype).contiguous() for k, v in out.items()}
+    res = {k: v.detach().to("cpu", dtype).contiguous() for k, v in out.items()}
     if cfg.format == "eagle3" and cfg.draft_vocab_size != cfg.vocab_size:
         # vLLM has no draft_id_to_target_id parameter when the vocabularies are equal
-        res["d2t"] = head.d2t.detach().to(torch.long).contiguous()
-        res["t2d"] = head.t2d.detach().to(torch.bool).contiguous()
+        res["d2t"] = head.d2t.detach().to("cpu", torch.long).contiguous()
+        res["t2d"] = head.t2d.detach().to("cpu", torch.bool).contiguous()
     return res
 
 

@@ -134,6 +134,12 @@ class CorpusItem:
                 "followup": self.followup, "source": {"root": self.source_root, "path": self.source_path,
                                                       "sha256": self.source_sha256, "ref": self.source_ref}}
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CorpusItem:
+        src = d["source"]
+        return cls(d["category"], tuple(dict(m) for m in d["messages"]), src["root"], src["path"], src["sha256"],
+                   src.get("ref", ""), d.get("followup"))
+
 
 @dataclass
 class Corpus:
@@ -149,9 +155,50 @@ class Corpus:
         return {cat: c.get(cat, 0) for cat in CATEGORIES}
 
     def write_jsonl(self, path: str | Path) -> None:
-        with open(path, "w") as f:
+        """One JSON line ``{"corpus_manifest": ...}``, then one line per item (gzip-compressed when
+        ``path`` ends in ``.gz``): the file a GPU machine trains from (``read_jsonl``)."""
+        with _open_text(path, "w") as f:
+            f.write(json.dumps({"corpus_manifest": self.manifest}, ensure_ascii=False) + "\n")
             for it in self.items:
                 f.write(json.dumps(it.to_dict(), ensure_ascii=False) + "\n")
+
+    def subset(self, keep: Sequence[int], reason: str) -> Corpus:
+        """The items at positions ``keep`` (in that order); the manifest keeps the full corpus's and
+        records which corpus the subset came from and why."""
+        items = [self.items[i] for i in keep]
+        part = Corpus(items, {})
+        manifest = {**self.manifest, "n_items": len(items), "items_sha256": items_sha256(items),
+                    "subset_of": {"n_items": len(self.items), "items_sha256": self.manifest["items_sha256"],
+                                  "categories": part.counts(), "reason": reason}}
+        return Corpus(items, manifest)
+
+    @classmethod
+    def read_jsonl(cls, path: str | Path) -> Corpus:
+        """The corpus ``write_jsonl`` wrote; refuses a file whose items do not hash to its manifest's
+        ``items_sha256``."""
+        with _open_text(path, "r") as f:
+            first = json.loads(f.readline() or "{}")
+            if "corpus_manifest" not in first:
+                raise ValueError(f"{path}: the first line is not a corpus manifest; write the file with "
+                                 "`python -m vllm_easyspec_train.corpus --out FILE`")
+            items = [CorpusItem.from_dict(json.loads(line)) for line in f if line.strip()]
+        manifest = first["corpus_manifest"]
+        if items_sha256(items) != manifest.get("items_sha256"):
+            raise ValueError(f"{path}: its items do not match the manifest's items_sha256 (a damaged or edited "
+                             "file); write it again")
+        return cls(items, manifest)
+
+
+def items_sha256(items: Sequence[CorpusItem]) -> str:
+    return sha256_text("\n".join(json.dumps(it.to_dict(), sort_keys=True) for it in items))
+
+
+def _open_text(path: str | Path, mode: str):
+    if str(path).endswith(".gz"):
+        import gzip
+
+        return gzip.open(path, mode + "t", encoding="utf-8")
+    return open(path, mode, encoding="utf-8")
 
 
 def sha256_text(s: str) -> str:
@@ -1021,7 +1068,7 @@ def build_corpus(n_items: int = DEFAULT_N_ITEMS, seed: int = 0, roots: Sequence[
             "eval_named_snippets": counters["eval_name_in_text"],
             "eval_named_roots": [s["name"] for s in skipped if "evaluation set" in s["reason"]],
         },
-        "items_sha256": sha256_text("\n".join(json.dumps(it.to_dict(), sort_keys=True) for it in items)),
+        "items_sha256": items_sha256(items),
     }
     return Corpus(items, manifest, round(time.time() - t0, 2))
 
@@ -1084,7 +1131,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", default=None, help=f"for the token estimate (default {default_tokenizer_dir()}, "
                                                       "else characters / 3.5)")
     ap.add_argument("--max-answer-tokens", type=int, default=256)
-    ap.add_argument("--out", default=None, help="write the items as JSON lines here")
+    ap.add_argument("--out", default=None, help="write the manifest and the items as JSON lines here (.gz: "
+                                               "compressed); the trainer reads it with --corpus-file")
     ap.add_argument("--manifest", default=None, help="write the manifest here")
     a = ap.parse_args(argv)
     c = build_corpus(a.n_items, a.seed)

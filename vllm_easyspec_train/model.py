@@ -126,7 +126,7 @@ class RMSNorm(nn.Module):
 def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     """Neox-style rotary embedding. x: [B, n, T, d]; pos: [T] (long)."""
     d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
     ang = pos.float()[:, None] * inv[None, :]  # [T, d/2]
     cos, sin = ang.cos(), ang.sin()
     cos = torch.cat([cos, cos], -1).to(x.dtype)
@@ -162,7 +162,7 @@ class Attention(nn.Module):
         v0 = v0.repeat_interleave(rep, 1)
         scale = 1.0 / math.sqrt(d)
         s0 = torch.matmul(q, k0.transpose(-1, -2)) * scale  # [B,nh,T,T]
-        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
         s0 = s0.masked_fill(~causal, float("-inf"))
         extra_s, extra_v = [], []
         for dk, dv in zip(diag_k, diag_v):
@@ -231,13 +231,13 @@ class EagleHead(nn.Module):
     def set_draft_vocab(self, draft_ids: torch.Tensor) -> None:
         """``draft_ids``: sorted target ids forming the draft vocabulary."""
         assert self.is3 and draft_ids.numel() == self.cfg.draft_vocab_size
-        draft_ids = draft_ids.to(torch.long)
-        self.d2t.copy_(draft_ids - torch.arange(draft_ids.numel()))
+        draft_ids = draft_ids.to(device=self.d2t.device, dtype=torch.long)
+        self.d2t.copy_(draft_ids - torch.arange(draft_ids.numel(), device=draft_ids.device))
         self.t2d.zero_()
         self.t2d[draft_ids] = True
 
     def draft_ids(self) -> torch.Tensor:
-        return torch.arange(self.cfg.draft_vocab_size) + self.d2t
+        return torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     # -- one draft step over all anchors -------------------------------------
     def step(self, emb, hidden, pos, kv0, diag_k, diag_v, first: bool):
@@ -284,7 +284,7 @@ class EagleHead(nn.Module):
             if n <= 0:
                 break
             emb = embed(input_ids[:, s:s + n])
-            pos = torch.arange(n) + (s - 1)
+            pos = torch.arange(n, device=input_ids.device) + (s - 1)
             hid = hidden[:, :n]
             if kv0 is not None:
                 kv0 = (kv0[0][:, :, :n], kv0[1][:, :, :n])

@@ -48,8 +48,15 @@ from .data import (
     split_heldout,
     text_windows,
 )
-from .errors import EagleTrainError, HiddenSizeMismatchError
-from .features import FeatureStore, extract, load_target_embed_and_head, target_config
+from .errors import EagleTrainError, HiddenSizeMismatchError, NotEnoughDataError
+from .features import (
+    FeatureStore,
+    MemoryFeatureStore,
+    extract,
+    extract_to_memory,
+    load_target_embed_and_head,
+    target_config,
+)
 from .model import FORMATS, EagleHead, head_config_from_target
 
 STATE = "train_state.pt"
@@ -72,6 +79,10 @@ def add_train_eagle_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-prompts", type=int, default=None,
                    help="coding / --prompts-file: use the first N prompts; broad: build N items")
     g.add_argument("--prompts-file", default=None, help="JSON list or one-per-line prompts instead of the built-in set")
+    g.add_argument("--corpus-file", default=None,
+                   help="broad: read the corpus from this file (`python -m vllm_easyspec_train.corpus --out FILE`, "
+                        "built where its sources are installed) instead of building it; --num-prompts N takes a "
+                        "prefix")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--gen-chunk-size", type=int, default=64,
                    help="prompts per generation call; each finished chunk is saved (the resume point)")
@@ -84,6 +95,12 @@ def add_train_eagle_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--val-fraction", type=float, default=0.05)
     g.add_argument("--min-train-tokens", type=int, default=2000)
     g.add_argument("--feature-dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    g.add_argument("--feature-store", choices=("disk", "memory"), default="disk",
+                   help="disk: cached shards under --work-dir (resumable, reused by later runs); memory: extracted "
+                        "into --device's memory for this run only (a GPU: about 7 KB per token for a 0.5B target)")
+    g.add_argument("--feature-batch-tokens", type=int, default=4096, help="tokens per target forward")
+    g.add_argument("--features-seconds", type=float, default=None,
+                   help="memory store: stop extracting after this many seconds and train on the sequences done")
     g.add_argument("--gen-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     g = p.add_argument_group("head")
     g.add_argument("--draft-vocab-size", type=int, default=16384, help="eagle3 reduced vocabulary")
@@ -104,6 +121,11 @@ def add_train_eagle_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-every", type=int, default=200)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=2)
+    g.add_argument("--device", default="cpu", help="where features are extracted (memory store) and the head "
+                                                   "trains: cpu, cuda, cuda:N; the checkpoint is the same")
+    g.add_argument("--train-seconds", type=float, default=None,
+                   help="fit the run into this many seconds: after the first CALIBRATION_STEPS steps the step "
+                        "count is cut to what the measured speed allows, and training stops there at the latest")
     g.add_argument("--amp", choices=("bf16", "none"), default="bf16")
     g.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
     g.add_argument("--init-from", default=None, help="start from an existing head folder")
@@ -123,15 +145,17 @@ def run_train_eagle(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- batches
-def make_batch(store: FeatureStore, idxs: list[int], fmt: str) -> dict:
+def make_batch(store: FeatureStore | MemoryFeatureStore, idxs: list[int], fmt: str,
+               device: str | torch.device = "cpu") -> dict:
+    """The sequences ``idxs`` right-padded into one batch on ``device`` (features as float32)."""
     items = [store.get(i) for i in idxs]
     B, T = len(items), max(len(it["tokens"]) for it in items)
     H = store.hidden_size
-    tokens = torch.zeros(B, T, dtype=torch.long)
-    final = torch.zeros(B, T, H)
-    top1 = torch.zeros(B, T, dtype=torch.long)
-    valid = torch.zeros(B, T, dtype=torch.bool)  # position q carries a label
-    feats = torch.zeros(B, T, 3 * H) if fmt == "eagle3" else None
+    tokens = torch.zeros(B, T, dtype=torch.long, device=device)
+    final = torch.zeros(B, T, H, device=device)
+    top1 = torch.zeros(B, T, dtype=torch.long, device=device)
+    valid = torch.zeros(B, T, dtype=torch.bool, device=device)  # position q carries a label
+    feats = torch.zeros(B, T, 3 * H, device=device) if fmt == "eagle3" else None
     for r, it in enumerate(items):
         n = len(it["tokens"])
         tokens[r, :n] = it["tokens"]
@@ -163,7 +187,8 @@ def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int,
     return [batches[int(j)] for j in torch.randperm(len(batches), generator=g)]
 
 
-def _chunked_soft_ce(pred_in: torch.Tensor, target_logits_fn, draft_logits_fn, chunk: int = 1024):
+def _chunked_soft_ce(pred_in: tuple[torch.Tensor, torch.Tensor], target_logits_fn, draft_logits_fn,
+                     chunk: int = 1024):
     """sum over rows of -sum_v p_target(v) log p_draft(v), computed in row chunks with
     activation checkpointing so full-vocab logits never all live at once."""
     from torch.utils.checkpoint import checkpoint
@@ -181,21 +206,30 @@ def _chunked_soft_ce(pred_in: torch.Tensor, target_logits_fn, draft_logits_fn, c
     return total
 
 
+# Rows of the soft cross-entropy computed at once (their full-vocabulary logits live together).
+SOFT_CE_CHUNK = {"cpu": 1024, "cuda": 8192}
+
+
 class Trainer:
+    """Losses and held-out evaluation of ``head`` on ``head``'s device (the target's embedding and
+    ``lm_head`` are moved there, frozen)."""
+
     def __init__(self, head: EagleHead, embed_w: torch.Tensor, lm_head_w: torch.Tensor, args):
         self.head = head
         self.cfg = head.cfg
-        self.embed = torch.nn.Embedding.from_pretrained(embed_w, freeze=True)
-        self.lm_head_w = lm_head_w  # [V, h] frozen
+        self.device = next(head.parameters()).device
+        self.embed = torch.nn.Embedding.from_pretrained(embed_w.to(self.device), freeze=True)
+        self.lm_head_w = lm_head_w.to(self.device)  # [V, h] frozen
         self.args = args
         self.fmt = head.cfg.format
         self.ttt = args.ttt_steps or (4 if self.fmt == "eagle3" else 1)
+        self.ce_chunk = SOFT_CE_CHUNK.get(self.device.type, 1024)
         if self.fmt == "eagle3":
-            self.draft_lm_w = lm_head_w[head.draft_ids()].contiguous()
+            self.draft_lm_w = self.lm_head_w[head.draft_ids()].contiguous()
 
     def _autocast(self):
         if self.args.amp == "bf16":
-            return torch.autocast("cpu", dtype=torch.bfloat16)
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
         import contextlib
         return contextlib.nullcontext()
 
@@ -207,7 +241,7 @@ class Trainer:
             inp = final
             if a.noise > 0:
                 g = torch.Generator().manual_seed(a.seed * 1_000_003 + step)
-                noise = (torch.rand(final.shape, generator=g) - 0.5) * a.noise
+                noise = ((torch.rand(final.shape, generator=g) - 0.5) * a.noise).to(self.device)
         else:
             inp = batch["feats"]
         with self._autocast():
@@ -228,27 +262,27 @@ class Trainer:
             if self.fmt == "eagle":
                 reg = F.smooth_l1_loss(x, t_in, reduction="none").mean(-1).sum() / cnt
                 ce = _chunked_soft_ce((x, t_in), lambda h: F.linear(h, self.lm_head_w),
-                                      lambda h: F.linear(h, self.lm_head_w)) / cnt
+                                      lambda h: F.linear(h, self.lm_head_w), self.ce_chunk) / cnt
                 ls = reg + a.ce_weight * ce
                 logs[f"reg{s}"] = float(reg.detach())
                 logs[f"ce{s}"] = float(ce.detach())
             else:
                 ce = _chunked_soft_ce((x, t_in), lambda h: F.linear(h, self.draft_lm_w),
-                                      lambda h: self.head.lm_head(h)) / cnt
+                                      lambda h: self.head.lm_head(h), self.ce_chunk) / cnt
                 ls = ce
                 logs[f"ce{s}"] = float(ce.detach())
             total = total + (0.8 ** (s - 1)) * ls
         return total, logs
 
     @torch.no_grad()
-    def evaluate(self, store: FeatureStore, idxs: list[int], k: int, bs: int = 4) -> dict:
+    def evaluate(self, store: FeatureStore | MemoryFeatureStore, idxs: list[int], k: int, bs: int = 4) -> dict:
         self.head.eval()
-        agree = torch.zeros(k)
-        count = torch.zeros(k)
-        chain_sum = torch.zeros(k)  # P(steps 1..s all agree), over anchors with all k labels
+        agree = torch.zeros(k, device=self.device)
+        count = torch.zeros(k, device=self.device)
+        chain_sum = torch.zeros(k, device=self.device)  # P(steps 1..s all agree), over anchors with all k labels
         chain_n = 0
         for i in range(0, len(idxs), bs):
-            b = make_batch(store, idxs[i:i + bs], self.fmt)
+            b = make_batch(store, idxs[i:i + bs], self.fmt, self.device)
             inp = b["final"] if self.fmt == "eagle" else b["feats"]
             with self._autocast():
                 outs = self.head.forward_steps(self.embed, b["tokens"], inp, k)
@@ -296,11 +330,12 @@ def lr_at(step: int, total: int, base: float) -> float:
     return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
-def choose_draft_vocab(store: FeatureStore, idxs: list[int], size: int, vocab: int) -> tuple[torch.Tensor, dict]:
+def choose_draft_vocab(store: FeatureStore | MemoryFeatureStore, idxs: list[int], size: int, vocab: int
+                       ) -> tuple[torch.Tensor, dict]:
     counts = torch.zeros(vocab, dtype=torch.long)
     for i in idxs:
         it = store.get(i)
-        lab = it["top1"][it["loss_start"]:]
+        lab = it["top1"][it["loss_start"]:].cpu()
         counts += torch.bincount(lab, minlength=vocab)
     # also count the input tokens so the vocabulary is never tiny on small data
     order = sorted(range(vocab), key=lambda t: (-int(counts[t]), t))
@@ -381,12 +416,22 @@ def _read_prompts(args) -> tuple[list[str], str]:
 
 
 def _read_corpus(args, log=print):
-    """``--prompt-set broad``: the corpus of ``corpus.build_corpus`` with ``--num-prompts`` items
-    (default ``corpus.DEFAULT_N_ITEMS``) and ``--seed``."""
-    from .corpus import DEFAULT_N_ITEMS, build_corpus
+    """``--prompt-set broad``: the corpus in ``--corpus-file`` (its first ``--num-prompts`` items), or
+    the one ``corpus.build_corpus`` builds with ``--num-prompts`` items (default
+    ``corpus.DEFAULT_N_ITEMS``) and ``--seed``."""
+    from .corpus import DEFAULT_N_ITEMS, Corpus, build_corpus
 
     if args.prompts_file:
         raise EagleTrainError("--prompts-file replaces the built-in prompt set; use it with --prompt-set coding")
+    if getattr(args, "corpus_file", None):
+        try:
+            c = Corpus.read_jsonl(args.corpus_file)
+        except (OSError, ValueError) as e:
+            raise EagleTrainError(f"--corpus-file: {e}") from e
+        if args.num_prompts is not None and args.num_prompts < len(c.items):
+            c = c.subset(range(args.num_prompts), f"--num-prompts {args.num_prompts}")
+        log(f"[eagle] corpus file {args.corpus_file}: {len(c.items)} items {c.counts()}")
+        return c
     c = build_corpus(args.num_prompts if args.num_prompts is not None else DEFAULT_N_ITEMS, args.seed)
     log(f"[eagle] broad corpus: {len(c.items)} items {c.counts()} from {len(c.manifest['roots'])} sources "
         f"({c.seconds:.0f} s)")
@@ -394,26 +439,25 @@ def _read_corpus(args, log=print):
 
 
 # --------------------------------------------------------------------------- main
-def train(args: argparse.Namespace) -> dict:
-    torch.set_num_threads(max(1, args.threads))
-    torch.manual_seed(args.seed)
-    log = (lambda *a, **k: None) if args.quiet else (lambda *a, **k: print(*a, **k, file=sys.stderr, flush=True))
-    target = str(Path(args.target).resolve())
-    out = Path(args.out)
-    tcfg = target_config(target)
-    aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
-    hcfg = head_config_from_target(tcfg, args.format, args.draft_vocab_size, aux, args.head_intermediate_size)
-    work = Path(args.work_dir or Path.home() / ".cache" / "vllm-easyspec" / "eagle")
-    work.mkdir(parents=True, exist_ok=True)
-    t_start = time.time()
+CALIBRATION_STEPS = 10  # --train-seconds: steps timed (after the first) before the step count is fixed
 
-    # ---- data
+
+def _log_fn(args):
+    return (lambda *a, **k: None) if args.quiet else (lambda *a, **k: print(*a, **k, file=sys.stderr, flush=True))
+
+
+def _load_tokenizer(target: str):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     tok = AutoTokenizer.from_pretrained(target)
     if (Path(target) / "tokenizer.json").exists() and not tok("def f(x): return x", add_special_tokens=False)["input_ids"]:
         # a model-type tokenizer class that ignores this tokenizer.json (seen with word-level test vocabularies)
         tok = PreTrainedTokenizerFast.from_pretrained(target)
+    return tok
+
+
+def _data_stage(args, target: str, work: Path, log) -> tuple[list[dict], dict]:
+    """(sequences, provenance): the self-distilled answers (cached and resumable) and the local text."""
     seqs: list[dict] = []
     provenance: dict = {"sources": []}
     if not args.no_self_distill:
@@ -422,7 +466,8 @@ def train(args: argparse.Namespace) -> dict:
         if getattr(args, "prompt_set", "coding") == "broad":
             corpus = _read_corpus(args, log)
             prompts = [it.to_dict() for it in corpus.items]
-            pname = "vllm_easyspec_train.corpus.build_corpus"
+            pname = (f"file:{Path(args.corpus_file).name}" if getattr(args, "corpus_file", None)
+                     else "vllm_easyspec_train.corpus.build_corpus")
             corpus_info = {"corpus": corpus.manifest}
             jl, info = self_distill_items(target, corpus.items, work, args.max_new_tokens, args.seed,
                                           args.gen_dtype, log, chunk_size=chunk)
@@ -446,34 +491,41 @@ def train(args: argparse.Namespace) -> dict:
             "generation_info": info})
     if args.text_tokens > 0:
         tdir = args.text_dir or default_text_dir()
-        tw, tinfo = text_windows(tok, tdir, args.text_tokens, args.seq_len, args.seed)
+        tw, tinfo = text_windows(_load_tokenizer(target), tdir, args.text_tokens, args.seq_len, args.seed)
         seqs += tw
         provenance["sources"].append({"kind": "local-text", "python": platform.python_version(), **tinfo})
-    if getattr(args, "data_only", False):
-        n_tok = sum(len(s["tokens"]) for s in seqs)
-        log(f"[eagle] data stage done: {len(seqs)} sequences, {n_tok} tokens (--data-only)")
-        return {"out": str(out), "heldout": None, "train_seconds": 0.0, "manifest": None,
-                "data": {**provenance, "n_sequences": len(seqs), "n_tokens": n_tok}}
-    train_seqs, val_seqs = split_heldout(seqs, args.val_fraction, args.seed, args.min_train_tokens)
-    all_seqs = train_seqs + val_seqs
-    tr_idx = list(range(len(train_seqs)))
-    va_idx = list(range(len(train_seqs), len(all_seqs)))
-    log(f"[eagle] data: {len(train_seqs)} train / {len(val_seqs)} held-out sequences, "
-        f"{sum(len(s['tokens']) for s in all_seqs)} tokens")
+    return seqs, provenance
 
-    # ---- features
-    t_feat = time.time()
-    store = extract(target, all_seqs, work, hcfg.aux_layer_ids, args.feature_dtype, log=log)
-    feat_s = time.time() - t_feat
-    if store.hidden_size != hcfg.hidden_size:
-        raise HiddenSizeMismatchError(f"features have hidden size {store.hidden_size}, target {hcfg.hidden_size}")
-    embed_w, lm_w = load_target_embed_and_head(target)
-    if embed_w.shape[1] != hcfg.hidden_size or lm_w.shape[1] != hcfg.hidden_size:
-        raise HiddenSizeMismatchError(
-            f"target embeddings are {tuple(embed_w.shape)}, config hidden_size is {hcfg.hidden_size}")
 
-    # ---- head
-    vocab_info = {}
+def _feature_stage(args, target: str, all_seqs: list[dict], n_train: int, work: Path, aux_layer_ids: list[int],
+                   log) -> tuple[FeatureStore | MemoryFeatureStore, list[int], list[int]]:
+    """(store, train indices, held-out indices) over ``all_seqs`` (its first ``n_train`` are training
+    sequences). The memory store extracts the held-out sequences first, so that a ``--features-seconds``
+    cut leaves the evaluation whole and trains on the training sequences extracted in time."""
+    tr_idx, va_idx = list(range(n_train)), list(range(n_train, len(all_seqs)))
+    if args.feature_store == "disk":
+        store = extract(target, all_seqs, work, aux_layer_ids, args.feature_dtype, log=log,
+                        batch_tokens=args.feature_batch_tokens, device=args.device)
+        return store, tr_idx, va_idx
+    deadline = None if args.features_seconds is None else time.time() + args.features_seconds
+    store_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.feature_dtype]
+    store = extract_to_memory(target, all_seqs, aux_layer_ids, args.feature_dtype, args.device, store_dtype,
+                              args.feature_batch_tokens, order=va_idx + tr_idx, deadline=deadline, log=log)
+    done = set(store.available)
+    if len(done) < len(all_seqs):
+        tr_idx, va_idx = [i for i in tr_idx if i in done], [i for i in va_idx if i in done]
+        log(f"[eagle] features in time for {len(tr_idx)} of {n_train} training sequences and {len(va_idx)} "
+            f"of {len(all_seqs) - n_train} held-out ones")
+        if not tr_idx or not va_idx:
+            raise NotEnoughDataError(f"--features-seconds {args.features_seconds} extracted {len(tr_idx)} training "
+                                     f"and {len(va_idx)} held-out sequences; allow more time or less data")
+    return store, tr_idx, va_idx
+
+
+def _build_head(args, hcfg, store, tr_idx: list[int], lm_w: torch.Tensor) -> tuple[EagleHead, dict, dict]:
+    """(head on ``--device``, draft-vocabulary info, ``--init-from`` info): built on the host, so a seed
+    gives the same initial head on every device."""
+    vocab_info: dict = {}
     if hcfg.format == "eagle3":
         n_distinct = int(torch.unique(torch.cat([store.get(i)["top1"] for i in tr_idx])).numel())
         if hcfg.draft_vocab_size > hcfg.vocab_size:
@@ -497,12 +549,109 @@ def train(args: argparse.Namespace) -> dict:
                 f"--init-from head has format {src.cfg.format}, hidden size {src.cfg.hidden_size}; "
                 f"target needs {hcfg.format}, {hcfg.hidden_size}")
         init_info = init_from_head(head, src, lm_w)
+    return head.to(args.device), vocab_info, init_info
+
+
+def fit_steps(step: int, total: int, seconds_left: float, step_seconds: float, margin: float = 0.9) -> int:
+    """The step count a run at ``step`` of ``total`` can reach in ``seconds_left`` (``margin`` of it) at
+    ``step_seconds`` a step: never below ``step + 1`` nor above ``total``."""
+    return max(step + 1, min(total, step + int(margin * max(0.0, seconds_left) / max(step_seconds, 1e-9))))
+
+
+def _device_name(device: str) -> str:
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    return platform.processor() or platform.machine()
+
+
+def train(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(max(1, args.threads))
+    torch.manual_seed(args.seed)
+    log = _log_fn(args)
+    target = str(Path(args.target).resolve())
+    out = Path(args.out)
+    tcfg = target_config(target)
+    aux = [int(x) for x in args.aux_layers.split(",")] if args.aux_layers else None
+    hcfg = head_config_from_target(tcfg, args.format, args.draft_vocab_size, aux, args.head_intermediate_size)
+    work = Path(args.work_dir or Path.home() / ".cache" / "vllm-easyspec" / "eagle")
+    work.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    if args.feature_store == "memory" and (args.resume or args.stop_after is not None):
+        raise EagleTrainError("--feature-store memory keeps no features between runs; --resume and --stop-after "
+                              "need --feature-store disk")
+
+    # ---- data
+    seqs, provenance = _data_stage(args, target, work, log)
+    if getattr(args, "data_only", False):
+        n_tok = sum(len(s["tokens"]) for s in seqs)
+        log(f"[eagle] data stage done: {len(seqs)} sequences, {n_tok} tokens (--data-only)")
+        return {"out": str(out), "heldout": None, "train_seconds": 0.0, "manifest": None,
+                "data": {**provenance, "n_sequences": len(seqs), "n_tokens": n_tok}}
+    train_seqs, val_seqs = split_heldout(seqs, args.val_fraction, args.seed, args.min_train_tokens)
+    all_seqs = train_seqs + val_seqs
+    log(f"[eagle] data: {len(train_seqs)} train / {len(val_seqs)} held-out sequences, "
+        f"{sum(len(s['tokens']) for s in all_seqs)} tokens")
+
+    # ---- features
+    t_feat = time.time()
+    store, tr_idx, va_idx = _feature_stage(args, target, all_seqs, len(train_seqs), work, hcfg.aux_layer_ids, log)
+    feat_s = time.time() - t_feat
+    if store.hidden_size != hcfg.hidden_size:
+        raise HiddenSizeMismatchError(f"features have hidden size {store.hidden_size}, target {hcfg.hidden_size}")
+    embed_w, lm_w = load_target_embed_and_head(target)
+    if embed_w.shape[1] != hcfg.hidden_size or lm_w.shape[1] != hcfg.hidden_size:
+        raise HiddenSizeMismatchError(
+            f"target embeddings are {tuple(embed_w.shape)}, config hidden_size is {hcfg.hidden_size}")
+
+    # ---- head
+    head, vocab_info, init_info = _build_head(args, hcfg, store, tr_idx, lm_w)
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     trainer = Trainer(head, embed_w, lm_w, args)
+    run = _train_loop(args, hcfg, head, opt, trainer, store, tr_idx, va_idx, out, log)
+    if run.get("stopped") is not None:
+        return {"out": str(out), "heldout": run["last_eval"], "train_seconds": run["seconds"], "manifest": None,
+                "stopped": run["stopped"]}
 
+    # ---- write head + manifest
+    used = {"train": [all_seqs[i] for i in tr_idx], "heldout": [all_seqs[i] for i in va_idx]}
+    manifest = {
+        "format": hcfg.format,
+        "target": {"path": target, "architectures": tcfg.get("architectures"),
+                   "config_sha256": sha256_text((Path(target) / "config.json").read_text()),
+                   "hidden_size": hcfg.hidden_size, "num_layers": hcfg.target_num_layers},
+        "head_config": hcfg.to_dict(),
+        "draft_vocab": vocab_info,
+        "data": {**provenance, "train_sequences": len(used["train"]), "heldout_sequences": len(used["heldout"]),
+                 "train_tokens": sum(len(s["tokens"]) for s in used["train"]),
+                 "heldout_tokens": sum(len(s["tokens"]) for s in used["heldout"]),
+                 "feature_dtype": args.feature_dtype, "feature_cache": str(store.path)},
+        "training": {"steps": run["step"], "batch_size": args.batch_size, "lr": args.lr, "ttt_steps": trainer.ttt,
+                     "noise": args.noise if hcfg.format == "eagle" else None,
+                     "ce_weight": args.ce_weight if hcfg.format == "eagle" else None,
+                     "seed": args.seed, "amp": args.amp, "threads": args.threads, "init_from": init_info or None,
+                     "train_seconds": round(run["seconds"], 1), "feature_seconds": round(feat_s, 1),
+                     "total_seconds": round(time.time() - t_start, 1), **run["budget"],
+                     "device": args.device, "cpu": _device_name(args.device), "torch": torch.__version__},
+        "heldout": run["last_eval"],
+        "history": run["history"],
+        "command": _command_line(args),
+        "stages": run["stages"],
+        "git_commit": _git_commit(),
+    }
+    ckpt.save_head(head, out, torch.bfloat16, {MANIFEST: json.dumps(manifest, indent=2) + "\n"})
+    return {"out": str(out), "heldout": run["last_eval"], "train_seconds": round(run["seconds"], 1),
+            "manifest": manifest}
+
+
+def _train_loop(args, hcfg, head: EagleHead, opt, trainer: Trainer, store, tr_idx: list[int], va_idx: list[int],
+                out: Path, log) -> dict:
+    """Train until the step count (``--max-steps``, else ``--epochs``; cut by ``--train-seconds``), saving the
+    resume state every ``--save-every`` steps and evaluating every ``--eval-every``. Returns the final step,
+    seconds, history, stages, last evaluation, budget record and ``stopped`` (the step of a ``--stop-after``)."""
     train_lengths = [store.sequence_length(i) for i in tr_idx]
     steps_per_epoch = len(epoch_batches(train_lengths, args.batch_size, args.seed, 0))
     total = args.max_steps or max(1, int(round(args.epochs * steps_per_epoch)))
+    budget = {"planned_steps": total}
     step = 0
     seen = {"tokens": 0, "loss_tokens": 0}  # sequence tokens and loss positions the steps so far trained on
     history: list = []
@@ -510,7 +659,7 @@ def train(args: argparse.Namespace) -> dict:
     train_s_prev = 0.0
     out.mkdir(parents=True, exist_ok=True)
     if args.resume and (out / STATE).exists():
-        st = torch.load(out / STATE, weights_only=False)
+        st = torch.load(out / STATE, weights_only=False, map_location=args.device)
         if st["head_config"]["hidden_size"] != hcfg.hidden_size or st["head_config"]["format"] != hcfg.format:
             raise HiddenSizeMismatchError(
                 f"resume state in {out} is for format {st['head_config']['format']} / hidden size "
@@ -523,6 +672,9 @@ def train(args: argparse.Namespace) -> dict:
         log(f"[eagle] resumed at step {step}/{total}")
 
     stages.append({"command": _command_line(args), "from_step": step, "to_step": step})
+    t_train = time.time()
+    deadline = None if args.train_seconds is None else t_train + args.train_seconds
+    calibrate_from = (step + 1, None)  # (step, time) after the first step of this run, which warms up
 
     def save_state():
         stages[-1]["to_step"] = step
@@ -532,7 +684,6 @@ def train(args: argparse.Namespace) -> dict:
                    out / (STATE + ".tmp"))
         os.replace(out / (STATE + ".tmp"), out / STATE)
 
-    t_train = time.time()
     head.train()
     bar = tqdm(total=total, initial=step, desc=f"train {hcfg.format}", unit="step", disable=args.quiet,
                mininterval=2)
@@ -543,7 +694,7 @@ def train(args: argparse.Namespace) -> dict:
         if epoch != batches_epoch:
             batches, batches_epoch = epoch_batches(train_lengths, args.batch_size, args.seed, epoch), epoch
         bidx = [tr_idx[j] for j in batches[within]]
-        batch = make_batch(store, bidx, hcfg.format)
+        batch = make_batch(store, bidx, hcfg.format, trainer.device)
         seen["tokens"] += sum(store.sequence_length(i) for i in bidx)
         seen["loss_tokens"] += int(batch["valid"].sum())
         for gp in opt.param_groups:
@@ -554,6 +705,20 @@ def train(args: argparse.Namespace) -> dict:
         torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
         opt.step()
         step += 1
+        if deadline is not None:
+            if step == calibrate_from[0]:
+                calibrate_from = (step, time.time())
+            elif step == calibrate_from[0] + CALIBRATION_STEPS:
+                step_s = (time.time() - calibrate_from[1]) / CALIBRATION_STEPS
+                total = fit_steps(step, total, deadline - time.time(), step_s)
+                budget.update({"train_seconds_budget": args.train_seconds, "step_seconds": round(step_s, 4),
+                               "steps_fitted": total})
+                bar.total = total
+                log(f"\n[eagle] {step_s:.3f} s a step: {total} steps fit in --train-seconds {args.train_seconds}")
+            if time.time() >= deadline and step < total:
+                log(f"\n[eagle] --train-seconds {args.train_seconds} reached at step {step} of {total}")
+                budget["stopped_at_deadline"] = step
+                total = step
         post = {"loss": f"{float(loss.detach()):.3f}"}
         if last_eval:
             post["agree@1"] = last_eval["agreement"][0]
@@ -565,47 +730,20 @@ def train(args: argparse.Namespace) -> dict:
                             "loss": float(loss.detach()), **logs, "heldout": last_eval})
             log(f"\n[eagle] step {step}: loss {float(loss.detach()):.4f} held-out agreement@1..{args.eval_steps} "
                 f"{last_eval['agreement']} accept_len(k={args.eval_steps}) {last_eval['accept_length_k']}")
-        if step % args.save_every == 0 or step == total:
+        if args.feature_store == "disk" and (step % args.save_every == 0 or step == total):
             save_state()
         if args.stop_after is not None and step >= args.stop_after and step < total:
             save_state()
             bar.close()
             log(f"[eagle] stopped after step {step}; continue with --resume")
-            return {"out": str(out), "heldout": last_eval, "train_seconds": round(time.time() - t_train, 1),
-                    "manifest": None, "stopped": step}
+            return {"step": step, "seconds": round(time.time() - t_train, 1), "last_eval": last_eval,
+                    "stopped": step}
     bar.close()
     stages[-1]["to_step"] = step
-    train_s = train_s_prev + (time.time() - t_train)
     if last_eval is None:
         last_eval = trainer.evaluate(store, va_idx, args.eval_steps)
-
-    # ---- write head + manifest
-    manifest = {
-        "format": hcfg.format,
-        "target": {"path": target, "architectures": tcfg.get("architectures"),
-                   "config_sha256": sha256_text((Path(target) / "config.json").read_text()),
-                   "hidden_size": hcfg.hidden_size, "num_layers": hcfg.target_num_layers},
-        "head_config": hcfg.to_dict(),
-        "draft_vocab": vocab_info,
-        "data": {**provenance, "train_sequences": len(train_seqs), "heldout_sequences": len(val_seqs),
-                 "train_tokens": sum(len(s["tokens"]) for s in train_seqs),
-                 "heldout_tokens": sum(len(s["tokens"]) for s in val_seqs),
-                 "feature_dtype": args.feature_dtype, "feature_cache": str(store.path)},
-        "training": {"steps": step, "batch_size": args.batch_size, "lr": args.lr, "ttt_steps": trainer.ttt,
-                     "noise": args.noise if hcfg.format == "eagle" else None,
-                     "ce_weight": args.ce_weight if hcfg.format == "eagle" else None,
-                     "seed": args.seed, "amp": args.amp, "threads": args.threads, "init_from": init_info or None,
-                     "train_seconds": round(train_s, 1), "feature_seconds": round(feat_s, 1),
-                     "total_seconds": round(time.time() - t_start, 1),
-                     "cpu": platform.processor() or platform.machine(), "torch": torch.__version__},
-        "heldout": last_eval,
-        "history": history,
-        "command": _command_line(args),
-        "stages": stages,
-        "git_commit": _git_commit(),
-    }
-    ckpt.save_head(head, out, torch.bfloat16, {MANIFEST: json.dumps(manifest, indent=2) + "\n"})
-    return {"out": str(out), "heldout": last_eval, "train_seconds": round(train_s, 1), "manifest": manifest}
+    return {"step": step, "seconds": train_s_prev + (time.time() - t_train), "history": history, "stages": stages,
+            "last_eval": last_eval, "budget": budget, "stopped": None}
 
 
 def main(argv: list[str] | None = None) -> int:

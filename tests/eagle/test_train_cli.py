@@ -13,9 +13,12 @@ from vllm_easyspec import cli
 
 
 def _forget_trainer(monkeypatch) -> None:
-    """Make the next ``import vllm_easyspec_train.trainer`` run the module again."""
-    for name in ("vllm_easyspec_train.trainer", "vllm_easyspec_train.checkpoint"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
+    """Make the next ``import vllm_easyspec_train.trainer`` run it and the checkpoint module again."""
+    import vllm_easyspec_train
+
+    for name in ("trainer", "checkpoint"):
+        monkeypatch.delitem(sys.modules, f"vllm_easyspec_train.{name}", raising=False)
+        monkeypatch.delattr(vllm_easyspec_train, name, raising=False)
 
 
 @pytest.mark.parametrize("missing", ["tqdm", "safetensors"])
