@@ -296,9 +296,15 @@ class EngineProcess:
         return self.process is None or self.process.poll() is not None
 
     def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
+        """The whole process group: the setup's process and the engine core and workers it started, which
+        outlive it when it ends with ``os._exit`` (and would keep their GPU memory)."""
+        if self.process is None:
+            return
+        try:
             os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        except ProcessLookupError:
+            pass
+        self.process.wait()
 
     def read_result(self, fallback: str) -> dict[str, Any]:
         try:
@@ -420,7 +426,8 @@ def run_group(group: list[EngineProcess], settings: RunSettings, deadline: float
             try:
                 engine.process.wait(timeout=max(1.0, deadline - time.time() + 10))
             except subprocess.TimeoutExpired:
-                engine.kill()
+                pass
+            engine.kill()  # its engine core too, before the next engine is measured
             results.append(engine.read_result("killed at the run's deadline"))
             r = results[-1]
             log(f"DONE  {engine.setup.name}: {'ok' if r.get('ok') else 'FAIL ' + str(r.get('error'))[:300]}, "
