@@ -54,11 +54,14 @@ main() {
     device_args=(--device cuda)
     project=$(sed -n 's/^project //p' .gpu/proj/manifest.txt 2>/dev/null)
     echo "======== install (t=${SECONDS}s)"
-    OUT=$WORK/kit-out bash .gpu/proj/device/run.sh install | tail -4
-    [[ ${PIPESTATUS[0]} == 0 ]] || return 1
+    OUT=$WORK/kit-out bash .gpu/proj/device/run.sh install | tail -6
+    local installed=${PIPESTATUS[0]}
+    cp "$WORK/kit-out/run.log" "$WORK/logs/install.log" 2>/dev/null
+    [[ $installed == 0 ]] || return 1
     # shellcheck disable=SC1091
     source .gpu/proj/device/env.sh
   fi
+  [[ -s $HEAD_DIR/model.safetensors ]] || { echo "no EAGLE head in $HEAD_DIR: carry \".gpu/head\" (slim.sh copies it there)"; return 1; }
   export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"  # after the installed packages: benchmarks/ from the tree
   echo "======== target: GGUF check, conversion to $dtype (t=${SECONDS}s)"
   model=$(PY=$py TARGET_NAME=$NAME bash benchmarks/gpu/device_target.sh "$gguf" "$dtype" "$WORK/logs/convert.log") \
