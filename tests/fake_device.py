@@ -10,8 +10,10 @@ advanced indexing (``x[i]``, ``x[i] = v``), and explicit copies between the two 
 
 Inside :func:`counting_syncs` as well, device tensors say ``is_cuda``, ``torch.cuda.synchronize`` and
 ``torch.cuda.Event`` are stand-ins, and every call that would make the host wait for a GPU is counted: a
-synchronize (of the device or of an event), and a read of a device tensor's values on the host (``tolist``,
-``item``, ``int``/``float``/``bool``, ``.cpu()``, ``.to("cpu")``, ``.numpy()``).
+synchronize (of the device or of an event), a read of a device tensor's values on the host (``tolist``,
+``item``, ``int``/``float``/``bool``, ``.cpu()``, ``.to("cpu")``, ``.numpy()``), and a blocking copy of host
+values to the device (``.to(device)`` without ``non_blocking``, ``torch.tensor(data, device=...)``, a host index
+tensor in advanced indexing), which on CUDA waits for the stream.
 
 Invariant: code that runs here without an error makes no host/device mix that CUDA would refuse, and computes
 the same values it computes on the host.
@@ -91,12 +93,17 @@ class _DeviceFactories(TorchFunctionMode):
         if func is torch.Tensor.to:
             target = kwargs.get("device", next((a for a in args[1:] if _is_device(a) or isinstance(a, str)), None))
             if target is not None and _is_device(target):
+                if not isinstance(args[0], DeviceTensor) and not kwargs.get("non_blocking", False):
+                    _count_wait("a blocking copy to the device (Tensor.to without non_blocking)")
                 args = tuple(torch.device("cpu") if _is_device(a) else a for a in args)
                 kwargs = {k: torch.device("cpu") if _is_device(v) else v for k, v in kwargs.items()}
-                result = func(*args, **kwargs)
+                with _not_counted():  # a copy to the device: the host's copy of its values is ours, not a read
+                    result = func(*args, **kwargs)
                 return result if isinstance(result, DeviceTensor) else DeviceTensor(result)
             return func(*args, **kwargs)
         if _is_device(kwargs.get("device")):
+            if func in (torch.tensor, torch.as_tensor):
+                _count_wait(f"a blocking copy to the device ({func.__name__} of host data)")
             kwargs["device"] = torch.device("cpu")
             return tree_map(lambda x: DeviceTensor(x) if isinstance(x, torch.Tensor) else x, func(*args, **kwargs))
         return func(*args, **kwargs)
@@ -111,6 +118,8 @@ class _SecondDevice(TorchDispatchMode):
         if func in _HOST_INDICES_ALLOWED and on_device:
             indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
             index_ids = {id(i) for i in indices if isinstance(i, torch.Tensor)}
+            if any(id(x) in index_ids for x in host):
+                _count_wait(f"a host index copied to the device ({func})")
             host = [x for x in host if id(x) not in index_ids]
         if on_device and host and func not in _CROSS_DEVICE_COPIES:
             raise RuntimeError(
@@ -163,8 +172,21 @@ class SyncCount:
 _active_count: SyncCount | None = None
 
 
+_counting_paused = False
+
+
+@contextlib.contextmanager
+def _not_counted() -> Iterator[None]:
+    global _counting_paused
+    previous, _counting_paused = _counting_paused, True
+    try:
+        yield
+    finally:
+        _counting_paused = previous
+
+
 def _count_wait(what: str) -> None:
-    if _active_count is None:
+    if _active_count is None or _counting_paused:
         return
     frames = [f for f in traceback.extract_stack()[:-2] if "vllm_easyspec" in f.filename]
     where = f"{frames[-1].filename.rsplit('/', 2)[-1]}:{frames[-1].lineno}" if frames else "?"

@@ -174,3 +174,35 @@ def test_the_runners_tree_step_start_writes_device_positions():
     expected = start(torch.device("cpu"))
     with second_device() as device:
         assert start(device) == expected == [10, 11, 11, 12, 13, 12]
+
+
+def test_a_tree_verify_step_reads_the_device_once():
+    """The tree sampler on a GPU waits for the device once per draw mode: to read the accepted nodes, which the
+    commit and the next drafting step need on the host. Tree shapes are checked on the host, early exits that
+    would read a mask are taken on the host only, and host bookkeeping goes to the device without waiting
+    (before: 22 waits in this step)."""
+    from fake_device import counting_syncs
+
+    logits = _logits(0)
+    with second_device() as device:
+        metadata, sampling = _metadata(device), _sampling_metadata(device, 0)
+        device_logits = logits.to(device)
+        with counting_syncs() as waits:
+            from vllm.v1.sample.sampler import Sampler
+
+            from vllm_easyspec.integration.tree_sampler import TreeRejectionSampler
+
+            TreeRejectionSampler(Sampler()).verify(_step(), metadata, device_logits, sampling)
+    reads = [what for what, _ in waits.waits]
+    # both trees draw top-k children (one greedy, one sampled): one group, one read
+    assert reads == ["copy to the host (aten._to_copy.default)"], waits.describe()
+
+
+def test_the_runners_tree_step_start_and_commit_wait_for_nothing():
+    from fake_device import counting_syncs
+
+    with counting_syncs() as waits:
+        test_the_runners_tree_step_start_writes_device_positions()
+        test_the_runners_commit_on_a_second_device_moves_the_branch_into_place()
+    project = [(what, where) for what, where in waits.waits if where != "?"]  # "?": this file's own set-up
+    assert not project, project

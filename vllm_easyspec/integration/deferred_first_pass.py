@@ -156,7 +156,8 @@ class DeferredFirstPass:
         query_start_cpu[1:] = torch.tensor(lengths).cumsum(0)
         extra = sum(added)
         new_cad = cad.replace(
-            query_start_loc=query_start_cpu.to(cad.query_start_loc.device, cad.query_start_loc.dtype),
+            query_start_loc=query_start_cpu.to(cad.query_start_loc.device, cad.query_start_loc.dtype,
+                                               non_blocking=True),
             query_start_loc_cpu=query_start_cpu,
             num_actual_tokens=cad.num_actual_tokens + extra,
             max_query_len=max(lengths),
@@ -167,7 +168,7 @@ class DeferredFirstPass:
         )
         sample = arguments.get("token_indices_to_sample")
         if sample is not None:  # each request's row to sample from moves by the rows added up to it
-            shift = torch.tensor(added, dtype=sample.dtype).cumsum(0).to(sample.device)
+            shift = torch.tensor(added, dtype=sample.dtype).cumsum(0).to(sample.device, non_blocking=True)
             sample = sample + shift
         return arguments | {"target_token_ids": new_tokens, "target_positions": new_positions,
                             "target_hidden_states": new_hidden, "token_indices_to_sample": sample,

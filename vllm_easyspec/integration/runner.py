@@ -251,7 +251,7 @@ class TreeRunnerMixin:
             return
         step = TreeVerifyStep(requests)
         rows, positions = step.row_positions()
-        self.positions[rows.to(self.positions.device)] = positions.to(self.positions.device, self.positions.dtype)
+        self.positions[_onto(rows, self.positions)] = _onto(positions, self.positions, self.positions.dtype)
         verifier.forward = TreeVerifyForward(step)
         stats.path_requests += len(step) - (0 if verifier.forward.masked is None else len(verifier.forward.masked))
         stats.steps += 1
@@ -270,7 +270,7 @@ class TreeRunnerMixin:
         if len(moves):
             block_table = forward.block_table.long()
             moved = moves.to(block_table.device)  # the host's moves go to the cache's device once
-            masked_request = forward.masked_index.to(block_table.device)[moved.request_index]
+            masked_request = _onto(forward.masked_index, block_table)[moved.request_index]
             for kept in forward.kept_kv.values():
                 blocks = block_table[masked_request, moved.destination // kept.block_size]
                 slots = blocks * kept.block_size + moved.destination % kept.block_size
@@ -278,9 +278,14 @@ class TreeRunnerMixin:
                            kept.value[masked_request, :, moved.source_column], slots)
         rows = self.tree_verifier.branch_rows[1]
         input_ids = self.input_ids.gpu
-        input_ids[rows.to(input_ids.device)] = branch.tokens.to(input_ids.device, input_ids.dtype)
-        self.positions[rows.to(self.positions.device)] = branch.destination.to(self.positions.device,
-                                                                              self.positions.dtype)
+        input_ids[_onto(rows, input_ids)] = _onto(branch.tokens, input_ids, input_ids.dtype)
+        self.positions[_onto(rows, self.positions)] = _onto(branch.destination, self.positions, self.positions.dtype)
+
+
+def _onto(values: torch.Tensor, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host bookkeeping on ``like``'s device, copied without waiting for the stream (a pageable host tensor is
+    staged by the copy call itself, so it may be freed at once)."""
+    return values.to(like.device, dtype or values.dtype, non_blocking=True)
 
 
 def _verify_shape(scheduler_output, forward: TreeVerifyForward | None) -> VerifyShape | None:

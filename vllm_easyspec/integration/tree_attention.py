@@ -112,11 +112,11 @@ def split_verify_batch(cm, step: TreeVerifyStep):
     chain_rows = torch.cat([
         torch.arange(int(query_start[r]), int(query_start[r + 1])) for r in chain_requests.tolist()
     ])
-    rows = chain_rows.to(cm.slot_mapping.device)
+    rows = chain_rows.to(cm.slot_mapping.device, non_blocking=True)
 
     def per_request(x):
         if isinstance(x, torch.Tensor):
-            return x[chain_requests.to(x.device)]
+            return x[chain_requests.to(x.device, non_blocking=True)]
         if hasattr(x, "shape"):  # numpy arrays (encoder_seq_lens_cpu, req_idx)
             return x[chain_requests.numpy()]
         return x  # None, or a value shared by every request (causal=True)
@@ -135,7 +135,7 @@ def split_verify_batch(cm, step: TreeVerifyStep):
     if ranges is not None:
         ranges = {new: ranges[old] for new, old in enumerate(chain_requests.tolist()) if old in ranges}
     values |= {
-        "query_start_loc": sub_query_start.to(cm.query_start_loc.device),
+        "query_start_loc": sub_query_start.to(cm.query_start_loc.device, non_blocking=True),
         "query_start_loc_cpu": sub_query_start,
         "num_reqs": len(chain_requests),
         "num_actual_tokens": int(chain_rows.numel()),
@@ -197,7 +197,7 @@ def masked_attention(meta: Any, prefix_lens: torch.Tensor, query: torch.Tensor, 
     additive mask is built by a forward's first layer, on the query's device, and kept in ``meta.biases``."""
     group = query.shape[2] // prefix_key.shape[1]
     shape = (prefix_key.shape[2], tree_key.shape[2], group, query.dtype)
-    tree_mask = meta.tree_mask.to(query.device)
+    tree_mask = meta.tree_mask.to(query.device, non_blocking=True)
     bias = meta.biases.get(shape)
     if bias is None:
         bias = meta.biases[shape] = prefix_and_tree_bias(prefix_lens, shape[0], tree_mask, group, query.dtype)

@@ -456,9 +456,10 @@ def _parent_states(root: torch.Tensor, stash: torch.Tensor, parent_columns: torc
     batch, width = parent_columns.shape
     if stash.shape[1] == 0:
         return root.repeat_interleave(width, dim=0)
-    index = parent_columns.clamp(min=0).to(stash.device)[:, :, None].expand(-1, -1, stash.shape[-1])
+    index = parent_columns.clamp(min=0).to(stash.device, non_blocking=True)[:, :, None]
+    index = index.expand(-1, -1, stash.shape[-1])
     from_stash = stash.gather(1, index)
-    is_root = (parent_columns < 0).to(stash.device)[:, :, None]
+    is_root = (parent_columns < 0).to(stash.device, non_blocking=True)[:, :, None]
     return torch.where(is_root, root[:, None, :], from_stash).reshape(batch * width, -1)
 
 

@@ -58,12 +58,14 @@ class TreeRejectionSampler(RejectionSampler):
             )
             output[:, 0] = bonus.sampled_token_ids[:, 0].to(torch.int32)
 
-        first_logit_row = (metadata.cu_num_sampled_tokens.long() - (self._num_drafts(metadata) + 1)).cpu()
+        sampled_per_request = torch.tensor(metadata.num_draft_tokens, dtype=torch.long) + 1  # host: vLLM's list
+        first_logit_row = sampled_per_request.cumsum(0) - sampled_per_request
         (banned_requests, banned_columns), banned_tokens = step.banned_stop_tokens()
         if banned_tokens.numel():  # min_tokens: stop tokens are masked in the first rows, by depth
             logits = logits.clone()
             banned_rows = first_logit_row[step.batch_rows[banned_requests]] + banned_columns
-            logits[banned_rows.to(logits.device), banned_tokens.to(logits.device)] = float("-inf")
+            logits[banned_rows.to(logits.device, non_blocking=True),
+                   banned_tokens.to(logits.device, non_blocking=True)] = float("-inf")
         accepted = torch.full((len(step), max(step.trees.max_depth, 1)), -1, dtype=torch.long)
         num_accepted = torch.zeros(len(step), dtype=torch.long)
         for mode in ChildDrawMode:
@@ -74,12 +76,12 @@ class TreeRejectionSampler(RejectionSampler):
             rows = step.batch_rows[indices]  # host: bookkeeping and Python indices
             if len(indices) == 1:  # one request: its logit rows are one slice, [1, 1 + n, V]
                 first = int(first_logit_row[rows[0]])
-                tree_logits = logits[first : first + int(trees.num_nodes[0]) + 1].unsqueeze(0)
+                tree_logits = logits[first : first + trees.node_counts[0] + 1].unsqueeze(0)
             else:
                 tree_logits = logits[torch.cat([
                     torch.arange(int(first_logit_row[r]), int(first_logit_row[r]) + int(n) + 1)
-                    for r, n in zip(rows.tolist(), trees.num_nodes.tolist(), strict=True)
-                ]).to(logits.device)]
+                    for r, n in zip(rows.tolist(), trees.node_counts, strict=True)
+                ]).to(logits.device, non_blocking=True)]
             result = tree_rejection_sample(
                 trees,
                 tree_logits,
@@ -90,11 +92,12 @@ class TreeRejectionSampler(RejectionSampler):
                             if r in sampling_metadata.generators},
                 output_width=width,
             )
-            output[rows.to(output.device)] = result.output_token_ids.to(output.dtype)
+            output[rows.to(output.device, non_blocking=True)] = result.output_token_ids.to(output.dtype)
             depth = result.accepted_nodes.shape[1]
-            # the accepted nodes come to the host once, on purpose: the branch's bookkeeping reads them
-            accepted[indices, :depth] = result.accepted_nodes.cpu()
-            num_accepted[indices] = result.num_accepted.cpu()
+            # the accepted nodes come to the host once, on purpose: the branch's commit and bookkeeping read them
+            on_host = torch.cat([result.accepted_nodes, result.num_accepted[:, None]], dim=1).cpu()
+            accepted[indices, :depth] = on_host[:, :depth]
+            num_accepted[indices] = on_host[:, depth]
 
         logprobs_tensors = None
         if sampling_metadata.max_num_logprobs is not None:
@@ -108,10 +111,6 @@ class TreeRejectionSampler(RejectionSampler):
         return TreeVerdict(SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs_tensors),
                            step.accepted_moves(accepted, num_accepted))
 
-    @staticmethod
-    def _num_drafts(metadata) -> torch.Tensor:
-        return torch.tensor(metadata.num_draft_tokens, dtype=torch.long, device=metadata.cu_num_sampled_tokens.device)
-
 
 def _rows_of(values: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
-    return None if values is None else values[rows.to(values.device)]
+    return None if values is None else values[rows.to(values.device, non_blocking=True)]

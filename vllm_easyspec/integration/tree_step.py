@@ -247,7 +247,7 @@ class TreeVerifier:
         if not len(branch):
             return
         if self.unshared_target_tokens is not None:
-            unshared = self.unshared_target_tokens[branch.tokens.to(self.unshared_target_tokens.device)]
+            unshared = self.unshared_target_tokens[branch.tokens]  # both on the host
             self.stats.accepted_outside_shared_vocab += int(unshared.sum())
         from_sources = step.from_lookup[branch.request_index, branch.source_column - 1]
         self.stats.source_nodes_accepted += int(from_sources.sum())
@@ -267,5 +267,5 @@ class TreeVerifier:
         ``P + 1 .. P + a`` (where the runner moved its token); rows of other steps are unchanged."""
         if self.branch_rows is None:
             return hidden_states
-        source, destination = (rows.to(hidden_states.device) for rows in self.branch_rows)
+        source, destination = (rows.to(hidden_states.device, non_blocking=True) for rows in self.branch_rows)
         return hidden_states.index_copy(0, destination, hidden_states[source])

@@ -73,8 +73,10 @@ class TokenTreeBatch:
         ``IID_FROM_DRAFT``. Rows of leaves are unused.
 
     Derived tensors (computed once): ``depth`` ``[B, N]`` (0 for padding), ``ancestors``
-    ``[B, N, D]`` (root-to-node path of node indices, ``D = max depth``, -1 padded),
-    ``max_depth``.
+    ``[B, N, D]`` (root-to-node path of node indices, ``D = max depth``, -1 padded), and on the host
+    ``max_depth``, ``node_counts`` (``num_nodes`` as ints) and ``max_children`` (the largest branching factor).
+    Build a batch on the host and move it with :meth:`to`: its checks and derived values are then read on the
+    host, and nothing that uses it waits for the device to learn its shape.
     """
 
     tokens: torch.Tensor
@@ -85,6 +87,8 @@ class TokenTreeBatch:
     depth: torch.Tensor = field(init=False)
     ancestors: torch.Tensor = field(init=False)
     max_depth: int = field(init=False)
+    node_counts: tuple[int, ...] = field(init=False)
+    max_children: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.draw_mode = ChildDrawMode(self.draw_mode)
@@ -128,6 +132,18 @@ class TokenTreeBatch:
                 )
         self.depth, self.ancestors = _depth_and_paths(self.parents, real)
         self.max_depth = int(self.depth.max())
+        self.node_counts = tuple(self.num_nodes.tolist())
+        children = torch.zeros(batch, width + 1, dtype=torch.long, device=self.tokens.device)
+        children.scatter_add_(1, self.parents + 1, real.long())
+        self.max_children = int(children.max())
+
+    def to(self, device: torch.device | str) -> TokenTreeBatch:
+        """This batch on ``device``: its tensors copied without waiting for the device (a host batch's checks
+        and derived values stay as they were computed)."""
+        moved = object.__new__(TokenTreeBatch)
+        for name, value in vars(self).items():
+            moved.__dict__[name] = value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+        return moved
 
     # ------------------------------------------------------------------ basic views
     @property
@@ -183,8 +199,7 @@ class TokenTreeBatch:
         onehot = torch.zeros(self.batch_size, self.width, self.width + 1, dtype=torch.long, device=self.device)
         onehot.scatter_(2, (self.parents + 1)[:, :, None], self.valid[:, :, None].long())
         rank = (onehot.cumsum(1) * onehot).sum(2) - 1  # rank among siblings, -1 for padding
-        max_children = int(onehot.sum(1).max()) if self.valid.any() else 0
-        table = torch.full((self.batch_size, self.width + 1, max(max_children, 1)), -1,
+        table = torch.full((self.batch_size, self.width + 1, max(self.max_children, 1)), -1,
                            dtype=torch.long, device=self.device)
         b_idx, i_idx = self.valid.nonzero(as_tuple=True)
         table[b_idx, self.parents[b_idx, i_idx] + 1, rank[b_idx, i_idx]] = i_idx

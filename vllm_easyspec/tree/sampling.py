@@ -106,9 +106,10 @@ def _padded_rows(tree: TokenTreeBatch, rows: torch.Tensor, name: str) -> torch.T
                              f"got {tuple(rows.shape)}.")
         return rows
     per_request = tree.num_nodes + 1
-    if rows.ndim != 2 or rows.shape[0] != int(per_request.sum()):
+    flat_rows = sum(tree.node_counts) + tree.batch_size
+    if rows.ndim != 2 or rows.shape[0] != flat_rows:
         raise ValueError(f"{name} must be [B, nodes + 1, V] or flat [sum(num_nodes + 1) = "
-                         f"{int(per_request.sum())}, V]; got {tuple(rows.shape)}.")
+                         f"{flat_rows}, V]; got {tuple(rows.shape)}.")
     out = rows.new_zeros(tree.batch_size, width, rows.shape[1])
     valid = torch.arange(width, device=rows.device)[None, :] < per_request[:, None]
     out[valid] = rows
@@ -131,6 +132,12 @@ def _draw_randomness(
         uniforms[b] = torch.rand(num_nodes, dtype=torch.float64, device=device, generator=gen)
         exponentials[b].exponential_(generator=gen)
     return uniforms, exponentials.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def _may_hold_any(mask: torch.Tensor) -> bool:
+    """Whether ``mask`` may hold a True: read on the host, where that is free; on a device assumed (the work it
+    would skip is exact either way, and reading it would make the host wait)."""
+    return bool(mask.any()) if mask.device.type == "cpu" else True
 
 
 def _greedy(tree: TokenTreeBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,7 +178,7 @@ def _stochastic(
     cur = torch.zeros(batch, dtype=torch.long, device=tree.device)  # query row; 0 = root
     alive = rows.clone()
     for depth in range(tree.max_depth + 1):
-        if not bool(alive.any()):
+        if not _may_hold_any(alive):
             break
         p = target_probs(cur)
         q = draft[arange, cur] if iid else None
@@ -180,7 +187,7 @@ def _stochastic(
         for rank in range(children.shape[2]):
             child = children[arange, cur, rank]
             test = alive & ~moved & (child >= 0)
-            if not bool(test.any()):
+            if not _may_hold_any(test):
                 break
             safe_child = child.clamp(min=0)
             x = tree.tokens[arange, safe_child].clamp(min=0)
@@ -261,7 +268,7 @@ def tree_rejection_sample(
     if temperature is not None:
         temperature = temperature.to(logits.device).float().reshape(-1)
         stochastic_rows = temperature > SAMPLING_EPS
-        if bool(stochastic_rows.any()):
+        if _may_hold_any(stochastic_rows):
             def target_probs(rows: torch.Tensor) -> torch.Tensor:
                 """Filtered target probabilities after query row ``rows[b]`` of every request ``b``: only
                 the rows the walk visits (one per depth) are filtered and normalised."""

@@ -193,8 +193,9 @@ class AcceptedBranch:
                                                   self.tokens)))
 
     def to(self, device: torch.device) -> AcceptedBranch:
-        return AcceptedBranch(*(x.to(device) for x in (self.request_index, self.source_column, self.destination,
-                                                       self.tokens)))
+        """The branch on ``device``, copied without waiting for the device."""
+        return AcceptedBranch(*(x.to(device, non_blocking=True)
+                                for x in (self.request_index, self.source_column, self.destination, self.tokens)))
 
 
 def _tree_batch(requests: list[TreeRequest], mode: ChildDrawMode, device: torch.device) -> TokenTreeBatch:
@@ -210,10 +211,6 @@ def _tree_batch(requests: list[TreeRequest], mode: ChildDrawMode, device: torch.
         draft_probs = torch.zeros(len(requests), tokens.shape[1] + 1, vocab)
         for row, request in enumerate(requests):
             draft_probs[row, : request.num_nodes + 1] = request.draft_probs
-    return TokenTreeBatch(
-        tokens=tokens.to(device),
-        parents=parents.to(device),
-        num_nodes=torch.tensor([r.num_nodes for r in requests], device=device),
-        draw_mode=mode,
-        draft_probs=None if draft_probs is None else draft_probs.to(device),
-    )
+    trees = TokenTreeBatch(tokens=tokens, parents=parents, num_nodes=torch.tensor([r.num_nodes for r in requests]),
+                           draw_mode=mode, draft_probs=draft_probs)  # checked on the host
+    return trees.to(device)

@@ -135,20 +135,21 @@ class TreeTritonAttentionMetadataBuilder(TreeVerifyBuilderMixin, TritonAttention
         rows = step.attention_rows()
         cu_query_lens = torch.zeros(len(step) + 1, dtype=torch.int32)
         cu_query_lens[1:] = step.num_queries.cpu().cumsum(0)
-        block_table = cm.block_table_tensor[step.batch_rows.to(cm.block_table_tensor.device)]
+        block_table = cm.block_table_tensor[step.batch_rows.to(cm.block_table_tensor.device, non_blocking=True)]
         forward.block_table = block_table
         return TreeTritonVerifyMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             chain=chain,
-            chain_rows=None if chain_rows is None else chain_rows.to(device),
+            chain_rows=None if chain_rows is None else chain_rows.to(device, non_blocking=True),
             forward=forward,
-            tree_rows=rows[step.valid_rows].to(device),
-            cu_query_lens=cu_query_lens.to(device),
-            tree_mask=step.attention_mask[step.valid_rows].to(device),  # [T, W]: each row's own request
-            prefix_lens=step.prefix_lens.to(device, torch.int32),
-            block_table=block_table.to(device, torch.int32),
+            tree_rows=rows[step.valid_rows].to(device, non_blocking=True),
+            cu_query_lens=cu_query_lens.to(device, non_blocking=True),
+            # [T, W]: each row's own request
+            tree_mask=step.attention_mask[step.valid_rows].to(device, non_blocking=True),
+            prefix_lens=step.prefix_lens.to(device, torch.int32, non_blocking=True),
+            block_table=block_table.to(device, torch.int32, non_blocking=True),
             max_query_len=step.width,
-            query_rows=rows.to(device),
+            query_rows=rows.to(device, non_blocking=True),
         )
 
 
@@ -189,7 +190,7 @@ class TreeTritonAttentionImpl(TreeAttentionImplMixin, TritonAttentionImpl):
         """Write K/V rows ``[A, Hkv, D]`` to ``slots`` of one layer's cache, as every forward of this
         backend writes its K/V (vLLM's Triton reshape-and-cache, through the impl's own method)."""
         self.do_kv_cache_update(layer, keys.contiguous(), values.contiguous(), kv_cache,
-                                slots.to(kv_cache.device, torch.int64))
+                                slots.to(kv_cache.device, torch.int64, non_blocking=True))
 
     def gather_prefix(self, layer, kv_cache, block_table, prefix_lens, plans):
         return gather_fa_prefix(*self._fa_caches(kv_cache), block_table, prefix_lens)
