@@ -67,6 +67,13 @@ def _settings_key(target: str, max_new_tokens: int, seed: int, dtype: str) -> st
     return sha256_text(json.dumps([os.path.realpath(target), max_new_tokens, seed, dtype]))[:16]
 
 
+def part_path(work_dir: Path, target: str, max_new_tokens: int, seed: int, dtype: str) -> Path:
+    """The part file ``self_distill`` appends answers to for this target and these settings (whatever the
+    prompts): a generator that writes here first (``generate.answer_corpus_items``) leaves the data stage
+    nothing to generate."""
+    return Path(work_dir) / f"selfdistill-part-{_settings_key(target, max_new_tokens, seed, dtype)}.part.jsonl"
+
+
 def _reusable_responses(target: str, work_dir: Path, max_new_tokens: int, seed: int, dtype: str
                         ) -> tuple[dict[str, dict], list[str]]:
     """Responses already generated in ``work_dir`` with the same target and settings, by prompt key.
@@ -164,7 +171,7 @@ def self_distill(target: str, prompts: list[Prompt], work_dir: Path, max_new_tok
         log(f"[eagle] reusing self-distillation data {out}")
         return out, json.loads(info_path.read_text())
     known, reused_keys = _reusable_responses(target, work_dir, max_new_tokens, seed, dtype)
-    part = work_dir / f"selfdistill-part-{_settings_key(target, max_new_tokens, seed, dtype)}.part.jsonl"
+    part = part_path(work_dir, target, max_new_tokens, seed, dtype)
     partial = read_part(part)
     wanted = {prompt_key(p) for p in prompts}
     n_resumed = sum(1 for k in wanted if k in partial and k not in known)
@@ -268,6 +275,22 @@ def self_distill_items(target: str, items: Sequence, work_dir: Path, max_new_tok
     os.replace(tmp, out)
     info["n_response_tokens"] = info1["n_response_tokens"] + (info["round2"] or {}).get("n_response_tokens", 0)
     return out, info
+
+
+def answered_items(items: Sequence, records: dict[str, dict]) -> list[int]:
+    """Positions of the corpus ``items`` whose self-distillation is complete in ``records`` (by prompt key):
+    the first round answered and, for a follow-up whose first answer is not empty, the second round too
+    (the prompt ``self_distill_items`` builds from that answer)."""
+    keep = []
+    for i, it in enumerate(items):
+        r = records.get(prompt_key(it.first_round_prompt()))
+        if r is None:
+            continue
+        if it.followup is not None and r["response_ids"]:
+            if prompt_key(it.second_round(_answer_text(r, "", {}))) not in records:
+                continue
+        keep.append(i)
+    return keep
 
 
 def load_self_distill(jsonl: Path, max_len: int, stats: dict | None = None) -> list[dict]:

@@ -271,10 +271,12 @@ def load_target_model(target: str, dtype: str, device: str | torch.device = "cpu
 
 
 def _target_batches(model: torch.nn.Module, seqs: list[dict], todo: list[int], aux_layer_ids: list[int],
-                    batch_tokens: int):
+                    batch_tokens: int, deadline: float | None = None):
     """Run ``model`` over ``seqs[todo]`` (longest first, right-padded batches of about ``batch_tokens``
     tokens, on the model's device) and yield ``(j, final, aux, top1)`` per sequence: its rows only, on that
-    device, ``aux`` None without ``aux_layer_ids``."""
+    device, ``aux`` None without ``aux_layer_ids``. No batch starts once ``time.time()`` passes ``deadline``."""
+    import time
+
     inner = model.model
     lm_head = model.get_output_embeddings()
     device = next(model.parameters()).device
@@ -284,7 +286,7 @@ def _target_batches(model: torch.nn.Module, seqs: list[dict], todo: list[int], a
             raise ValueError(f"aux layer id {a} out of range for {n_layers} layers")
     order = sorted(todo, key=lambda i: -len(seqs[i]["tokens"]))
     i = 0
-    while i < len(order):
+    while i < len(order) and (deadline is None or time.time() < deadline):
         L = len(seqs[order[i]]["tokens"])
         nb = max(1, batch_tokens // L)
         batch = order[i:i + nb]
@@ -386,7 +388,7 @@ def extract_to_memory(target: str, seqs: list[dict], aux_layer_ids: list[int], d
     """The features of ``seqs``, extracted with the target on ``device`` and kept there.
 
     Sequences are taken in ``order`` (default: as given), a window of about ``SHARD_TOKENS`` tokens at a
-    time (longest first inside a window); once ``time.time()`` passes ``deadline`` no new window starts,
+    time (longest first inside a window); once ``time.time()`` passes ``deadline`` no further batch starts,
     and the store's ``available`` says which sequences have features."""
     import time
 
@@ -400,15 +402,15 @@ def extract_to_memory(target: str, seqs: list[dict], aux_layer_ids: list[int], d
     windows = shard_ranges([seqs[j] for j in order], SHARD_TOKENS)
     t0 = time.time()
     n_tok = 0
-    bar = tqdm(total=store.offsets[-1], desc="features", unit="tok", mininterval=5)
+    bar = tqdm(total=store.offsets[-1], desc="features", unit="tok", mininterval=5, disable=None)
     for a, b in windows:
-        if deadline is not None and time.time() >= deadline:
-            log(f"[eagle] features: deadline reached after {len(store.available)} of {len(seqs)} sequences")
-            break
-        for j, final, aux, top1 in _target_batches(model, seqs, order[a:b], aux_layer_ids, batch_tokens):
+        for j, final, aux, top1 in _target_batches(model, seqs, order[a:b], aux_layer_ids, batch_tokens, deadline):
             store.put(j, final.to(store_dtype), None if aux is None else aux.to(store_dtype), top1.to(torch.int32))
             n_tok += len(seqs[j]["tokens"])
             bar.update(len(seqs[j]["tokens"]))
+        if deadline is not None and time.time() >= deadline:
+            log(f"[eagle] features: deadline reached after {len(store.available)} of {len(seqs)} sequences")
+            break
     bar.close()
     del model
     seconds = time.time() - t0

@@ -80,7 +80,7 @@ def answer_prompts(llm, prompts: list, out_path: str, max_tokens: int, temperatu
     t0 = time.time()
     n_tok = n_long = n_done = 0
     stopped = False
-    bar = tqdm(total=len(prompts), desc=desc, unit="prompt", file=sys.stderr, mininterval=2.0,
+    bar = tqdm(total=len(prompts), desc=desc, unit="prompt", file=sys.stderr, mininterval=2.0, disable=None,
                smoothing=0.05, dynamic_ncols=True)
     with open(out_path, "a") as f:
         for a in range(0, len(prompts), max(1, chunk_size)):

@@ -99,8 +99,6 @@ def add_train_eagle_arguments(p: argparse.ArgumentParser) -> None:
                    help="disk: cached shards under --work-dir (resumable, reused by later runs); memory: extracted "
                         "into --device's memory for this run only (a GPU: about 7 KB per token for a 0.5B target)")
     g.add_argument("--feature-batch-tokens", type=int, default=4096, help="tokens per target forward")
-    g.add_argument("--features-seconds", type=float, default=None,
-                   help="memory store: stop extracting after this many seconds and train on the sequences done")
     g.add_argument("--gen-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     g = p.add_argument_group("head")
     g.add_argument("--draft-vocab-size", type=int, default=16384, help="eagle3 reduced vocabulary")
@@ -123,9 +121,10 @@ def add_train_eagle_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=2)
     g.add_argument("--device", default="cpu", help="where features are extracted (memory store) and the head "
                                                    "trains: cpu, cuda, cuda:N; the checkpoint is the same")
-    g.add_argument("--train-seconds", type=float, default=None,
-                   help="fit the run into this many seconds: after the first CALIBRATION_STEPS steps the step "
-                        "count is cut to what the measured speed allows, and training stops there at the latest")
+    g.add_argument("--time-budget", type=float, default=None,
+                   help="seconds for the whole command: a memory-store extraction stops at half of them (training "
+                        "uses the sequences done), the step count is cut to what the measured speed allows (after "
+                        "CALIBRATION_STEPS steps, again after each evaluation), and the head is written in time")
     g.add_argument("--amp", choices=("bf16", "none"), default="bf16")
     g.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
     g.add_argument("--init-from", default=None, help="start from an existing head folder")
@@ -439,7 +438,9 @@ def _read_corpus(args, log=print):
 
 
 # --------------------------------------------------------------------------- main
-CALIBRATION_STEPS = 10  # --train-seconds: steps timed (after the first) before the step count is fixed
+CALIBRATION_STEPS = 10  # --time-budget: steps timed (after the first) before the step count is fitted
+FEATURE_SHARE = 0.5  # --time-budget: the most of it a memory-store extraction may take
+SAVE_RESERVE_SECONDS = 5.0  # --time-budget: kept for writing the head after the final evaluation
 
 
 def _log_fn(args):
@@ -498,16 +499,15 @@ def _data_stage(args, target: str, work: Path, log) -> tuple[list[dict], dict]:
 
 
 def _feature_stage(args, target: str, all_seqs: list[dict], n_train: int, work: Path, aux_layer_ids: list[int],
-                   log) -> tuple[FeatureStore | MemoryFeatureStore, list[int], list[int]]:
+                   deadline: float | None, log) -> tuple[FeatureStore | MemoryFeatureStore, list[int], list[int]]:
     """(store, train indices, held-out indices) over ``all_seqs`` (its first ``n_train`` are training
-    sequences). The memory store extracts the held-out sequences first, so that a ``--features-seconds``
-    cut leaves the evaluation whole and trains on the training sequences extracted in time."""
+    sequences). The memory store extracts the held-out sequences first, so that a cut at ``deadline``
+    leaves the evaluation whole and trains on the training sequences extracted in time."""
     tr_idx, va_idx = list(range(n_train)), list(range(n_train, len(all_seqs)))
     if args.feature_store == "disk":
         store = extract(target, all_seqs, work, aux_layer_ids, args.feature_dtype, log=log,
                         batch_tokens=args.feature_batch_tokens, device=args.device)
         return store, tr_idx, va_idx
-    deadline = None if args.features_seconds is None else time.time() + args.features_seconds
     store_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.feature_dtype]
     store = extract_to_memory(target, all_seqs, aux_layer_ids, args.feature_dtype, args.device, store_dtype,
                               args.feature_batch_tokens, order=va_idx + tr_idx, deadline=deadline, log=log)
@@ -517,8 +517,8 @@ def _feature_stage(args, target: str, all_seqs: list[dict], n_train: int, work: 
         log(f"[eagle] features in time for {len(tr_idx)} of {n_train} training sequences and {len(va_idx)} "
             f"of {len(all_seqs) - n_train} held-out ones")
         if not tr_idx or not va_idx:
-            raise NotEnoughDataError(f"--features-seconds {args.features_seconds} extracted {len(tr_idx)} training "
-                                     f"and {len(va_idx)} held-out sequences; allow more time or less data")
+            raise NotEnoughDataError(f"--time-budget {args.time_budget}: features for {len(tr_idx)} training and "
+                                     f"{len(va_idx)} held-out sequences only; allow more time or use less data")
     return store, tr_idx, va_idx
 
 
@@ -552,10 +552,13 @@ def _build_head(args, hcfg, store, tr_idx: list[int], lm_w: torch.Tensor) -> tup
     return head.to(args.device), vocab_info, init_info
 
 
-def fit_steps(step: int, total: int, seconds_left: float, step_seconds: float, margin: float = 0.9) -> int:
+def fit_steps(step: int, total: int, seconds_left: float, step_seconds: float, eval_every: int = 0,
+              eval_seconds: float = 0.0, margin: float = 0.9) -> int:
     """The step count a run at ``step`` of ``total`` can reach in ``seconds_left`` (``margin`` of it) at
-    ``step_seconds`` a step: never below ``step + 1`` nor above ``total``."""
-    return max(step + 1, min(total, step + int(margin * max(0.0, seconds_left) / max(step_seconds, 1e-9))))
+    ``step_seconds`` a step plus an evaluation of ``eval_seconds`` every ``eval_every`` steps: never below
+    ``step + 1`` nor above ``total``."""
+    per_step = step_seconds + (eval_seconds / eval_every if eval_every else 0.0)
+    return max(step + 1, min(total, step + int(margin * max(0.0, seconds_left) / max(per_step, 1e-9))))
 
 
 def _device_name(device: str) -> str:
@@ -594,7 +597,10 @@ def train(args: argparse.Namespace) -> dict:
 
     # ---- features
     t_feat = time.time()
-    store, tr_idx, va_idx = _feature_stage(args, target, all_seqs, len(train_seqs), work, hcfg.aux_layer_ids, log)
+    deadline = None if args.time_budget is None else t_start + args.time_budget
+    feature_deadline = None if deadline is None else t_start + FEATURE_SHARE * args.time_budget
+    store, tr_idx, va_idx = _feature_stage(args, target, all_seqs, len(train_seqs), work, hcfg.aux_layer_ids,
+                                           feature_deadline, log)
     feat_s = time.time() - t_feat
     if store.hidden_size != hcfg.hidden_size:
         raise HiddenSizeMismatchError(f"features have hidden size {store.hidden_size}, target {hcfg.hidden_size}")
@@ -607,7 +613,7 @@ def train(args: argparse.Namespace) -> dict:
     head, vocab_info, init_info = _build_head(args, hcfg, store, tr_idx, lm_w)
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     trainer = Trainer(head, embed_w, lm_w, args)
-    run = _train_loop(args, hcfg, head, opt, trainer, store, tr_idx, va_idx, out, log)
+    run = _train_loop(args, hcfg, head, opt, trainer, store, tr_idx, va_idx, out, deadline, log)
     if run.get("stopped") is not None:
         return {"out": str(out), "heldout": run["last_eval"], "train_seconds": run["seconds"], "manifest": None,
                 "stopped": run["stopped"]}
@@ -644,14 +650,15 @@ def train(args: argparse.Namespace) -> dict:
 
 
 def _train_loop(args, hcfg, head: EagleHead, opt, trainer: Trainer, store, tr_idx: list[int], va_idx: list[int],
-                out: Path, log) -> dict:
-    """Train until the step count (``--max-steps``, else ``--epochs``; cut by ``--train-seconds``), saving the
-    resume state every ``--save-every`` steps and evaluating every ``--eval-every``. Returns the final step,
-    seconds, history, stages, last evaluation, budget record and ``stopped`` (the step of a ``--stop-after``)."""
+                out: Path, deadline: float | None, log) -> dict:
+    """Train until the step count (``--max-steps``, else ``--epochs``; fitted to ``deadline`` when there is
+    one), saving the resume state every ``--save-every`` steps and evaluating every ``--eval-every``. Returns
+    the final step, seconds, history, stages, last evaluation, budget record and ``stopped`` (the step of a
+    ``--stop-after``)."""
     train_lengths = [store.sequence_length(i) for i in tr_idx]
     steps_per_epoch = len(epoch_batches(train_lengths, args.batch_size, args.seed, 0))
     total = args.max_steps or max(1, int(round(args.epochs * steps_per_epoch)))
-    budget = {"planned_steps": total}
+    budget = {"planned_steps": total, **({"time_budget": args.time_budget} if deadline is not None else {})}
     step = 0
     seen = {"tokens": 0, "loss_tokens": 0}  # sequence tokens and loss positions the steps so far trained on
     history: list = []
@@ -673,8 +680,18 @@ def _train_loop(args, hcfg, head: EagleHead, opt, trainer: Trainer, store, tr_id
 
     stages.append({"command": _command_line(args), "from_step": step, "to_step": step})
     t_train = time.time()
-    deadline = None if args.train_seconds is None else t_train + args.train_seconds
-    calibrate_from = (step + 1, None)  # (step, time) after the first step of this run, which warms up
+    calibrate_from = (step + 1, 0.0)  # (step, time) after the first step of this run, which warms up
+    step_s = eval_s = 0.0  # measured: seconds a step, seconds an evaluation
+
+    def fit(reason: str) -> None:
+        nonlocal total
+        left = deadline - time.time() - eval_s - SAVE_RESERVE_SECONDS
+        fitted = fit_steps(step, total, left, step_s, args.eval_every, eval_s)
+        if fitted < total:
+            log(f"\n[eagle] {reason}: {step_s:.3f} s a step, {eval_s:.1f} s an evaluation; {fitted} of {total} "
+                f"steps fit in --time-budget {args.time_budget}")
+            total = bar.total = fitted
+        budget.update({"step_seconds": round(step_s, 4), "eval_seconds": round(eval_s, 2), "steps_fitted": total})
 
     def save_state():
         stages[-1]["to_step"] = step
@@ -685,8 +702,8 @@ def _train_loop(args, hcfg, head: EagleHead, opt, trainer: Trainer, store, tr_id
         os.replace(out / (STATE + ".tmp"), out / STATE)
 
     head.train()
-    bar = tqdm(total=total, initial=step, desc=f"train {hcfg.format}", unit="step", disable=args.quiet,
-               mininterval=2)
+    bar = tqdm(total=total, initial=step, desc=f"train {hcfg.format}", unit="step",
+               disable=True if args.quiet else None, mininterval=2)  # None: shown on a terminal only
     last_eval = history[-1]["heldout"] if history else None
     batches, batches_epoch = [], -1
     while step < total:
@@ -710,13 +727,9 @@ def _train_loop(args, hcfg, head: EagleHead, opt, trainer: Trainer, store, tr_id
                 calibrate_from = (step, time.time())
             elif step == calibrate_from[0] + CALIBRATION_STEPS:
                 step_s = (time.time() - calibrate_from[1]) / CALIBRATION_STEPS
-                total = fit_steps(step, total, deadline - time.time(), step_s)
-                budget.update({"train_seconds_budget": args.train_seconds, "step_seconds": round(step_s, 4),
-                               "steps_fitted": total})
-                bar.total = total
-                log(f"\n[eagle] {step_s:.3f} s a step: {total} steps fit in --train-seconds {args.train_seconds}")
-            if time.time() >= deadline and step < total:
-                log(f"\n[eagle] --train-seconds {args.train_seconds} reached at step {step} of {total}")
+                fit("calibrated")
+            if time.time() + eval_s + SAVE_RESERVE_SECONDS >= deadline and step < total:
+                log(f"\n[eagle] --time-budget {args.time_budget} reached at step {step} of {total}")
                 budget["stopped_at_deadline"] = step
                 total = step
         post = {"loss": f"{float(loss.detach()):.3f}"}
@@ -725,7 +738,11 @@ def _train_loop(args, hcfg, head: EagleHead, opt, trainer: Trainer, store, tr_id
         bar.set_postfix(post)
         bar.update(1)
         if step % args.eval_every == 0 or step == total:
+            t_eval = time.time()
             last_eval = trainer.evaluate(store, va_idx, args.eval_steps)
+            eval_s = time.time() - t_eval
+            if deadline is not None and step_s and step < total:
+                fit("after an evaluation")
             history.append({"step": step, "tokens_seen": seen["tokens"], "loss_tokens_seen": seen["loss_tokens"],
                             "loss": float(loss.detach()), **logs, "heldout": last_eval})
             log(f"\n[eagle] step {step}: loss {float(loss.detach()):.4f} held-out agreement@1..{args.eval_steps} "
