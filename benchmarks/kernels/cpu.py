@@ -21,9 +21,10 @@ import time
 
 import torch
 
+from benchmarks.harness.paged_tree_attention import tree_attention_cpu, tree_attention_naive
 from benchmarks.harness.report import command_line
 from benchmarks.harness.setups import RESULTS_DIR
-from vllm_easyspec.tree.attention import ancestor_mask_from_parents, tree_attention_cpu, tree_attention_naive
+from vllm_easyspec.tree.attention import ancestor_mask_from_parents
 
 # root, then 15 nodes: 3 root children, 2 grandchildren each ... (parents are query indices)
 TREE_PARENTS = [-1, 0, 0, 0, 1, 1, 2, 3, 4, 4, 5, 6, 8, 9, 12, 13]

@@ -5,9 +5,8 @@ sent to the worker) and returns plain results for the test to assert on."""
 from __future__ import annotations
 
 import torch
+from attention_reference import reference_error
 from tree_testlib import make_paged_batch, random_parents
-
-from vllm_easyspec.tree.attention import tree_attention, tree_attention_reference
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -57,18 +56,14 @@ def _run_triton(args: dict, scale: float, launch: dict | None) -> torch.Tensor:
 def triton_attention_error(dtype: str, block_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                            sizes: list[int], prefix_lens: list[int], seed: int, scale: float,
                            forest_request: int | None = None, launch: dict | None = None) -> float:
-    """Max error of the Triton kernel against the float64 reference (unrounded), measured as
-    ``|out - ref| / max(1, |ref|)``: absolute for outputs up to 1, relative above (storing the output
-    in bf16 alone costs up to 2^-9 * |ref|). ``launch``: ``TreeAttentionLaunch`` fields forcing the
-    splits and row tiles (default: the kernel's own choice). NaN (a poisoned read) fails as inf."""
+    """Max error of the Triton kernel against the float64 reference (``reference_error``; NaN, a poisoned read,
+    fails as inf). ``launch``: ``TreeAttentionLaunch`` fields forcing the splits and row tiles (default: the
+    kernel's own choice)."""
     args = _poisoned_batch(dtype, block_size, num_q_heads, num_kv_heads, head_dim, sizes, prefix_lens, seed,
                            forest_request)
     out = _run_triton(args, scale, launch)
     assert out.dtype == DTYPES[dtype] and out.shape == args["query"].shape
-    ref = tree_attention_reference(**{k: v.cpu() for k, v in args.items()}, softmax_scale=scale,
-                                   out_dtype=torch.float32)
-    error = ((out.cpu().float() - ref).abs() / ref.abs().clamp_min(1.0)).nan_to_num(nan=float("inf"))
-    return error.max().item()
+    return reference_error(args, out, scale)
 
 
 def triton_attention_repeat_is_bitwise(dtype: str, block_size: int, num_q_heads: int, num_kv_heads: int,
@@ -79,16 +74,6 @@ def triton_attention_repeat_is_bitwise(dtype: str, block_size: int, num_q_heads:
     first, second = (_run_triton(args, 0.3, launch) for _ in range(2))
     bits = {4: torch.int32, 2: torch.int16}[first.element_size()]
     return torch.equal(first.view(bits), second.view(bits))
-
-
-def dispatcher_uses_triton(seed: int) -> float:
-    """``tree_attention(backend="triton")`` against the CPU path on the same inputs."""
-    gen = torch.Generator().manual_seed(seed)
-    args = make_paged_batch([random_parents(4, gen), random_parents(3, gen)], [5, 40], 16, 2, 1, 16,
-                            torch.float32, seed=seed, device=_device())
-    out = tree_attention(**args, backend="triton")
-    cpu = tree_attention(**{k: v.cpu() for k, v in args.items()}, backend="cpu")
-    return (out.cpu() - cpu).abs().max().item()
 
 
 def triton_compaction(caches: list[torch.Tensor], src_slots: torch.Tensor, dst_slots: torch.Tensor

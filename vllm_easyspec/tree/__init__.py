@@ -3,18 +3,13 @@
 * :mod:`.building`: the batched tree object (:class:`TokenTreeBatch`), its verify-forward layout, and
   the static (choice list) and EAGLE-2 dynamic builders.
 * :mod:`.sampling`: the lossless tree rejection sampler (vLLM chain-shaped output).
-* :mod:`.attention`: tree attention over vLLM's paged KV cache (reference, CPU path, Triton dispatch).
+* :mod:`.attention`: the CPU tree attention path and the ancestor mask of the kernels' contract.
 * :mod:`.compaction`: moves accepted nodes' K/V to linear slots after verification.
 
 Layout conventions shared by all of them are in the :mod:`.building` module docstring.
 """
 
-from .attention import (
-    ancestor_mask_from_parents,
-    tree_attention,
-    tree_attention_cpu,
-    tree_attention_reference,
-)
+from .attention import ancestor_mask_from_parents
 from .building import (
     MAX_TREE_NODES,
     ChildDrawMode,
@@ -39,9 +34,6 @@ __all__ = [
     "ancestor_mask_from_parents",
     "apply_sampling_constraints",
     "compact_kv",
-    "tree_attention",
-    "tree_attention_cpu",
-    "tree_attention_reference",
     "tree_compaction_slots",
     "tree_rejection_sample",
 ]
