@@ -12,7 +12,7 @@ from distribution import (
     run_distribution_test,
 )
 
-from vllm_easyspec.instruments.drafting_timer import read_timed_drafting_stats, time_drafter
+from benchmarks.harness.step_timers import read_timed_drafting_stats, time_drafter
 from vllm_easyspec.instruments.metrics import read_spec_decode_counters
 from vllm_easyspec.instruments.worker_extension import read_drafting_stats
 

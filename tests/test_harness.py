@@ -315,7 +315,7 @@ def test_a_matrix_cell_is_measured_by_throughput_and_older_runs_get_it_from_thei
 def test_the_step_log_records_each_steps_drafts_and_times_and_empties_when_taken():
     from types import SimpleNamespace
 
-    from vllm_easyspec.instruments.drafting_timer import take_step_log, time_steps
+    from benchmarks.harness.step_timers import take_step_log, time_steps
 
     class Model:
         def compute_logits(self, hidden):

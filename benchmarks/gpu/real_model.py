@@ -55,7 +55,7 @@ if str(ROOT) not in sys.path:  # after the installed packages: benchmarks/ and v
 
 from benchmarks.gpu import target_parts  # noqa: E402
 from benchmarks.gpu.target_parts import folder_bytes  # noqa: E402
-from vllm_easyspec.instruments.worker_extension import EasySpecWorkerExtension  # noqa: E402
+from benchmarks.harness.step_timers import HarnessWorkerExtension  # noqa: E402
 
 T0 = time.time()
 TARGET_NAME = "qwen2.5-coder-0.5b-instruct"
@@ -148,7 +148,7 @@ def make_cells(settings: RunSettings) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------------- worker side
-class RealModelWorkerExtension(EasySpecWorkerExtension):
+class RealModelWorkerExtension(HarnessWorkerExtension):
     """The harness's worker extension (its counters and step timers, inert until asked), and what this engine
     actually runs with, read in its worker after start-up."""
 

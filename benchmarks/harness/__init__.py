@@ -29,7 +29,7 @@ Invariants:
   greedy runs are deterministic, so the first run's are reported; ``repeats_agree`` says whether every run
   of the setup produced the same token ids.
 - Step split: the workers time every engine step (``execute_model`` + ``sample_tokens``, see
-  ``vllm_easyspec.instruments.drafting_timer.time_steps``) and the drafter inside it; verify seconds per
+  ``benchmarks.harness.step_timers.time_steps``) and the drafter inside it; verify seconds per
   step = (step seconds - drafting seconds) / steps. For vanilla, verify is the whole decode step.
 - Identity is judged against the setup named ``vanilla``: its first run also replays the timed request with
   ``logprobs=TOP_LOGITS_RECORDED`` on an engine started with ``logprobs_mode="raw_logits"`` (untimed, after

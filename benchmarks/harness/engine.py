@@ -110,7 +110,7 @@ def _start_engine(setup: Setup, workload: Workload) -> tuple[Any, float]:
     """The setup's engine with the step and drafting timers on; its start-up seconds."""
     from vllm import LLM
 
-    from vllm_easyspec.instruments.worker_extension import WORKER_EXTENSION_CLS
+    from benchmarks.harness.step_timers import WORKER_EXTENSION_CLS
 
     engine_options: dict[str, Any] = {}
     if setup.name == VANILLA:

@@ -1,11 +1,7 @@
-"""A worker extension (``worker_extension_cls``) that lets the front end read the plugin's per-worker
-counters through ``LLM.collective_rpc("easyspec_drafting_stats")`` without sending code to workers, and
-time the drafting stage of any speculative method (``LLM.collective_rpc("easyspec_time_drafter")``) and whole
-engine steps of any setup (``easyspec_time_steps`` / ``easyspec_step_stats``, and one record per step from
-``easyspec_take_step_log``).
-
-The ``read_*`` functions take a vLLM worker; tests and benchmarks also send them to workers directly
-(``LLM.collective_rpc(read_tree_stats)``).
+"""A worker extension (``worker_extension_cls``) that lets the front end read the plugin's per-worker counters
+through ``LLM.collective_rpc("easyspec_drafting_stats")`` (and ``easyspec_tree_stats``,
+``easyspec_controller_stats``) without sending code to workers. The ``read_*`` functions take a vLLM worker;
+tests also send them to workers directly (``LLM.collective_rpc(read_tree_stats)``).
 """
 
 from __future__ import annotations
@@ -85,36 +81,9 @@ def read_controller_stats(worker) -> dict[str, Any] | None:
 
 
 class EasySpecWorkerExtension:
-    def easyspec_drafting_stats(self) -> dict[str, float] | None:
-        """This rank's drafting counters: the plugin drafter's own, else those of ``easyspec_time_drafter``."""
-        from vllm_easyspec.instruments.drafting_timer import read_timed_drafting_stats
-
-        return read_drafting_stats(self) or read_timed_drafting_stats(self)
-
-    def easyspec_time_drafter(self) -> bool:
-        """Time every ``drafter.propose`` call of this rank, whatever the speculative method."""
-        from vllm_easyspec.instruments.drafting_timer import time_drafter
-
-        return time_drafter(self)
-
-    def easyspec_time_steps(self) -> bool:
-        """Time every engine step (``execute_model`` + ``sample_tokens``) of this rank; idempotent."""
-        from vllm_easyspec.instruments.drafting_timer import time_steps
-
-        return time_steps(self)
-
-    def easyspec_step_stats(self) -> dict[str, float] | None:
-        """This rank's cumulative step counters from ``easyspec_time_steps``, or None when not timed."""
-        from vllm_easyspec.instruments.drafting_timer import read_step_stats
-
-        return read_step_stats(self)
-
-    def easyspec_take_step_log(self) -> list[dict[str, Any]] | None:
-        """This rank's engine steps timed since the last call, one record each (``StepRecord``), and an empty
-        log after it; None when not timed."""
-        from vllm_easyspec.instruments.drafting_timer import take_step_log
-
-        return take_step_log(self)
+    def easyspec_drafting_stats(self) -> dict[str, Any] | None:
+        """This rank's drafting counters of the plugin's proposer (:func:`read_drafting_stats`)."""
+        return read_drafting_stats(self)
 
     def easyspec_tree_stats(self) -> dict[str, int] | None:
         """This rank's token-tree counters (steps, tree requests, nodes verified, accepted, fallbacks)."""

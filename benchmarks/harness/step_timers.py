@@ -1,14 +1,16 @@
-"""Drafting-stage time per step for any proposer, vLLM's built-in ones included.
+"""The harness's timers inside each engine worker: drafting time per step for any proposer, vLLM's built-in ones
+included, and whole engine steps of any setup, vanilla included.
 
-The plugin's own proposers (:mod:`vllm_easyspec.integration.proposers`) time themselves. For every other proposer (``EagleProposer``, ``NgramProposer``, a plain ``draft_model``),
-``time_drafter`` wraps the ``propose`` bound method of this worker's drafter instance -- it replaces, on that one instance only,
-vLLM's ``SpecDecodeBaseProposer.propose`` / ``NgramProposer.propose`` -- so that benchmarks report
-drafting time at the same boundary (one ``drafter.propose`` call per engine step) for every method.
+The plugin's own proposers time themselves. For every other proposer (``EagleProposer``, ``NgramProposer``, a plain
+``draft_model``), ``time_drafter`` wraps the ``propose`` bound method of this worker's drafter instance -- it
+replaces, on that one instance only, vLLM's ``SpecDecodeBaseProposer.propose`` / ``NgramProposer.propose`` -- so
+that every method's drafting time has the same boundary (one ``drafter.propose`` call per engine step).
 
-``time_steps`` times whole engine steps on any worker, vanilla included, by wrapping the model runner's
-``execute_model`` and ``sample_tokens``, and inside them the target model's forward and logits; with the
-drafting time read inside the same steps, benchmarks split each step into verify (target forward, sampling,
-bookkeeping) and drafting.
+``time_steps`` times whole engine steps by wrapping the model runner's ``execute_model`` and ``sample_tokens``, and
+inside them the target model's forward and logits; with the drafting time read inside the same steps, each step
+splits into verify (target forward, sampling, bookkeeping) and drafting. Engines the harness starts pass
+``worker_extension_cls=WORKER_EXTENSION_CLS`` (vLLM imports it in every worker: ``benchmarks`` must be importable
+there, as it is from the repository root).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from typing import Any
 import torch
 
 from vllm_easyspec.instruments.device_clock import DraftingStats
+from vllm_easyspec.instruments.worker_extension import EasySpecWorkerExtension, read_drafting_stats
+
+WORKER_EXTENSION_CLS = "benchmarks.harness.step_timers.HarnessWorkerExtension"
 
 _TIMER_ATTRIBUTE = "_easyspec_drafting_timer"
 
@@ -285,3 +290,28 @@ def take_step_log(worker: Any) -> list[dict[str, Any]] | None:
     records = [asdict(record) for record in clock.log]
     clock.log.clear()
     return records
+
+
+class HarnessWorkerExtension(EasySpecWorkerExtension):
+    """The plugin's worker extension plus the harness's timers, as ``LLM.collective_rpc`` names."""
+
+    def easyspec_drafting_stats(self) -> dict[str, Any] | None:
+        """This rank's drafting counters: the plugin drafter's own, else those of ``easyspec_time_drafter``."""
+        return read_drafting_stats(self) or read_timed_drafting_stats(self)
+
+    def easyspec_time_drafter(self) -> bool:
+        """Time every ``drafter.propose`` call of this rank, whatever the speculative method."""
+        return time_drafter(self)
+
+    def easyspec_time_steps(self) -> bool:
+        """Time every engine step (``execute_model`` + ``sample_tokens``) of this rank; idempotent."""
+        return time_steps(self)
+
+    def easyspec_step_stats(self) -> dict[str, Any] | None:
+        """This rank's cumulative step counters from ``easyspec_time_steps``, or None when not timed."""
+        return read_step_stats(self)
+
+    def easyspec_take_step_log(self) -> list[dict[str, Any]] | None:
+        """This rank's engine steps timed since the last call, one record each (``StepRecord``), and an empty
+        log after it; None when not timed."""
+        return take_step_log(self)
