@@ -18,8 +18,8 @@ import time
 
 import torch
 
+from benchmarks.easyspec.cosine import QUANTITIES, table4_for_model
 from benchmarks.harness.setups import RESULTS_DIR, load_prompts
-from vllm_easyspec.easyspec.cosine import QUANTITIES, table4_for_model
 from vllm_easyspec.models import prompt_token_ids
 
 MODELS = ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma3-270m")

@@ -4,7 +4,6 @@
 * :mod:`.layer_grouping`: which draft attention layers share one stale hidden state (section 3.1.1).
 * :mod:`.fuzzy_forward`: the fuzzy decoder forward, the paper's Algorithm 2.
 * :mod:`.calibration`: bonus calibration, i.e. which draft forward of a step runs exact.
-* :mod:`.cosine`: the Table-4 analysis of how well a stale hidden state approximates the exact one.
 
 The vLLM side (draft model instances, the proposer) lives in :mod:`vllm_easyspec.integration`.
 """
