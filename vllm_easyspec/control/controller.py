@@ -1,66 +1,37 @@
 """The speculation controller of ``easyspec.tree.auto``: every step, how deep to draft and which nodes of each
 request's candidate tree to verify, from a measured cost model and a calibrated acceptance model.
 
-One step in :data:`EXPLORE_EVERY` verifies a random number of the batch's best nodes instead (between none and
-twice the choice): the verify cost is learnt from steps with different row counts, which a batch of constant
-size and acceptance would otherwise never show. The random draw is independent of every verification.
-
-Where the controller decides not to draft, it still drafts now and then, so that acceptance that has become good
-is seen. Where the models say no node pays, an exploring step drafts one level and verifies each request's best
-``level_width`` nodes (as many as a level drafts, so what it sees of depth 1 is what a drafting step sees);
-where the outcome guard (below) holds back drafting the models advise, it drafts and verifies what they advise.
-Where the plan drafts less deep than the candidate tree, one step in :data:`EXPLORE_EVERY` drafts the whole depth
-and verifies each request's most likely path to its end first, then the nodes the choice takes (acceptance deeper
-is seen only where nodes are drafted and verified there). Exploring is paid from a budget that grows by
-:data:`EXPLORE_SHARE` of every decode step's verify time and holds at most :data:`EXPLORE_MOST_STEPS` steps' time;
-a step explores when the budget covers what exploring is predicted to cost (for a step that would draft nothing:
-the first pass over every deferred row, which makes it dear after many steps without drafting, the levels, and
-the verify's extra rows; for a deeper step: its extra levels and the rows of the paths). So exploring takes at
-most that share of the time, and an exploration dearer than a few steps is never taken.
-
 One step, as the drafter and the runner call it:
 
 1. :meth:`SpeculationController.plan_depth` before drafting: the depth with the best predicted rate
-   (:func:`~vllm_easyspec.control.planning.choose_depth`), each depth priced by a moving average of the nodes
-   the request offered when it drafted that deep (:class:`~vllm_easyspec.control.planning.AveragedOffer`, with
-   the chances the acceptance model gave them then; a request starts from the average over every request's
-   offers, which starts from a chain of :data:`FIRST_DEPTH_RATE` powers), kept apart for steps with a
-   prompt-lookup path and steps without one (a path, offered at every depth, makes shallow drafting enough
-   where there is one and says nothing where there is none), and never below a shallower depth's offer
-   (drafting deeper offers those nodes too; the average of a depth drafted less often is older), so a
-   depth's acceptance costs the rows the choice after drafting will spend on it (a depth-1 token that one of
-   four root children usually hits costs four rows, not one), and prompt-lookup nodes count at every depth
-   without level forwards; or no
-   drafting at all when no node is expected to repay it, first pass included, or when the requests'
-   prompt-lookup paths alone pay more (the drafter then skips the step, its first pass deferred, and offers
-   those paths alone), unless the step explores;
-2. :meth:`SpeculationController.choose` after drafting (sources merged in): each request's nodes with their
-   chances (:class:`~vllm_easyspec.control.acceptance.AcceptanceModel`, times the recent ratio of realised to
-   predicted accepted nodes at this batch size, at most 1), best first, and how many of them it verifies
-   (:func:`~vllm_easyspec.control.planning.choose_nodes`). The ratio is kept per batch-size bucket because the
-   error is not the same everywhere: where rows are dear only the nodes whose chances were overestimated most
-   clear the bar (the winner's curse), so the chosen nodes' realised share falls as the batch grows;
-3. :meth:`SpeculationController.observe` after verification: what was accepted, which calibrates the
-   acceptance model; :meth:`observe_verify` / :meth:`observe_first_pass` / :meth:`observe_draft` with the engine's step
-   timings, which keep the cost model current.
+   (:func:`~vllm_easyspec.control.planning.choose_depth`), each depth priced by a moving average of the nodes the
+   request offered when it drafted that deep (:class:`~vllm_easyspec.control.planning.AveragedOffer`; a request
+   starts from the average over every request's offers, which starts from a chain of :data:`FIRST_DEPTH_RATE`
+   powers), kept apart for steps with a prompt-lookup path and steps without one, and never below a shallower
+   depth's offer; or no drafting at all (the first pass deferred) when no node is expected to repay it or the
+   requests' prompt-lookup paths alone pay more;
+2. :meth:`SpeculationController.choose` after drafting: each request's nodes with their chances
+   (:class:`~vllm_easyspec.control.acceptance.AcceptanceModel`, times the recent ratio of realised to predicted
+   accepted nodes in this batch-size bucket, at most 1), best first, and how many of them it verifies
+   (:func:`~vllm_easyspec.control.planning.choose_nodes`);
+3. :meth:`SpeculationController.observe` after verification (calibrates the acceptance model), and
+   :meth:`observe_verify` / :meth:`observe_first_pass` / :meth:`observe_draft` with the step's timings (keep the
+   cost model current).
 
-The models can be wrong together where the margin is thin (many requests, each extra row dear): so the
-controller also keeps the outcome itself, tokens per second of whole decode cycles (drafting, then the verify
-that follows it), per batch-size bucket, for cycles that drafted and plain cycles, which verified no node
-(:class:`OutcomeGuard`). Where cycles that drafted have measurably produced fewer tokens per second than
-plain cycles (or, before any such cycle, than the verify model says a cycle without drafts costs), the
-step drafts nothing even when the models say it would pay; it explores as above, so a batch whose drafts become
-good is seen. Cycles that drafted nothing and verified prompt-lookup paths alone are measured apart and held
-against plain cycles the same way: where they have measurably produced less, a step that drafts nothing
-verifies no path, unless the exploration budget covers what such a cycle has recently taken.
+The :class:`OutcomeGuard` keeps the outcome itself, tokens per second of whole decode cycles per batch-size bucket,
+and holds back drafting (or prompt-lookup paths verified alone) where it measurably produced less than plain
+cycles, even when the models say it pays. Where the plan drafts nothing, drafts less than the whole depth, or is
+held back, a step explores now and then (:class:`Exploring`), paid from a budget that grows by
+:data:`EXPLORE_SHARE` of every decode step's verify time and holds at most :data:`EXPLORE_MOST_STEPS` steps'
+time; one step in :data:`EXPLORE_EVERY` also verifies a random number of the best nodes, so the verify cost is
+learnt at row counts a steady batch never shows.
 
-Trees whose children are i.i.d. draws from the draft (``draw: sample``) keep their template order and are
-handed over without their draft probabilities: choosing among i.i.d. draws, or how many to verify, by what was
-drawn would bias them, so such a request verifies a prefix of its template whose length depends on depth and
-the request's history only.
+Trees whose children are i.i.d. draws from the draft (``draw: sample``) keep their template order and are chosen
+without their draft probabilities: such a request verifies a prefix of its template whose length depends on depth
+and the request's history only.
 
-Invariant: every choice is a function of the draft's output and of earlier verification outcomes only, so
-speculation stays lossless whatever the controller chooses.
+Invariant: every choice is a function of the draft's output, of earlier verification outcomes and of random draws
+independent of every verification, so speculation stays lossless whatever the controller chooses.
 """
 
 from __future__ import annotations
@@ -381,89 +352,104 @@ class SpeculationController:
         and then repaid by every later step that drafts: the plan charges them spread over ``horizon_steps``, the
         steps the batch's requests can still run."""
         started = time.perf_counter()
-        level_rows = len(req_ids) * self.level_width
-        steady_rows = min(first_pass_rows, 2 * len(req_ids))
-        steady = self.cost.first_pass_seconds(steady_rows, len(req_ids))
-        catch_up = self.cost.first_pass_seconds(first_pass_rows, len(req_ids)) - steady
+        batch = len(req_ids)
+        level_rows = batch * self.level_width
+        steady = self.cost.first_pass_seconds(min(first_pass_rows, 2 * batch), batch)
+        catch_up = self.cost.first_pass_seconds(first_pass_rows, batch) - steady
         first_pass = steady + catch_up / max(horizon_steps, 1.0)
-        overhead = self.cost.overhead_seconds(len(req_ids))  # the drafting stage's host work
+        overhead = self.cost.overhead_seconds(batch)  # the drafting stage's host work
 
         def draft_seconds(depth: int) -> float:
             return first_pass + overhead + self.cost.draft_seconds(depth - 1, level_rows)
 
-        ratio = self.ratio_at(len(req_ids))
+        ratio = self.ratio_at(batch)
         for index, req_id in enumerate(req_ids):
             self._with_lookup[req_id] = bool(lookup_lengths and lookup_lengths[index])
         by_request = [self._offers_by_depth(req_id, ratio) for req_id in req_ids]
         by_depth = [[offers[depth] for offers in by_request] for depth in range(self.max_depth)]
-        without_drafting = None if lookup_lengths is None else [
-            self._lookup_path(req_id, length, ratio) for req_id, length in zip(req_ids, lookup_lengths, strict=True)]
-        # the lookup paths alone, where such cycles have measurably produced less than plain ones, only to explore
-        self._lookup_held_back = bool(without_drafting) and self.guard.holds_back_lookup(
-            len(req_ids), self.cost.verify_seconds(len(req_ids)))
-        if self._lookup_held_back:
-            batch, path_nodes = len(req_ids), sum(len(c.chances) for c in without_drafting)
-            # what such a cycle has taken, where the models priced it too low (they said it pays)
-            exploring_lookup = max(self.cost.verify_seconds(batch + path_nodes, requests=batch),
-                                   self.guard.lookup_cycle_seconds(batch)) - self.cost.verify_seconds(batch)
-            if self._explore_budget >= exploring_lookup:
-                self._explore_budget -= exploring_lookup
-                self._lookup_held_back = False
-            else:
-                without_drafting = None
+        without_drafting = self._lookup_paths(req_ids, lookup_lengths, ratio)
         options: list[DepthRate] | None = [] if self.plan_log is not None else None
         plan = (choose_depth(by_depth, self.cost.verify_seconds, draft_seconds, without_drafting, options,
                              self.cost.verify_floor)
                 if req_ids else DepthPlan(0, 0))
-        depth = plan.depth
-        held_back = depth > 0 and self.guard.holds_back(len(req_ids), self.cost.verify_seconds(len(req_ids)))
+        held_back = plan.depth > 0 and self.guard.holds_back(batch, self.cost.verify_seconds(batch))
         self._exploring = Exploring.NO
-        if req_ids and (depth == 0 or held_back):
-            batch = len(req_ids)
-            if held_back:  # explore what the models advise: their depth and nodes, seen by the guard
-                explore_depth, explore_rows = depth, plan.nodes
-            else:  # explore acceptance: one level, each request's best nodes, not a cycle the guard weighs
-                explore_depth, explore_rows = 1, batch * self.level_width
-            exploring = (steady + catch_up + overhead + self.cost.draft_seconds(explore_depth - 1, level_rows)
-                         + max(self.cost.verify_seconds(batch + explore_rows, requests=batch)
-                               - self.cost.verify_seconds(batch), 0.0))
-            if self._explore_budget >= exploring:
-                self._explore_budget -= exploring
-                self._exploring = Exploring.NO if held_back else Exploring.ACCEPTANCE
-                self.stats.exploring_drafts += 1
-                depth = explore_depth
-            else:
-                depth = 0
-                self.stats.steps_without_drafting += 1
-                self.stats.steps_held_back += held_back
-        elif req_ids and depth < self.max_depth and self._explore.random() * EXPLORE_EVERY < 1:
-            # explore depth: what is accepted deeper is seen only where it is drafted and verified, so the step
-            # drafts the levels the plan left out and verifies each request's top path besides the plan's nodes
-            batch, rows = len(req_ids), len(req_ids) + plan.nodes
-            deeper = (self.cost.draft_seconds(self.max_depth - depth, level_rows)
-                      + max(self.cost.verify_seconds(rows + batch * min(self.max_depth, self.max_nodes),
-                                                     requests=batch)
-                            - self.cost.verify_seconds(rows, requests=batch), 0.0))
-            if self._explore_budget >= deeper:
-                self._explore_budget -= deeper
-                self._exploring = Exploring.DEPTH
-                self.stats.exploring_drafts += 1
-                depth = self.max_depth
+        if req_ids and (plan.depth == 0 or held_back):
+            depth = self._explore_instead_of(plan, held_back, batch, steady + catch_up + overhead)
+        elif req_ids and plan.depth < self.max_depth and self._explore.random() * EXPLORE_EVERY < 1:
+            depth = self._explore_deeper_than(plan, batch)
+        else:
+            depth = plan.depth
         self.stats.depth_per_step[depth] += 1
         self.stats.lookup_steps_held_back += depth == 0 and self._lookup_held_back
         self._drafted_levels = depth
         if self.plan_log is not None:
-            self.plan_log({"requests": len(req_ids), "with_lookup": sum(self._with_lookup[r] for r in req_ids),
+            self.plan_log({"requests": batch, "with_lookup": sum(self._with_lookup[r] for r in req_ids),
                            "first_pass_rows": first_pass_rows, "planned": plan.depth, "drafted": depth,
                            "held_back": held_back, "lookup_held_back": self._lookup_held_back,
                            "exploring": self._exploring.value,
                            "options": [asdict(option) for option in options or []]})
         full_first_pass = steady + catch_up
         self._cycle = DecodeCycle(drafted=depth > 0, requests=set(req_ids), weighed=self._exploring is Exploring.NO,
-                             first_pass_share=first_pass / full_first_pass if full_first_pass > 0 else 1.0,
-                             horizon_steps=max(horizon_steps, 1.0))
+                                  first_pass_share=first_pass / full_first_pass if full_first_pass > 0 else 1.0,
+                                  horizon_steps=max(horizon_steps, 1.0))
         self.stats.controller_seconds += time.perf_counter() - started
         return depth
+
+    def _lookup_paths(self, req_ids: list[str], lookup_lengths: list[int] | None, ratio: float
+                      ) -> list[Candidates] | None:
+        """The requests' prompt-lookup paths offered alone, or None when there are none or the guard holds them
+        back (cycles that verified them alone measurably produced less than plain ones) and the exploration budget
+        does not cover what such a cycle has recently taken; sets :attr:`_lookup_held_back`."""
+        paths = None if lookup_lengths is None else [
+            self._lookup_path(req_id, length, ratio) for req_id, length in zip(req_ids, lookup_lengths, strict=True)]
+        batch = len(req_ids)
+        self._lookup_held_back = bool(paths) and self.guard.holds_back_lookup(batch, self.cost.verify_seconds(batch))
+        if not self._lookup_held_back:
+            return paths
+        path_nodes = sum(len(path.chances) for path in paths)
+        # what such a cycle has taken, where the models priced it too low (they said it pays)
+        exploring = max(self.cost.verify_seconds(batch + path_nodes, requests=batch),
+                        self.guard.lookup_cycle_seconds(batch)) - self.cost.verify_seconds(batch)
+        if self._explore_budget < exploring:
+            return None
+        self._explore_budget -= exploring
+        self._lookup_held_back = False
+        return paths
+
+    def _explore_instead_of(self, plan: DepthPlan, held_back: bool, batch: int, drafting_overhead: float) -> int:
+        """The depth drafted where the plan drafts nothing or the guard holds its drafting back: where the
+        exploration budget covers it, the plan's depth and nodes (``held_back``: seen by the guard) or one level
+        with each request's best ``level_width`` nodes (acceptance, not weighed by the guard); else 0.
+        ``drafting_overhead``: the whole first pass and the drafting stage's host work."""
+        level_rows = batch * self.level_width
+        explore_depth, explore_rows = (plan.depth, plan.nodes) if held_back else (1, level_rows)
+        exploring = (drafting_overhead + self.cost.draft_seconds(explore_depth - 1, level_rows)
+                     + max(self.cost.verify_seconds(batch + explore_rows, requests=batch)
+                           - self.cost.verify_seconds(batch), 0.0))
+        if self._explore_budget >= exploring:
+            self._explore_budget -= exploring
+            self._exploring = Exploring.NO if held_back else Exploring.ACCEPTANCE
+            self.stats.exploring_drafts += 1
+            return explore_depth
+        self.stats.steps_without_drafting += 1
+        self.stats.steps_held_back += held_back
+        return 0
+
+    def _explore_deeper_than(self, plan: DepthPlan, batch: int) -> int:
+        """The whole depth where the exploration budget covers its extra levels and each request's top path
+        besides the plan's nodes (what is accepted deeper is seen only where it is drafted and verified); else
+        the plan's depth."""
+        rows = batch + plan.nodes
+        deeper = (self.cost.draft_seconds(self.max_depth - plan.depth, batch * self.level_width)
+                  + max(self.cost.verify_seconds(rows + batch * min(self.max_depth, self.max_nodes), requests=batch)
+                        - self.cost.verify_seconds(rows, requests=batch), 0.0))
+        if self._explore_budget < deeper:
+            return plan.depth
+        self._explore_budget -= deeper
+        self._exploring = Exploring.DEPTH
+        self.stats.exploring_drafts += 1
+        return self.max_depth
 
     def _offers_by_depth(self, req_id: str, ratio: float) -> list[Candidates]:
         """The nodes ``req_id`` would offer when drafting 1, 2, ..., ``max_depth`` levels this step: at each depth
