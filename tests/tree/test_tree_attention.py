@@ -9,6 +9,7 @@ import pytest
 import torch
 from attention_reference import gather_positions, tree_attention_reference
 from tree_testlib import make_paged_batch, random_parents
+from tree_views import verify_layout
 
 from vllm_easyspec.tree.attention import ancestor_mask_from_parents, attention_over_prefix_and_tree
 from vllm_easyspec.tree.building import TokenTreeBatch
@@ -34,7 +35,7 @@ def test_verify_layout_mask_matches_parent_mask():
     tree = TokenTreeBatch(torch.tensor([[5, 6, 7, 8, 0], [1, 2, 3, 0, 0]]),
                           torch.tensor([[-1, -1, 0, 2, -1], [-1, 0, 0, -1, -1]]), torch.tensor([4, 3]),
                           "without_replacement")
-    layout = tree.verify_layout(torch.tensor([30, 7]))
+    layout = verify_layout(tree, torch.tensor([30, 7]))
     expected = ancestor_mask_from_parents(layout.parents, layout.cu_query_lens, width=tree.width + 1)
     assert torch.equal(layout.ancestor_mask, expected)
     assert layout.positions.tolist() == [30, 31, 31, 32, 33, 7, 8, 9, 9]
@@ -150,7 +151,7 @@ def test_choose_launch_fills_an_h100_at_batch_1(prefix, tree):
     row_tiles = -(-tree * 4 // launch.block_m)
     assert launch.num_splits > 1
     assert 0.8 * 132 <= 8 * row_tiles * launch.num_splits <= 2 * 132
-    assert row_tiles <= (1 if tree <= 32 else 3)  # the read count of the module docstring
+    assert row_tiles <= (1 if tree <= 32 else 3)  # the read count of kernels/README.md
     assert launch.min_split_len >= launch.block_m
 
 

@@ -1,50 +1,14 @@
 """Triton tree attention over vLLM's paged KV cache (FlashAttention layout), split over the KV length.
 
-Contract (shared with ``vllm_easyspec.tree.attention``):
-
-* ``query`` ``[T, Hq, D]``: the tree query tokens of the batch; request ``b`` owns rows
-  ``cu_query_lens[b]:cu_query_lens[b + 1]`` (request-local query index ``j = 0, 1, ...``).
-* ``key_cache`` / ``value_cache`` ``[num_blocks, block_size, Hkv, D]``; ``block_table`` ``[B, max_blocks]``
-  int32 maps logical block ``i`` of request ``b`` to a physical block. Any strides, except that the head
-  dimension of ``query``, the caches and ``out`` must be contiguous.
-* The K/V of *every* query token is already in the cache: query ``j`` of request ``b`` sits at logical
-  position ``prefix_lens[b] + j`` (vLLM's linear slot accounting writes it there before attention).
-  Positions ``< prefix_lens[b]`` are the request's prefix.
-* ``tree_mask`` ``[T, W]`` (bool / uint8): ``tree_mask[t, j]`` is true iff request-local query ``j``
-  is an ancestor of row ``t`` or ``t`` itself. It must include the diagonal. Only columns ``j < n_b``
-  (the request's own queries) are read.
-* Row ``t`` attends to the whole prefix plus the tree positions its mask allows. Softmax in fp32,
-  output in ``out``'s dtype (the query dtype by default). GQA: ``Hq`` must be a multiple of ``Hkv``.
-  Positions past ``prefix_lens[b] + n_b`` and block-table entries past them are never read.
-
-Design (flash decoding for a tree):
-
-* **Rows.** The ``GROUP = Hq / Hkv`` query heads that share a KV head are stacked with the request's
-  query tokens into ``R_b = n_b * GROUP`` rows (row ``r``: token ``r // GROUP``, head ``r % GROUP``), cut
-  into row tiles of ``BLOCK_M`` rows. One program computes one row tile against one KV split, so every
-  K/V tile it loads serves all ``BLOCK_M`` rows (``tl.dot`` of ``[BLOCK_M, D] x [D, BLOCK_N]``).
-* **Splits.** The positions ``[0, prefix_b + n_b)`` of request ``b`` are cut into ``num_splits`` equal
-  ranges (``split_len_b = max(min_split_len, round_up(cdiv(prefix_b + n_b, num_splits), BLOCK_N))``, so
-  short requests use fewer splits and the rest of their programs only record an empty result). Inside a
-  range, prefix positions need no mask; tree positions (``>= prefix_b``, a second loop starting exactly
-  at ``prefix_b``) are masked with ``tree_mask``. A row tile stops at its last query's position:
-  ancestors precede their descendants.
-* **Merge.** With one split, the program normalises and writes ``out`` directly. With several, each
-  program writes its unnormalised fp32 accumulator and its running max / sum (base-2 logits) per row
-  to scratch buffers on the query's device, and ``_merge_splits_kernel`` combines them per
-  (token, query head): ``out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s`` with ``M = max_s m_s``.
-  There are no atomics; every output element is a fixed sequence of operations, so repeated runs are
-  bitwise identical.
-* **Grid.** One flat axis, ``row_tile`` fastest, then ``split``, then ``(request, KV head)``: the row
-  tiles that read the same K/V range run side by side, so their repeated reads are L2 hits.
-
-**Read count.** Per request ``b`` and KV head, each prefix K/V byte is loaded by exactly
-``cdiv(n_b * GROUP, BLOCK_M)`` programs (one per row tile; splits partition the positions), each tree
-position by at most as many; the query tile is loaded once per split, and with ``S > 1`` splits the
-partial results (``rows * (D + 2) * 4`` bytes per split) are written once and read once by the merge. For
-Llama-3-8B (``GROUP = 4``) the chosen ``BLOCK_M`` gives 1 load for trees of up to 32 query tokens, 2 for
-33-64 and 3 for 65 (a 64-node tree plus its root).
-:func:`choose_launch` picks ``BLOCK_M``, ``BLOCK_N``, ``num_splits``, ``num_warps`` and ``num_stages``.
+Contract (``vllm_easyspec/kernels/README.md`` states it with the design, the read count and the launch rules):
+``query`` ``[T, Hq, D]``, request ``b`` owning rows ``cu_query_lens[b]:cu_query_lens[b + 1]``; ``key_cache`` /
+``value_cache`` ``[num_blocks, block_size, Hkv, D]`` and ``block_table`` ``[B, max_blocks]`` int32, any strides
+except that the head dimension of ``query``, the caches and ``out`` is contiguous; the K/V of request-local query
+``j`` is already in the cache at logical position ``prefix_lens[b] + j``; ``tree_mask`` ``[T, W]`` (bool / uint8):
+``tree_mask[t, j]`` iff query ``j`` is an ancestor of row ``t`` or ``t`` itself (diagonal included; only columns
+``j < n_b`` are read). Row ``t`` attends to its request's whole prefix plus the tree positions its mask allows;
+softmax in fp32, output in ``out``'s dtype; ``Hq`` a multiple of ``Hkv``. Positions past ``prefix_lens[b] + n_b``
+and their block-table entries are never read. No atomics: repeated runs are bitwise identical.
 """
 
 from __future__ import annotations
@@ -123,23 +87,13 @@ def _split_count(programs_per_split: int, sm_count: int, max_splits: int) -> int
 def choose_launch(*, batch: int, num_kv_heads: int, group: int, max_query_len: int, kv_len_bound: int,
                   head_dim: int, element_size: int, sm_count: int, shared_memory: int) -> TreeAttentionLaunch:
     """Launch parameters from the shape alone (host values only: no device-to-host sync). A pure function of
-    its arguments, cached: every layer of a forward pass asks again with the same shape.
-
-    * ``block_m``: the smallest power of two ``>= 16`` holding one request's ``max_query_len * group`` rows,
-      at most 128 (64 for fp32, whose IEEE dots run on CUDA cores); halved while the fp32 accumulator would
-      exceed 64 registers per thread (``block_m * block_d / (32 * num_warps)``, 8 warps at ``block_m`` 128).
-    * ``num_splits``: FlashAttention-2's wave-efficiency heuristic over ``batch * num_kv_heads * row_tiles``
-      programs per split and ``sm_count`` SMs, at most :data:`MAX_SPLITS` and at most
-      ``kv_len_bound / min_split_len`` (``kv_len_bound``: the block table's width in positions, an upper
-      bound of every request's ``prefix + n``).
-    * ``min_split_len``: ``max(128, block_m)`` rounded up to ``block_n``: a split reads at least as many K/V
-      positions as its row tile has rows, so the fp32 partial result it writes (``rows * D * 4`` bytes, read
-      back once by the merge) is at most the 16-bit K/V it reads (``positions * D * 2 * 2`` bytes).
-    * ``block_n``: 128 where the tile rows are few (``block_m <= 64``), the splits are long (``>= 512``
-      positions expected) and the inputs are 16-bit; else 64 (32 for fp32).
-    * ``num_stages``: 3, or 2 or 1 where the estimated shared memory (query tile plus buffered K and V tiles)
-      would exceed :data:`SHARED_MEMORY_MARGIN` of ``shared_memory``; ``block_n`` and then ``block_m`` are
-      halved if even one stage does not fit.
+    its arguments, cached: every layer of a forward pass asks again with the same shape. ``BLOCK_M`` holds one
+    request's ``max_query_len * group`` rows (16 to 128, 64 for fp32, within 64 accumulator registers per thread);
+    ``num_splits`` is FlashAttention-2's wave-efficiency heuristic, at most :data:`MAX_SPLITS` and
+    ``kv_len_bound / min_split_len`` (``kv_len_bound``: the block table's width in positions); ``min_split_len`` is
+    at least ``BLOCK_M`` so a split writes no more fp32 partials than it reads 16-bit K/V; ``num_stages``, then
+    ``BLOCK_N``, then ``BLOCK_M`` shrink until the estimated shared memory fits :data:`SHARED_MEMORY_MARGIN` of
+    ``shared_memory`` (the exact rules: ``kernels/README.md``).
     """
     rows = max(1, max_query_len * group)
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -246,7 +200,7 @@ def _tree_attention_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One row tile of one (request, KV head) against one KV range (module docstring).
+    """One row tile of one (request, KV head) against one KV range (the design in kernels/README.md).
 
     ``SPLIT``: write the unnormalised accumulator to ``partial_acc [T, Hq, num_splits, HEAD_DIM]`` and the
     base-2 running max / sum to ``partial_stats [2, T, Hq, num_splits]`` (planes ``stats_plane`` apart);
@@ -396,6 +350,34 @@ def _device_limits(device: torch.device) -> tuple[int, int]:
     return props.multi_processor_count, shared
 
 
+def _check_arguments(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tree_mask: torch.Tensor,
+                     out: torch.Tensor | None, fp32_precision: str) -> None:
+    if fp32_precision not in FP32_DOT_PRECISIONS:
+        raise ValueError(f"fp32_precision must be one of {FP32_DOT_PRECISIONS}; got {fp32_precision!r}.")
+    if query.shape[1] % key_cache.shape[2]:
+        raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of KV heads ({key_cache.shape[2]}).")
+    if query.stride(-1) != 1 or key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError("query, key_cache and value_cache need a contiguous last (head_size) dimension.")
+    if tree_mask.shape[0] != query.shape[0]:
+        raise ValueError(f"tree_mask must have one row per query token ({query.shape[0]}); got {tree_mask.shape[0]}.")
+    if out is not None and out.stride(-1) != 1:
+        raise ValueError("out needs a contiguous last (head_size) dimension.")
+
+
+def _merge_splits(out: torch.Tensor, partial_acc: torch.Tensor, partial_stats: torch.Tensor, num_splits: int,
+                  block_d: int) -> None:
+    """Launches :func:`_merge_splits_kernel` over every (token, block of query heads) of ``out``."""
+    num_tokens, num_q_heads, head_dim = out.shape
+    block_s = triton.next_power_of_2(num_splits)
+    heads_per_program = max(1, min(triton.next_power_of_2(num_q_heads), 8192 // (block_s * block_d)))
+    _merge_splits_kernel[(num_tokens, triton.cdiv(num_q_heads, heads_per_program))](
+        out, partial_acc, partial_stats, out.stride(0), out.stride(1), partial_stats[0].numel(),
+        num_q_heads, num_splits,
+        HEADS=heads_per_program, BLOCK_S=block_s, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        num_warps=8 if heads_per_program * block_s * block_d > 8192 else 4,
+    )
+
+
 def tree_attention_triton(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -411,7 +393,7 @@ def tree_attention_triton(
     launch: TreeAttentionLaunch | None = None,
     fp32_precision: str = "ieee",
 ) -> torch.Tensor:
-    """Tree attention (see the module docstring for the contract and the design).
+    """Tree attention (the contract is in the module docstring).
 
     ``max_query_len`` (the largest number of query rows of one request) sizes the grid; pass it to avoid
     a device-to-host sync: the launch then depends on host values only (shapes, ``max_query_len``, the
@@ -421,30 +403,18 @@ def tree_attention_triton(
     exact products by default; vLLM's backend passes :func:`triton_default_fp32_precision`, what vLLM's own
     attention uses. Triton's interpreter always computes exact products.
     """
-    if fp32_precision not in FP32_DOT_PRECISIONS:
-        raise ValueError(f"fp32_precision must be one of {FP32_DOT_PRECISIONS}; got {fp32_precision!r}.")
+    _check_arguments(query, key_cache, value_cache, tree_mask, out, fp32_precision)
     num_tokens, num_q_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads}).")
-    if query.stride(-1) != 1 or key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
-        raise ValueError("query, key_cache and value_cache need a contiguous last (head_size) dimension.")
-    if tree_mask.shape[0] != num_tokens:
-        raise ValueError(f"tree_mask must have one row per query token ({num_tokens}); got {tree_mask.shape[0]}.")
+    num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     batch = block_table.shape[0]
     if max_query_len is None:
         max_query_len = int((cu_query_lens[1:] - cu_query_lens[:-1]).max()) if batch else 0
-    if out is None:
-        out = torch.empty_like(query)
-    elif out.stride(-1) != 1:
-        raise ValueError("out needs a contiguous last (head_size) dimension.")
+    out = torch.empty_like(query) if out is None else out
     if num_tokens == 0 or batch == 0 or max_query_len == 0:
         return out
     mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
-    if mask.stride(-1) != 1:
-        mask = mask.contiguous()
+    mask = mask if mask.stride(-1) == 1 else mask.contiguous()
     group = num_q_heads // num_kv_heads
-    block_size = key_cache.shape[1]
     if launch is None:
         sm_count, shared_memory = _device_limits(query.device)
         launch = choose_launch(batch=batch, num_kv_heads=num_kv_heads, group=group, max_query_len=max_query_len,
@@ -461,17 +431,11 @@ def tree_attention_triton(
     kernel_out = (torch.empty(out.shape, dtype=torch.float32, device=out.device)
                   if interpreted and out.dtype == torch.bfloat16 else out)
     split = launch.num_splits > 1
-    if split:
-        partial_acc = torch.empty((num_tokens, num_q_heads, launch.num_splits, head_dim), dtype=torch.float32,
-                                  device=query.device)
-        partial_stats = torch.empty((2, num_tokens, num_q_heads, launch.num_splits), dtype=torch.float32,
-                                    device=query.device)
-    else:  # never dereferenced: SPLIT is False
-        partial_acc = partial_stats = kernel_out
-    stats_plane = num_tokens * num_q_heads * launch.num_splits
+    scratch = (num_tokens, num_q_heads, launch.num_splits)  # without splits never dereferenced (SPLIT is False)
+    partial_acc = torch.empty((*scratch, head_dim), dtype=torch.float32, device=query.device) if split else kernel_out
+    partial_stats = torch.empty((2, *scratch), dtype=torch.float32, device=query.device) if split else kernel_out
     row_tiles = triton.cdiv(max_query_len * group, launch.block_m)
-    grid = (batch * num_kv_heads * launch.num_splits * row_tiles,)
-    _tree_attention_kernel[grid](
+    _tree_attention_kernel[(batch * num_kv_heads * launch.num_splits * row_tiles,)](
         kernel_out, partial_acc, partial_stats, query, key_cache, value_cache, block_table, prefix_lens,
         cu_query_lens, mask,
         float(softmax_scale) * math.log2(math.e),
@@ -479,21 +443,15 @@ def tree_attention_triton(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0), mask.stride(0),
-        stats_plane, num_kv_heads, row_tiles, launch.num_splits, launch.min_split_len,
+        num_tokens * num_q_heads * launch.num_splits, num_kv_heads, row_tiles, launch.num_splits,
+        launch.min_split_len,
         KV_BLOCK_SIZE=block_size, GROUP=group, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
         HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT=split, UPCAST=upcast,
         DOT_PRECISION=precision,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if split:
-        block_s = triton.next_power_of_2(launch.num_splits)
-        heads_per_program = max(1, min(triton.next_power_of_2(num_q_heads), 8192 // (block_s * block_d)))
-        _merge_splits_kernel[(num_tokens, triton.cdiv(num_q_heads, heads_per_program))](
-            kernel_out, partial_acc, partial_stats, kernel_out.stride(0), kernel_out.stride(1), stats_plane,
-            num_q_heads, launch.num_splits,
-            HEADS=heads_per_program, BLOCK_S=block_s, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            num_warps=8 if heads_per_program * block_s * block_d > 8192 else 4,
-        )
+        _merge_splits(kernel_out, partial_acc, partial_stats, launch.num_splits, block_d)
     if kernel_out is not out:
         out.copy_(kernel_out)
     return out
