@@ -6,12 +6,12 @@ import math
 
 import pytest
 import torch
+from tree_views import StaticTreeBuilder, is_leaf, node_positions, root_to_leaf_paths, verify_layout
 
 from vllm_easyspec.tree.building import (
     MAX_TREE_NODES,
     ChildDrawMode,
     DynamicTopKTreeBuilder,
-    StaticTreeBuilder,
     StaticTreeTemplate,
     TokenTreeBatch,
 )
@@ -30,10 +30,10 @@ def test_derived_fields_of_a_ragged_batch():
     assert tree.depth.tolist() == [[1, 1, 2, 2, 3], [1, 1, 2, 0, 0]]
     assert tree.max_depth == 3
     assert tree.tokens[1].tolist() == [20, 21, 22, -1, -1]  # padding normalised
-    assert tree.positions(torch.tensor([100, 7])).tolist() == [[101, 101, 102, 102, 103], [8, 8, 9, -1, -1]]
+    assert node_positions(tree, torch.tensor([100, 7])).tolist() == [[101, 101, 102, 102, 103], [8, 8, 9, -1, -1]]
     assert tree.ancestors[0].tolist() == [[0, -1, -1], [1, -1, -1], [0, 2, -1], [1, 3, -1], [0, 2, 4]]
-    assert tree.root_to_leaf_paths().tolist() == [[[1, 3, -1], [0, 2, 4]], [[0, -1, -1], [1, 2, -1]]]
-    assert tree.is_leaf().tolist() == [[False, False, False, True, True], [True, False, True, False, False]]
+    assert root_to_leaf_paths(tree).tolist() == [[[1, 3, -1], [0, 2, 4]], [[0, -1, -1], [1, 2, -1]]]
+    assert is_leaf(tree).tolist() == [[False, False, False, True, True], [True, False, True, False, False]]
     mask = tree.ancestor_mask()
     assert mask[0].int().tolist() == [[1, 0, 0, 0, 0], [0, 1, 0, 0, 0], [1, 0, 1, 0, 0], [0, 1, 0, 1, 0],
                                       [1, 0, 1, 0, 1]]
@@ -44,7 +44,7 @@ def test_derived_fields_of_a_ragged_batch():
 
 
 def test_verify_layout_is_linear_in_slots_and_tree_in_positions():
-    layout = _ragged().verify_layout(torch.tensor([100, 7]))
+    layout = verify_layout(_ragged(), torch.tensor([100, 7]))
     assert layout.cu_query_lens.tolist() == [0, 6, 10]
     assert layout.parents.tolist() == [-1, 0, 0, 1, 2, 3, -1, 0, 0, 2]
     assert layout.positions.tolist() == [100, 101, 101, 102, 102, 103, 7, 8, 8, 9]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tree_views import verify_layout
 
 from vllm_easyspec.tree.building import ChildDrawMode, TokenTreeBatch
 from vllm_easyspec.tree.sampling import apply_sampling_constraints, tree_rejection_sample
@@ -203,5 +204,5 @@ def test_request_without_drafts_only_samples_the_bonus():
         out = tree_rejection_sample(tree, logits, temperature=temperature, generator=torch.Generator().manual_seed(0))
         assert out.output_token_ids.tolist() == [[1, 2, 3], [2, -1, -1]]
         assert out.num_accepted.tolist() == [2, 0]
-    layout = tree.verify_layout(torch.tensor([4, 9]))
+    layout = verify_layout(tree, torch.tensor([4, 9]))
     assert layout.cu_query_lens.tolist() == [0, 3, 4] and layout.positions.tolist() == [4, 5, 6, 9]

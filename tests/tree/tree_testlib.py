@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from scipy import stats
+from tree_views import StaticTreeBuilder, root_to_leaf_paths
 
 from vllm_easyspec.tree.attention import ancestor_mask_from_parents
 from vllm_easyspec.tree.building import (
     ChildDrawMode,
     DynamicTopKTreeBuilder,
-    StaticTreeBuilder,
     TokenTreeBatch,
 )
 from vllm_easyspec.tree.sampling import apply_sampling_constraints, tree_rejection_sample
@@ -123,7 +123,7 @@ def biased_per_path_verify(tree: TokenTreeBatch, logits: torch.Tensor, temperatu
                                       None if top_k is None else top_k.repeat_interleave(width),
                                       None if top_p is None else top_p.repeat_interleave(width))
     probs = filt.reshape(batch, width, vocab).softmax(-1)
-    paths = tree.root_to_leaf_paths()
+    paths = root_to_leaf_paths(tree)
     arange = torch.arange(batch)
     best_len = torch.full((batch,), -1)
     best_first = torch.zeros(batch, dtype=torch.long)

@@ -1,7 +1,7 @@
 """Token-tree speculation components that need no running engine.
 
-* :mod:`.building`: the batched tree object (:class:`TokenTreeBatch`), its verify-forward layout, and
-  the static (choice list) and EAGLE-2 dynamic builders.
+* :mod:`.building`: the batched tree object (:class:`TokenTreeBatch`), static tree templates (choice lists) and
+  the EAGLE-2 dynamic builder.
 * :mod:`.sampling`: the lossless tree rejection sampler (vLLM chain-shaped output).
 * :mod:`.attention`: the CPU tree attention path and the ancestor mask of the kernels' contract.
 * :mod:`.compaction`: moves accepted nodes' K/V to linear slots after verification.
@@ -14,10 +14,8 @@ from .building import (
     MAX_TREE_NODES,
     ChildDrawMode,
     DynamicTopKTreeBuilder,
-    StaticTreeBuilder,
     StaticTreeTemplate,
     TokenTreeBatch,
-    VerifyLayout,
 )
 from .compaction import compact_kv, tree_compaction_slots
 from .sampling import TreeSamplerOutput, apply_sampling_constraints, tree_rejection_sample
@@ -26,11 +24,9 @@ __all__ = [
     "MAX_TREE_NODES",
     "ChildDrawMode",
     "DynamicTopKTreeBuilder",
-    "StaticTreeBuilder",
     "StaticTreeTemplate",
     "TokenTreeBatch",
     "TreeSamplerOutput",
-    "VerifyLayout",
     "ancestor_mask_from_parents",
     "apply_sampling_constraints",
     "compact_kv",

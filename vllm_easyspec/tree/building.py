@@ -1,4 +1,4 @@
-"""Token trees for speculative decoding: the batched tree object and two builders.
+"""Token trees for speculative decoding: the batched tree object, static tree templates and the EAGLE-2 builder.
 
 Layout conventions (shared by every module in :mod:`vllm_easyspec.tree` and by the kernels)
 ---------------------------------------------------------------------------------------------
@@ -164,34 +164,11 @@ class TokenTreeBatch:
         """``[B, N]`` bool: real (non-padding) nodes."""
         return torch.arange(self.width, device=self.device)[None, :] < self.num_nodes[:, None]
 
-    def positions(self, prefix_lens: torch.Tensor) -> torch.Tensor:
-        """``[B, N]`` RoPE positions of the nodes: ``prefix_len + depth`` (-1 for padding)."""
-        pos = prefix_lens.to(self.device).long()[:, None] + self.depth
-        return torch.where(self.valid, pos, torch.full_like(pos, -1))
-
     def ancestor_mask(self) -> torch.Tensor:
         """``[B, N, N]`` bool: ``mask[b, i, j]`` iff node ``j`` is node ``i`` or one of its ancestors."""
         mask = torch.zeros(self.batch_size, self.width, self.width + 1, dtype=torch.bool, device=self.device)
         mask.scatter_(2, self.ancestors + 1, True)  # -1 padding lands in column 0, dropped below
         return mask[:, :, 1:]
-
-    def is_leaf(self) -> torch.Tensor:
-        """``[B, N]`` bool: real nodes without real children."""
-        has_child = torch.zeros(self.batch_size, self.width + 1, dtype=torch.bool, device=self.device)
-        has_child.scatter_(1, (self.parents + 1).masked_fill(~self.valid, 0), self.valid)
-        return self.valid & ~has_child[:, 1:]
-
-    def root_to_leaf_paths(self) -> torch.Tensor:
-        """``[B, L, D]`` node indices of every root-to-leaf path (leaves in node order), -1 padded."""
-        leaf = self.is_leaf()
-        num_leaves = int(leaf.sum(1).max()) if leaf.any() else 0
-        paths = torch.full((self.batch_size, max(num_leaves, 1), max(self.max_depth, 1)), -1,
-                           dtype=torch.long, device=self.device)
-        order = torch.argsort((~leaf).to(torch.int8), dim=1, stable=True)[:, :num_leaves]
-        picked = torch.gather(self.ancestors, 1, order[:, :, None].expand(-1, -1, self.ancestors.shape[2]))
-        keep = torch.gather(leaf, 1, order)
-        paths[:, :num_leaves, : self.ancestors.shape[2]] = torch.where(keep[:, :, None], picked, -1)
-        return paths
 
     def children_table(self) -> torch.Tensor:
         """``[B, N + 1, C]``: children of every query row (row 0 = root, row ``i + 1`` = node ``i``)
@@ -204,49 +181,6 @@ class TokenTreeBatch:
         b_idx, i_idx = self.valid.nonzero(as_tuple=True)
         table[b_idx, self.parents[b_idx, i_idx] + 1, rank[b_idx, i_idx]] = i_idx
         return table
-
-    # ------------------------------------------------------------------ verify-forward layout
-    def verify_layout(self, prefix_lens: torch.Tensor) -> VerifyLayout:
-        """Flattened per-query layout of the target's verify forward (root + nodes per request)."""
-        prefix_lens = prefix_lens.to(self.device).long().reshape(-1)
-        queries_per_request = self.num_nodes + 1
-        cu = torch.zeros(self.batch_size + 1, dtype=torch.long, device=self.device)
-        cu[1:] = queries_per_request.cumsum(0)
-        width = self.width + 1
-        valid_q = torch.arange(width, device=self.device)[None, :] < queries_per_request[:, None]
-        parent_q = torch.cat([torch.full_like(self.parents[:, :1], -1), self.parents + 1], dim=1)
-        depth_q = torch.cat([torch.zeros_like(self.depth[:, :1]), self.depth], dim=1)
-        token_q_mask = torch.zeros(self.batch_size, width, width, dtype=torch.bool, device=self.device)
-        token_q_mask[:, :, 0] = True
-        token_q_mask[:, 1:, 1:] = self.ancestor_mask()
-        return VerifyLayout(
-            cu_query_lens=cu,
-            prefix_lens=prefix_lens,
-            parents=parent_q[valid_q],
-            positions=(prefix_lens[:, None] + depth_q)[valid_q],
-            ancestor_mask=token_q_mask[valid_q],
-            query_tokens_without_root=self.tokens[self.valid],
-        )
-
-
-@dataclass
-class VerifyLayout:
-    """Flattened query rows of one verify forward; ``T = sum(num_nodes + 1)``.
-
-    * ``cu_query_lens`` ``[B + 1]``: rows of request ``b`` are ``cu[b]:cu[b + 1]``; the first is the root.
-    * ``parents`` ``[T]``: request-local query index of the parent, -1 for the root.
-    * ``positions`` ``[T]``: ``prefix_len + depth`` (root depth 0).
-    * ``ancestor_mask`` ``[T, N + 1]`` bool: ``mask[t, j]`` iff request-local query ``j`` is an
-      ancestor of (or equal to) row ``t``; this is the mask the attention kernels take.
-    * slots are linear: row ``t`` of request ``b`` owns logical slot ``prefix_lens[b] + (t - cu[b])``.
-    """
-
-    cu_query_lens: torch.Tensor
-    prefix_lens: torch.Tensor
-    parents: torch.Tensor
-    positions: torch.Tensor
-    ancestor_mask: torch.Tensor
-    query_tokens_without_root: torch.Tensor
 
 
 def _depth_and_paths(parents: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -332,94 +266,6 @@ class StaticTreeTemplate:
         for level in levels:
             level.sort()
         return levels
-
-
-class StaticTreeBuilder:
-    """Fills a :class:`StaticTreeTemplate` with tokens, one depth level at a time.
-
-    Protocol (per step ``d``): read ``nodes_to_expand()`` (node indices, -1 = root) and
-    ``partial_tokens`` (tokens known so far, -1 where not yet drawn), run the draft model on those
-    nodes, and pass their log-probabilities ``[B, len(nodes_to_expand()), V]`` to :meth:`expand`.
-    After ``template.max_depth`` steps call :meth:`build`.
-
-    ``WITHOUT_REPLACEMENT``: child of rank ``r`` = the ``r``-th most likely draft token (ties broken
-    by ``torch.topk``'s order); deterministic, no generator used.
-    ``IID_FROM_DRAFT``: child of rank ``r`` = an independent sample from ``softmax(logprobs)``; the
-    probabilities of every expanded node are kept for the sampler.
-    """
-
-    def __init__(
-        self,
-        template: StaticTreeTemplate | Sequence[Sequence[int]],
-        batch_size: int,
-        draw_mode: ChildDrawMode | str,
-        *,
-        device: torch.device | str = "cpu",
-        generator: torch.Generator | None = None,
-    ) -> None:
-        self.template = (
-            template if isinstance(template, StaticTreeTemplate) else StaticTreeTemplate.from_choices(template)
-        )
-        self.draw_mode = ChildDrawMode(draw_mode)
-        self.batch_size = batch_size
-        self.device = torch.device(device)
-        self.generator = generator
-        self._levels = self.template.expansion_levels()
-        self._step = 0
-        self.partial_tokens = torch.full((batch_size, self.template.num_nodes), -1, dtype=torch.long,
-                                         device=self.device)
-        self._draft_probs: torch.Tensor | None = None
-        self._children_of = {p: [i for i, q in enumerate(self.template.parents) if q == p]
-                             for level in self._levels for p in level}
-
-    @property
-    def done(self) -> bool:
-        return self._step >= len(self._levels)
-
-    def nodes_to_expand(self) -> list[int]:
-        if self.done:
-            raise RuntimeError("all levels are expanded; call build().")
-        return list(self._levels[self._step])
-
-    def expand(self, logprobs: torch.Tensor) -> None:
-        """Draw the children of ``nodes_to_expand()`` from their draft log-probs ``[B, F, V]``."""
-        nodes = self.nodes_to_expand()
-        if logprobs.ndim != 3 or tuple(logprobs.shape[:2]) != (self.batch_size, len(nodes)):
-            raise ValueError(
-                f"logprobs must be [batch, len(nodes_to_expand()), vocab] = [{self.batch_size}, {len(nodes)}, V];"
-                f" got {tuple(logprobs.shape)}."
-            )
-        vocab = logprobs.shape[2]
-        logprobs = logprobs.float()
-        if self.draw_mode is ChildDrawMode.IID_FROM_DRAFT and self._draft_probs is None:
-            self._draft_probs = torch.zeros(self.batch_size, self.template.num_nodes + 1, vocab,
-                                            device=self.device)
-        for f, parent in enumerate(nodes):
-            children = self._children_of[parent]
-            ranks = [self.template.ranks[c] for c in children]
-            if self.draw_mode is ChildDrawMode.WITHOUT_REPLACEMENT:
-                if max(ranks) >= vocab:
-                    raise ValueError(f"choice rank {max(ranks)} needs at least {max(ranks) + 1} vocab entries.")
-                top = torch.topk(logprobs[:, f], max(ranks) + 1, dim=-1).indices
-                self.partial_tokens[:, children] = top[:, ranks]
-            else:
-                probs = logprobs[:, f].softmax(-1)
-                self._draft_probs[:, parent + 1] = probs
-                draws = torch.multinomial(probs, len(children), replacement=True, generator=self.generator)
-                self.partial_tokens[:, children] = draws
-        self._step += 1
-
-    def build(self) -> TokenTreeBatch:
-        if not self.done:
-            raise RuntimeError(f"{len(self._levels) - self._step} expansion level(s) still missing.")
-        parents = torch.tensor(self.template.parents, dtype=torch.long, device=self.device)
-        return TokenTreeBatch(
-            tokens=self.partial_tokens.clone(),
-            parents=parents.expand(self.batch_size, -1).clone(),
-            num_nodes=torch.full((self.batch_size,), self.template.num_nodes, device=self.device),
-            draw_mode=self.draw_mode,
-            draft_probs=self._draft_probs,
-        )
 
 
 # ====================================================================== EAGLE-2 dynamic trees
