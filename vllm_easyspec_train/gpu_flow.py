@@ -188,7 +188,8 @@ def trainer_argv(a: argparse.Namespace, corpus: Path, head_dir: Path, work: Path
             "--draft-vocab-size", str(a.draft_vocab_size), "--head-intermediate-size", str(a.head_intermediate_size),
             "--ttt-steps", str(a.ttt_steps), "--batch-size", str(a.batch_size), "--lr", str(a.lr),
             "--epochs", str(a.epochs), "--eval-every", str(a.eval_every), "--seed", str(a.seed),
-            "--threads", str(a.threads), "--time-budget", f"{max(1.0, seconds):.0f}"]
+            "--threads", str(a.threads), "--min-train-tokens", str(a.min_train_tokens),
+            "--time-budget", f"{max(1.0, seconds):.0f}"]
     if a.max_steps:
         argv += ["--max-steps", str(a.max_steps)]
     if a.init_from:
@@ -452,6 +453,7 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-steps", type=int, default=None)
     g.add_argument("--eval-every", type=int, default=200)
     g.add_argument("--init-from", default=None)
+    g.add_argument("--min-train-tokens", type=int, default=2000)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=8)
     g = p.add_argument_group("check")

@@ -35,7 +35,7 @@ main() {
     py=${PYTHON:-.venv/bin/python}
     target=$("$py" -m vllm_easyspec.cli models fetch "$NAME" | tail -1) || return 1
     device_args=(--device cpu --gen-dtype "$("$py" -c 'from benchmarks.harness.setups import cpu_native_dtype
-print(cpu_native_dtype())')" --max-num-seqs 64 --gen-chunk-size 64 --gpu-memory-utilization 0.5
+print(cpu_native_dtype())')" --max-num-seqs 64 --gen-chunk-size 8 --gpu-memory-utilization 0.5
                  --feature-batch-tokens 4096 --threads 2 --check-seconds 150 --check-dtype float32)
   else
     echo "train_head.sh | $(date -u +%FT%TZ) | $(nvidia-smi -L 2>/dev/null | head -1) | limit ${LIMIT}s"

@@ -191,3 +191,56 @@ def test_the_head_and_the_answers_come_back_in_pieces_and_unpack_checks_them(tmp
     (out / pieces[1]["name"]).write_bytes(bytes(damaged))
     with pytest.raises(ValueError, match="part01"):
         G.unpack(argparse.Namespace(files=str(out), head=str(tmp_path / "other"), corpus_manifest=None))
+
+
+def _run_args(tmp_path, target, corpus, data, extra=()):
+    from vllm_easyspec_train import gpu_flow as G
+
+    p = __import__("argparse").ArgumentParser()
+    G._add_run_arguments(p)
+    return p.parse_args(["--target", str(target), "--corpus", str(corpus), "--out", str(tmp_path / "out"),
+                         "--work", str(tmp_path / "work"), "--device", "cpu", "--data", str(data),
+                         "--budget", "300", *extra])
+
+
+def test_the_flow_trains_from_answers_of_an_earlier_window_and_returns_the_head(tmp_path, monkeypatch,
+                                                                              tiny_llama_dir):
+    """``gpu_flow run --data`` (the second of two windows) end to end without vLLM: the answers come from
+    the stand-in engine, the trainer runs on the tiny target, the head comes back in pieces and unpacks."""
+    import argparse
+
+    from vllm_easyspec_train import gpu_flow as G
+    from vllm_easyspec_train.corpus import Corpus, items_sha256
+    from vllm_easyspec_train.generate import answer_corpus_items
+
+    _stand_in_vllm(monkeypatch)
+    items = _items()
+    corpus = tmp_path / "corpus.jsonl.gz"
+    Corpus(items, {"items_sha256": items_sha256(items), "seed": 0}).write_jsonl(corpus)
+    part = tmp_path / "window1.part.jsonl"
+    answer_corpus_items(_StandInLLM(), items, str(part), max_tokens=40, chunk_size=2)
+    G.export_answers(part, tmp_path / "answers.jsonl.xz")
+    window1 = _run_args(tmp_path / "w1", tiny_llama_dir, corpus, tmp_path / "answers.jsonl.xz", ["--stop-after-data"])
+    assert G.run(window1) == 0
+    flow1 = json.loads((tmp_path / "w1" / "out" / G.FLOW_JSON).read_text())
+    assert flow1["phases"]["import"]["records"] == 5 and flow1["corpus"]["items_answered"] == 5
+    assert "train" not in flow1["phases"] and not flow1["pieces"].get("head")
+
+    window2 = _run_args(tmp_path, tiny_llama_dir, corpus, tmp_path / "answers.jsonl.xz", [
+        "--text-tokens", "0", "--seq-len", "64", "--max-steps", "4", "--eval-every", "2", "--batch-size", "2",
+        "--draft-vocab-size", "40", "--head-intermediate-size", "64", "--min-train-tokens", "50", "--threads", "2",
+        "--feature-batch-tokens", "512"])
+    assert G.run(window2) == 0
+    flow = json.loads((tmp_path / "out" / G.FLOW_JSON).read_text())
+    train = flow["phases"]["train"]
+    assert train["training"]["steps"] == 4 and train["training"]["device"] == "cpu"
+    assert train["heldout"]["n_positions"] > 0 and flow["pieces"]["head"]
+    G.unpack(argparse.Namespace(files=str(tmp_path / "out"), head=str(tmp_path / "heads" / "new"),
+                                corpus_manifest=None))
+    head = tmp_path / "heads" / "new"
+    cfg = json.loads((head / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 40
+    manifest = json.loads((head / "eagle_manifest.json").read_text())
+    src = manifest["data"]["sources"][0]
+    assert src["prompt_set"] == "file:corpus-answered.jsonl.gz" and src["n_sequences"] == 5
+    assert src["generation_info"]["round1"]["n_reused"] + src["generation_info"]["round1"]["n_resumed"] == 3
