@@ -10,12 +10,9 @@ model predicts the conditional chance ``P(accepted | tested)`` of a node from wh
   for nodes re-encoded across vocabularies);
 * the request's recent acceptance: a moving average of its tested nodes' outcomes (binned; unknown at first).
 
-Each bin keeps Beta-smoothed counts around its pooled bin's rate: the nodes of the same source, depth and draft
-log-probability bin at every recent acceptance, itself smoothed around a prior (the draft's own probability for
-drafted nodes; for lookup nodes a fixed rate for a path's first node and a higher one for each node after it,
-since a copy that has started right mostly goes on). So a bin predicts the prior until verification has
-spoken, and a bin verification has not reached yet (a request without history, or whose recent acceptance
-moved) predicts what nodes like it have shown so far, not the draft's own confidence again. A node's chance
+Each bin keeps Beta-smoothed counts around its pooled bin's rate (the same source, depth and draft
+log-probability bin at every recent acceptance), itself smoothed around a prior (the draft's own probability for
+drafted nodes; for lookup nodes a fixed rate for a path's first node and a higher one after it). A node's chance
 of being accepted is the product of the conditional chances along its path: it never exceeds its parent's.
 
 Invariant: predictions depend only on the node's features and on earlier verification outcomes, never on the

@@ -207,15 +207,11 @@ class DecodeCycle:
 
 @dataclass
 class OutcomeGuard:
-    """Tokens per second of whole decode cycles (drafting + verify), by batch-size bucket (powers of two), for
-    cycles that drafted, plain cycles, which verified no node, and cycles that drafted nothing and verified
-    prompt-lookup paths alone (kept apart: their tokens depend on the requests that had a path, so they are no
-    baseline that holds across requests; held against plain cycles, the lookup cycles are favoured, so a
-    verdict against them is safe). A cycle's tokens are its verify step's requests plus the drafts
-    they accepted; its seconds are the drafting and the verify, a catch-up first pass (a prompt's, or rows
-    deferred while nothing was drafted) charged at the share :meth:`SpeculationController.plan_depth` charges it,
-    and the rest of it repaid by the drafted cycles after it (each one ``1 / horizon`` of what is outstanding),
-    so that drafting is charged every first pass it needs.
+    """Tokens per second of whole decode cycles (drafting + verify), by batch-size bucket (powers of two), kept
+    apart for cycles that drafted, plain cycles (no node verified) and cycles that verified prompt-lookup paths
+    alone. A cycle's tokens are its verify step's requests plus the drafts they accepted; its seconds are the
+    drafting and the verify, a catch-up first pass charged at the share :meth:`SpeculationController.plan_depth`
+    charges it, and the rest repaid by the drafted cycles after it (each ``1 / horizon`` of what is outstanding).
 
     Invariant: :meth:`holds_back` depends only on timings and earlier verification outcomes."""
 
@@ -232,12 +228,8 @@ class OutcomeGuard:
         rates.setdefault(self.bucket(requests), _Rate()).add(tokens, seconds)
 
     def forget_drafted(self) -> None:
-        """Every request behind the drafted cycles has finished: their acceptance says nothing about the
-        running ones (a lone request's successor starts afresh). Plain cycles produce one token per request,
-        whoever runs, and are kept. Where requests come and go one by one (a batch kept full), the
-        drafted rates are kept: forgetting a finished request's share each time would keep the guard below
-        its minimum of cycles, and drafting would switch on and off, each switch paying a catch-up. The same
-        holds for cycles that verified lookup paths alone."""
+        """Every request behind the drafted (and lookup-only) cycles has finished: their acceptance says nothing
+        about the running ones. Plain cycles produce one token per request, whoever runs, and are kept."""
         self.drafted.clear()
         self.lookup.clear()
 

@@ -1,27 +1,20 @@
 """What a step costs: measured curves of the target's verify forward and of one draft level against the rows
 they run, kept current by the engine's own step timings.
 
-The start-up measurement times bare forwards (attention without context, no sampling); a real verify step
-also pays, per row, attention over the context and the sampler, and for a tree that branches, masked tree
-attention (a path's rows go to vLLM's own kernel), which costs per row and, more, per request whose tree
-branches (its context is gathered and attended apart, in every layer). A step that verifies any node at all
-pays, besides, per row of the whole batch: the sampling of a speculative step (probabilities of every row, the
-rejection of drafts) and attention over rows of several tokens cost more than a plain step's (on the 2-core CPU
-at batch 16, one node made the step about 20% dearer). So the verify prediction is ``scale * curve(rows) +
-extra_per_row * rows + extra_per_masked_row * masked_rows + extra_per_masked_request * masked_requests +
-extra_per_speculating_row * rows`` (the last only where the step verifies nodes), all five fitted (least
-squares over the last decode steps, pulled towards scale 1 and no extra) to what the engine's steps took;
-steps with different row counts (batches that change, and the controller's occasional exploration), steps
-with and without nodes, and steps with and without branching trees of different sizes separate them.
+The start-up measurement times bare forwards; a real verify step also pays, per row, attention over the context
+and the sampler; for a tree that branches, masked tree attention, per row and more per request whose tree
+branches; and, in a step that verifies any node at all, speculative sampling and multi-token attention over every
+row of the batch. So the verify prediction is ``scale * curve(rows) + extra_per_row * rows + extra_per_masked_row
+* masked_rows + extra_per_masked_request * masked_requests + extra_per_speculating_row * rows`` (the last only
+where the step verifies nodes), all five fitted by least squares over the last decode steps, pulled towards scale
+1 and no extra.
 
 Drafting costs the drafter's first pass (one forward over the tokens the last step verified, plus any rows
 deferred from steps that drafted nothing, then the logits of each request's root) and one forward per further
 level, with the logits of every row; both are predicted from start-up curves of one draft forward (with and
-without the logits of its rows), each with its own scale. A step that drafts nothing skips the first pass,
-so the first pass is a cost of speculating at all, not a constant of the step. The rest of a drafting stage
-(host work: reading the draft's output, mapping or re-encoding its tokens into the target's vocabulary,
-prompt lookup, choosing nodes, handing the trees over) is kept per request of the batch, a moving average of
-what the stage took beyond its forwards.
+without the logits of its rows), each with its own scale. A step that drafts nothing skips the first pass. The
+rest of a drafting stage (host work) is kept per request of the batch, a moving average of what the stage took
+beyond its forwards.
 
 Invariants: a :class:`CostCurve` goes through its measured points and extrapolates linearly past its last
 point, and its floor (the lower envelope) is non-decreasing and never above it; the fitted scale is positive
@@ -54,11 +47,9 @@ class CostCurve:
     floor: the same through the lower envelope of the points (each the least time at its rows or more), which
     is non-decreasing and never above the curve, so ``floor(rows)`` bounds the curve at every larger row count.
 
-    The curve keeps what was measured, not the envelope: some GEMM shapes are slower than larger ones (on the
-    AVX-512 EPYC in bfloat16 the Qwen target's forward took 62-70 ms at 2 rows and 43-57 ms at 3 to 6), and a
-    choice priced by the envelope would take exactly such a row count for a node that costs more than the
-    next. Timing noise is kept out by the start-up's fastest-of-several timing (:func:`time_forwards`), and one
-    slow row count raises only its own price."""
+    The curve keeps what was measured, not the envelope: some GEMM shapes are slower than larger ones, and a
+    choice priced by the envelope would take exactly such a row count. One slow row count raises only its own
+    price."""
 
     rows: tuple[int, ...]
     seconds: tuple[float, ...]

@@ -27,10 +27,6 @@ class LayerGrouping:
     def fuzzy_groups(self) -> tuple[tuple[int, ...], ...]:
         return tuple(group for group in self.groups if len(group) > 1)
 
-    @property
-    def group_of_layer(self) -> dict[int, tuple[int, ...]]:
-        return {layer: group for group in self.groups for layer in group}
-
     def describe(self) -> str:
         def span(group: tuple[int, ...]) -> str:
             return f"{group[0]}-{group[-1]}" if len(group) > 1 else str(group[0])

@@ -1,15 +1,12 @@
 """vLLM's metrics seam for ``easyspec.tree.auto``: the controller's figures in ``LLM.get_metrics()`` and in the
 server's ``/metrics``, and a summary line in the engine's log.
 
-The controller runs in the worker; vLLM's metrics live in the front-end process's Prometheus registry, and vLLM
-carries no plugin figures between the two. So the worker of tensor-parallel rank 0 publishes its controller's
-state after every engine step as a small JSON file, replaced atomically (:class:`ControllerPublisher`; about
-0.1 ms on the 2-core CPU, counted in the controller's overhead), and one collector per front-end process
-(:class:`ControllerMetricsCollector`) turns the newest engine's file into metrics when the registry is read:
-the same route prometheus_client's own multiprocess mode takes. The files live under
-``/dev/shm/vllm-easyspec-metrics-$UID/`` (else the temporary directory), named by vLLM's ``instance_id``; the
-front end removes its engine's file when it exits. With several API server processes (``--api-server-count``)
-vLLM serves ``/metrics`` from its multiprocess registry, which does not include these.
+The worker of tensor-parallel rank 0 publishes its controller's state after every engine step as a small JSON
+file, replaced atomically (:class:`ControllerPublisher`), under ``/dev/shm/vllm-easyspec-metrics-$UID/`` (else the
+temporary directory), named by vLLM's ``instance_id``; one collector per front-end process
+(:class:`ControllerMetricsCollector`) turns the newest engine's file into metrics when the registry is read, and
+the front end removes its engine's file when it exits. With several API server processes vLLM serves
+``/metrics`` from its multiprocess registry, which does not include these.
 
 Metrics (label ``model_name`` as vLLM's own): counters ``vllm:easyspec_auto_{steps, request_steps,
 nodes_offered, nodes_chosen, requests_without_nodes, exploring_steps, exploring_drafts, steps_without_drafting, steps_held_back,

