@@ -100,11 +100,8 @@ def time_forwards(rows: Sequence[int], forward: Callable[[int], tuple[float, flo
     logits) at each row count of ``rows`` (ascending). A row count is timed by an untimed forward, then up to
     :data:`CALIBRATION_REPEATS` timed ones that stop once they have taken :data:`CALIBRATION_SECONDS_PER_POINT`;
     then the row counts up to :data:`RECHECK_ROWS` once more each, in descending order, and the fastest of all
-    is kept: a forward slowed by when it ran
-    (a machine still settling after start-up slows the first row counts of an ascending pass) is not taken for
-    what its rows cost, which matters now that a curve keeps each point as measured. The row counts stop at
-    the first whose forward takes that long: past it a forward's cost grows linearly with its rows, as a
-    :class:`CostCurve` extrapolates, and a slow machine's start-up stays a few seconds."""
+    is kept (a machine still settling after start-up slows the first row counts of an ascending pass). The row
+    counts stop at the first whose forward takes that long: past it, cost grows linearly with rows."""
     fastest: dict[int, tuple[float, float]] = {}
     for count in rows:
         forward(count)  # the first forward at a row count is not timed
@@ -224,13 +221,10 @@ class StepCostModel:
     def _fit_verify(self) -> None:
         """``scale`` and the four extras by least squares over the recent steps, each weakly pulled towards
         (1, 0, 0, 0, 0), which keeps them determined when every step had the same rows; of the fits whose extras
-        are not negative (some extras left out), the one closest to the steps. The fits are nested, so a
-        feasible fit with every extra is that one and the others are not computed; and the extras of the last
-        step's fit are tried first: where that fit is feasible and no extra it leaves out would lower the loss
-        (the problem is convex), it is the one, at one solve a step. Each fit solves its block
-        of the regularised normal equations (at most 5 x 5, in plain Python: a library call per fit costs more
-        than the arithmetic); an extra whose column is all zero (no step had such rows) is left out of every
-        fit."""
+        are not negative (some extras left out), the one closest to the steps. The extras of the last step's fit
+        are tried first: where that fit is feasible and no extra it leaves out would lower the loss (the problem
+        is convex), it is the one. Each fit solves its block of the regularised normal equations (at most 5 x 5,
+        in plain Python); an extra whose column is all zero is left out of every fit."""
         products, moment, seconds_squared = self._verify_sums
         squares = [products[i][i] for i in range(5)]
         if squares[0] <= 0:  # a curve of zeros has no scale to fit

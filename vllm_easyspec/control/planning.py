@@ -1,20 +1,15 @@
 """Choosing how much each request speculates in one step, to maximise the batch's expected tokens per second.
 
-A step emits, per request, its accepted nodes plus one token; it costs the target's verify over every row of
-the batch (one per request plus one per chosen node; a request whose chosen nodes branch needs masked tree
-attention over its rows, a path does not; a step with any node samples and attends dearer than one without)
-and, when it drafts, the drafter's first pass and level forwards. So for
-chosen nodes ``S`` the step's rate is ``(B + sum of P(v accepted) over S) / (verify(B + |S|, masked rows, B) + draft)``.
+A step emits, per request, its accepted nodes plus one token; it costs the target's verify over every row of the
+batch (one per request plus one per chosen node) and, when it drafts, the drafter's first pass and level forwards.
+So for chosen nodes ``S`` the step's rate is ``(B + sum of P(v accepted) over S) / (verify(B + |S|, masked rows, B)
++ draft)``.
 
-* :func:`choose_depth` runs before drafting: how deep to draft, if at all (``depth`` ``d`` costs the first pass and
-  ``d - 1`` level forwards), from the nodes each request would offer at each depth (:class:`AveragedOffer`: a
-  moving average of what it offered when drafting that deep, priced by the acceptance model) and the ones the
-  choice after drafting would then verify, against drafting nothing (and verifying the prompt-lookup paths
-  alone, where they pay: they are known before drafting and cost no forward); when no depth pays, the step
-  does not draft.
-* :func:`choose_nodes` runs after drafting: given every request's candidate nodes with their chances, it takes
-  the most likely nodes of the whole batch, one at a time, and keeps the count with the best rate; a request
-  whose drafts keep failing gets none while its neighbours keep theirs.
+* :func:`choose_depth` runs before drafting: how deep to draft, if at all, from the nodes each request would
+  offer at each depth (:class:`AveragedOffer`) and the ones the choice after drafting would then verify, against
+  drafting nothing (and verifying the prompt-lookup paths alone, where they pay).
+* :func:`choose_nodes` runs after drafting: it takes the most likely nodes of the whole batch, one at a time, and
+  keeps the count with the best rate.
 * :func:`best_first_order` puts a request's most likely nodes first (parents still before children), so a
   choice of ``n`` nodes is the first ``n``.
 
@@ -286,20 +281,14 @@ def choose_depth(candidates_by_depth: Sequence[Sequence[Candidates]], verify_sec
                  verify_floor: VerifySeconds | None = None) -> DepthPlan:
     """The drafting depth with the best predicted rate, or depth 0 when no depth beats drafting nothing.
     ``candidates_by_depth[d - 1][i]``: the nodes request ``i`` would offer when the step drafts ``d`` levels
-    (its prompt-lookup nodes at every depth: they need no level forward); ``verify_seconds(rows, masked,
-    masked_requests, requests)``: the target's verify (``verify_floor``: a bound on it at those counts or more;
-    None: it never falls as they grow); ``draft_seconds(depth)``: drafting that deep (first pass included);
-    ``without_drafting[i]``: the nodes request ``i`` offers with no drafting at all (its prompt-lookup path,
-    known before drafting; None: none).
+    (its prompt-lookup nodes at every depth); ``verify_seconds`` / ``verify_floor`` as in :func:`choose_nodes`;
+    ``draft_seconds(depth)``: drafting that deep (first pass included); ``without_drafting[i]``: the nodes
+    request ``i`` offers with no drafting at all (its prompt-lookup path; None: none).
 
-    A depth is judged by the nodes the choice after drafting would then verify (:func:`choose_nodes`'s rule),
-    against a step that drafts nothing and verifies ``B`` rows, or its prompt-lookup nodes where they pay:
-    drafting is paid only when nodes are verified, so a level whose nodes would not be verified (they cost
-    more rows than they gain, as at a large batch) is not drafted, and neither is a first pass whose nodes do
-    not repay it. A depth that offers the same nodes as the one before it is not priced (drafting it costs
-    more; ``draft_seconds`` never falls with depth) unless ``record`` is given, which receives every option's
-    :class:`DepthRate` (drafting nothing first, as depth 0 with no nodes; the prompt-lookup paths alone next, as
-    depth 0 with their nodes)."""
+    A depth is judged by the nodes :func:`choose_nodes`'s rule would then verify, so a level or first pass whose
+    nodes would not be verified is not drafted. A depth that offers the same nodes as the one before it is not
+    priced unless ``record`` is given, which receives every option's :class:`DepthRate` (drafting nothing first,
+    as depth 0 with no nodes; the prompt-lookup paths alone next, as depth 0 with their nodes)."""
     batch = len(candidates_by_depth[0]) if candidates_by_depth else 0
     if batch == 0:
         return DepthPlan(0, 0)

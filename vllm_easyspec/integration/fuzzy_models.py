@@ -7,16 +7,12 @@ Algorithm 2 through :func:`vllm_easyspec.easyspec.fuzzy_forward.decoder_forward`
 
 Group attention runs in one of two ways:
 
-- ``fused``: the group's input RMS norm is computed once; the per-layer norm weights are folded into one
-  stacked QKV weight at load time, so one GEMM produces q, k, v of all N layers; one rotary call covers
-  them; each layer's vLLM ``Attention`` then writes its own paged KV and attends; one batched matmul
-  applies the N output projections. Under vLLM tensor parallelism (head-sharded draft) the N partial
-  outputs are summed with one all-reduce per group instead of N.
-- ``tensor_parallel`` (the paper's layer parallelism): the draft is built with full (replicated) weights
-  on every rank; in a fuzzy group rank r runs the whole attention of the group's r-th layer, and one
-  all-gather returns every layer's output together with its new K and V. Each rank writes the K/V it
-  did not compute into its own cache, so every rank's draft KV stays identical and exact (calibration)
-  forwards, which run the full layer stack on every rank, read the same values everywhere.
+- ``fused``: one RMS norm of the group's input and one GEMM over the per-layer QKV weights stacked (norm weights
+  folded in) at load time; each layer's vLLM ``Attention`` writes its own paged KV and attends; one batched
+  matmul applies the N output projections (under tensor parallelism, one all-reduce per group instead of N).
+- ``tensor_parallel`` (the paper's layer parallelism): full (replicated) weights on every rank; in a fuzzy group
+  rank r runs the attention of the group's r-th layer, and one all-gather returns every layer's output with its
+  new K and V, which each rank writes into its own cache, so every rank's draft KV stays identical.
 
 Invariants: an exact forward is vLLM's forward; a fuzzy forward's plan lists every layer once in order,
 layers 0 and L-1 exact; every rank runs the same sequence of collectives.

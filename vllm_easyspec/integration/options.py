@@ -1,9 +1,8 @@
 """``additional_config["easyspec"]``, read once per engine process.
 
-The front end (:mod:`~vllm_easyspec.integration.front_end`) parses the user's options, checks them against
-the engine's config and records the result, :class:`EasySpecOptions`, for that ``VllmConfig``. Every seam
-reads it through :func:`easyspec_options`. An engine process, which receives its own copy of the config, reads
-it the first time a seam asks, and keeps the result for that config object.
+The front end (:mod:`~vllm_easyspec.integration.front_end`) parses and checks the user's options and records the
+result, :class:`EasySpecOptions`, for that ``VllmConfig``; every seam reads it through :func:`easyspec_options`
+(an engine process, with its own copy of the config, reads it the first time a seam asks).
 
 Invariant: the options of one ``VllmConfig`` object are resolved once and never recomputed. They are kept
 beside the config, not on it: vLLM copies its configs field by field (``vllm.config.utils.replace``) and

@@ -6,13 +6,9 @@ Contract (shared with ``vllm_easyspec.tree.compaction``):
   ``block_id * block_size + offset`` (vLLM's ``slot_mapping`` convention).
 * ``src_slots`` / ``dst_slots`` ``[B, M]`` int64, ``-1`` = no move. Row ``b`` holds the moves of one
   request. Moves of different rows must touch disjoint slots (requests own their tree blocks).
-* Within a row, a destination may be another move's source (after tree acceptance, depth ``k`` lands
-  on the old slot of an earlier accepted node). The kernel therefore **loads every source of the row
-  before it stores anything**: one program holds the row's ``M`` source tiles in registers, a
-  CTA barrier separates the load phase from the store phase.
-
-Grid: (request row, tile of ``BLOCK_E`` elements of the ``Hkv * D`` slot row). Different programs of
-the same row touch disjoint element ranges, so they never race.
+* Within a row, a destination may be another move's source, so a program **loads every source of its row
+  before it stores anything** (a CTA barrier between the phases). Programs of the same row (grid: request row,
+  tile of ``BLOCK_E`` elements of the ``Hkv * D`` slot row) touch disjoint element ranges and never race.
 """
 
 from __future__ import annotations

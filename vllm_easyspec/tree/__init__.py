@@ -6,7 +6,7 @@
 * :mod:`.attention`: the CPU tree attention path and the ancestor mask of the kernels' contract.
 * :mod:`.compaction`: moves accepted nodes' K/V to linear slots after verification.
 
-Layout conventions shared by all of them are in the :mod:`.building` module docstring.
+Layout conventions shared by all of them: the :mod:`.building` module docstring.
 """
 
 from .attention import ancestor_mask_from_parents

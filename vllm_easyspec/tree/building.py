@@ -34,17 +34,11 @@ Choice = tuple[int, ...]
 
 
 class ChildDrawMode(enum.StrEnum):
-    """How the proposer obtained the children of every tree node.
-
-    ``IID_FROM_DRAFT``: the children of a node are independent samples from the draft distribution
-    ``q(. | path to node)`` (duplicates allowed). Verification: SpecInfer multi-step speculative
-    sampling; the draft probabilities of every expanded node must be kept.
-
-    ``WITHOUT_REPLACEMENT``: the children of a node are distinct tokens that are a deterministic
-    function of the context (top-k by draft probability, Medusa/vLLM choice lists, EAGLE-2 dynamic
-    trees). Verification: recursive rejection sampling with one-hot ``q``; no draft
-    probabilities needed.
-    """
+    """How the proposer obtained the children of every tree node. ``IID_FROM_DRAFT``: independent samples from the
+    draft distribution ``q(. | path to node)`` (duplicates allowed), verified by SpecInfer multi-step speculative
+    sampling, which needs ``q`` at every expanded node. ``WITHOUT_REPLACEMENT``: distinct tokens that are a
+    deterministic function of the context (top-k, choice lists, EAGLE-2), verified by recursive rejection sampling
+    with one-hot ``q``."""
 
     IID_FROM_DRAFT = "iid_from_draft"
     WITHOUT_REPLACEMENT = "without_replacement"
@@ -287,11 +281,8 @@ class DynamicTopKTreeBuilder:
       Scores never increase along a path, and ties are broken towards shallower / earlier nodes, so
       the kept set is closed under taking parents (it is a tree).
 
-    Protocol: ``frontier_tokens`` / ``frontier`` give the nodes to run the draft on; call
-    :meth:`expand` with their log-probs ``[B, top_k, V]`` ``max_depth - 1`` times, then :meth:`build`.
-    ``candidate_parents`` / ``candidate_tokens`` describe the candidates so far (for the draft's own
-    tree attention over them); after :meth:`build`, ``kept_candidates`` ``[B, budget]`` maps every tree
-    node to its candidate index.
+    Protocol: call :meth:`expand` with the log-probs ``[B, top_k, V]`` of ``frontier_tokens`` ``max_depth - 1``
+    times, then :meth:`build`; after it, ``kept_candidates`` ``[B, budget]`` maps every tree node to its candidate.
     """
 
     def __init__(self, root_logprobs: torch.Tensor, *, top_k: int, max_depth: int, budget: int) -> None:
@@ -376,9 +367,7 @@ class DynamicTopKTreeBuilder:
                                kept_parents)
         if bool(((kept_parents >= 0) & (remapped < 0)).any()):
             raise RuntimeError("internal error: a kept EAGLE-2 node lost its parent (NaN log-probs?).")
-        # candidate index of every tree node: lets a proposer map tree nodes back to the draft
-        # forward passes (e.g. to keep or compact the drafter's own K/V of the kept candidates)
-        self.kept_candidates = keep
+        self.kept_candidates = keep  # maps tree nodes back to the draft forwards
         return TokenTreeBatch(
             tokens=torch.gather(tokens, 1, keep),
             parents=remapped,

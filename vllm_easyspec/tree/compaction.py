@@ -30,21 +30,10 @@ def tree_compaction_slots(
     accepted_nodes: torch.Tensor,
     query_offset: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Physical slot moves for the accepted paths.
-
-    Args:
-        block_table: ``[B, max_blocks]`` physical block ids.
-        block_size: tokens per block.
-        prefix_lens: ``[B]`` position of each request's root (= tokens cached before the verify step).
-        accepted_nodes: ``[B, M]`` node indices of the accepted path, root side first, -1 padded
-            (``TreeSamplerOutput.accepted_nodes``).
-        query_offset: query index of node 0 in the verify forward (1: the root comes first; 0 for a
-            forward that has no root query, e.g. a drafter's tree pass).
-
-    Returns:
-        ``(src_slots, dst_slots)`` ``[B, M]`` int64; ``-1`` where there is nothing to move (padding,
-        or a node that is already in place).
-    """
+    """Physical slot moves ``(src_slots, dst_slots)`` ``[B, M]`` int64 for the accepted paths ``accepted_nodes``
+    ``[B, M]`` (node indices, root side first, -1 padded), -1 where there is nothing to move (padding, or a node
+    already in place). ``prefix_lens`` ``[B]``: each request's root position; ``query_offset``: the query index of
+    node 0 in the verify forward (1: the root comes first; 0 for a forward without a root query)."""
     nodes = accepted_nodes.long()
     prefix = prefix_lens.to(nodes.device).long()[:, None]
     depth = torch.arange(1, nodes.shape[1] + 1, device=nodes.device)[None, :]

@@ -15,15 +15,11 @@ Either shape may take ``"sources": {"prompt_lookup": {"nodes": n, "min_match": 2
 continuation of the context's latest earlier n-gram match is merged into every greedy or ``top_k`` tree
 (:mod:`vllm_easyspec.tree.merging`), as up to ``n`` extra nodes.
 
-``"retokenize"`` bridges a draft model and a target with different vocabularies (``use_heterogeneous_vocab``)
-by text instead of by shared ids: the drafted tree's paths are re-encoded with the target's tokenizer and
-merged into one target tree, and target tokens the draft lacks reach the draft as the last token of their draft
-encoding (:mod:`vllm_easyspec.tree.retokenizing`). Unset (``None``, the default) it is on wherever it applies
-(:meth:`TreeConfig.bridges_by_text`); ``true`` requires it, ``false`` keeps vLLM's shared-id mapping.
-
-``"budget_by_batch": {"4": 4, "8": {"chain": 2}, "16": 0}`` makes the tree follow the batch: from 4 running
-requests on each tree keeps 4 nodes, from 8 on each request drafts a chain of 2 tokens (the proposer's own
-chain drafting, verified as vLLM verifies chains), from 16 on none (no speculation).
+``"retokenize"`` bridges a draft model and a target with different vocabularies by text instead of by shared ids
+(:mod:`vllm_easyspec.tree.retokenizing`); unset, it is on wherever it applies (:meth:`TreeConfig.bridges_by_text`).
+``"budget_by_batch": {"4": 4, "8": {"chain": 2}, "16": 0}`` makes the tree follow the batch (from 4 running
+requests on 4 nodes each, from 8 a chain of 2 tokens, from 16 no speculation); ``"auto"`` lets the controller
+choose (:class:`AutoSpeculation`).
 
 Invariant: a ``TreeConfig`` that exists describes a tree of 1..:data:`MAX_TREE_NODES` nodes whose
 parents come first; :attr:`TreeConfig.num_nodes` is what ``num_speculative_tokens`` must equal.

@@ -1,10 +1,9 @@
 """Drafting a batch of token trees level by level, independent of the model that scores them.
 
-A draft model proposes a tree with one forward per level: the root's distribution comes from the forward
-over the verified tokens (the calibration forward); each later forward runs over the *frontier*, the
-nodes of one depth that get children, and returns their next-token distributions. :class:`LevelwiseTreeDraft`
-decides the frontier, which earlier frontier nodes each frontier node may attend to (its ancestors), and
-turns distributions into children:
+A draft model proposes a tree with one forward per level over the *frontier* (the nodes of one depth that get
+children; the root's distribution comes from the forward over the verified tokens). :class:`LevelwiseTreeDraft`
+decides the frontier, which earlier frontier nodes each frontier node attends to, and turns distributions into
+children:
 
 * static trees (:class:`~vllm_easyspec.tree.config.TreeConfig` ``choices``): the frontier of depth ``d`` is
   the template's depth-``d`` nodes that have children; a row drawn ``WITHOUT_REPLACEMENT`` takes the

@@ -48,12 +48,10 @@ logger = plugin_logger(__name__)
 def reduced_fp32_precision_warning(dtype: torch.dtype, device: torch.device | str) -> str | None:
     """The start-up warning for a float32 tree engine whose Triton attention multiplies in reduced precision.
 
-    vLLM's ``unified_attention`` calls ``tl.dot`` with Triton's default float32 precision, TF32 on NVIDIA GPUs.
-    The tree kernel gets the same precision, but two TF32 kernels that tile and accumulate differently round
-    differently (about 1e-3 relative), so a logit near-tie can fall one way in vanilla's decode row and the
-    other way in a tree row: greedy output then differs from a run without speculation, as bf16 output does.
-    With ``TRITON_F32_DEFAULT=ieee`` both kernels compute exact float32 products and the outputs are equal.
-    Returns None where that cannot happen (other dtypes, exact products)."""
+    vLLM's ``unified_attention`` and the tree kernel both multiply in TF32 on NVIDIA GPUs, but tiled and accumulated
+    differently they round differently, so a logit near-tie can fall two ways: greedy output then differs from a
+    run without speculation, as bf16 output does. ``TRITON_F32_DEFAULT=ieee`` makes both exact. Returns None where
+    that cannot happen (other dtypes, exact products)."""
     from vllm_easyspec.kernels.tree_attention import triton_default_fp32_precision
 
     precision = triton_default_fp32_precision(device)
