@@ -42,7 +42,8 @@ Invariants:
 Row schema (``ROW_FIELDS``): later issues add setups, never new scripts or fields with other meanings.
 
 Modules: ``setups`` (setups, workloads, cells, prompts, run order), ``processes`` (the runs in engine child
-processes), ``engine`` (inside a child: start an engine, time a workload), ``steps`` (the plugin's step
-statistics), ``aggregate`` (runs into rows), ``identity`` (near-ties against failures), ``report`` (tables,
-plots, result files).
+processes), ``engine`` (inside a child: start an engine, time a workload), ``step_timers`` (the drafting and
+engine-step timers inside its workers), ``steps`` (the plugin's step statistics), ``aggregate`` (runs into rows),
+``identity`` (near-ties against failures), ``report`` (tables, plots, result files), ``paged_tree_attention``
+(the torch tree attention ``kernels`` times).
 """
