@@ -8,7 +8,8 @@
 - prompt-lookup candidates merged into the trees are accepted and outputs stay exact;
 - the tree size follows the batch (``budget_by_batch``) without changing outputs;
 - after a tree run the target's KV cache holds the verified chain (the accepted branches were moved);
-- requests whose options a tree cannot honour are served without speculation and still equal vanilla;
+- requests whose options a tree cannot honour (structured output) are served without speculation and still equal
+  vanilla beside requests with penalties, which trees serve (tests/tree/test_engine_tree_options.py has the rest);
 - aborted requests, preemption and recomputation, and trees cut short by the token budget;
 - a drafter that raises costs its steps their drafts, never the engine, and outputs stay exact;
 - EasySpec's tensor_parallel mode drafts trees on 2 ranks.
@@ -199,23 +200,30 @@ def test_target_kv_after_trees_is_the_verified_chain(llm_pool, tree_llama_dir, t
             torch.testing.assert_close(tree_kv[name][part], chain_kv[name][part], atol=1e-5, rtol=1e-5)
 
 
+def _structured(**constraint):
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(**constraint)
+
+
 FALLBACK_REQUESTS = [
     ([1, 5, 9, 13, 17], {"max_tokens": 30, "ignore_eos": True}),
     ([1, 60, 3, 3, 3, 3, 3, 21], {"max_tokens": 30, "ignore_eos": True, "repetition_penalty": 1.6}),
-    ([1, 7, 8], {"max_tokens": 20, "ignore_eos": True, "logprobs": 2}),
+    ([1, 7, 8], {"max_tokens": 20, "structured_outputs": _structured(regex="(w1[0-9]|w2[0-9])+")}),
     ([1, 40, 41, 42], {"max_tokens": 25, "ignore_eos": True, "presence_penalty": 1.0, "frequency_penalty": 0.5}),
-    ([1, 33, 17, 50], {"max_tokens": 25, "ignore_eos": True}),
+    ([1, 33, 17, 50], {"max_tokens": 25, "structured_outputs": _structured(choice=["w5w9w13w17", "w20w21"])}),
     ([1, 12, 13], {"max_tokens": 15, "min_tokens": 10}),  # trees mask stop tokens by depth themselves
     ([1, 21, 22, 23], {"max_tokens": 20, "ignore_eos": True, "temperature": 0.8, "seed": 3}),  # sampled, beside greedy ones
     ([1, 30, 31], {"max_tokens": 20, "ignore_eos": True, "temperature": 1.0, "top_k": 5, "top_p": 0.9}),
 ]
-FALLBACKS = 3  # requests 1, 2 and 3 carry options a tree cannot honour
+FALLBACKS = 2  # requests 2 and 4 ask for structured output, which a tree cannot honour yet
 SAMPLED = {6, 7}  # their outputs are random draws; the greedy requests beside them must equal vanilla
 
 
 def test_requests_a_tree_cannot_honour_fall_back_and_equal_vanilla(llm_pool, tree_llama_dir, tiny_llama_draft_dir):
-    """A mixed batch: plain greedy requests, requests that fall back, a min_tokens request and sampled
-    requests (temperature, top-k, top-p, seed) together; every deterministic output equals vanilla's."""
+    """A mixed batch: plain greedy requests, requests that fall back (structured output), requests with penalties
+    (speculated, per node), a min_tokens request and sampled requests (temperature, top-k, top-p, seed) together;
+    every deterministic output equals vanilla's."""
     expected = _vanilla(llm_pool, tree_llama_dir, "fallback", FALLBACK_REQUESTS)
     llm = llm_pool.get(tree_llama_dir, speculative_config=_spec(tiny_llama_draft_dir),
                        additional_config=_tree("static", layer_parallel_size=1))
@@ -226,6 +234,7 @@ def test_requests_a_tree_cannot_honour_fall_back_and_equal_vanilla(llm_pool, tre
             assert len(output[0]) == FALLBACK_REQUESTS[index][1]["max_tokens"]
         else:
             assert output == reference, index
+    assert outputs[4][1].split() in (["w5", "w9", "w13", "w17"], ["w20", "w21"]) and all(10 <= t < 30 for t in outputs[2][0][:-1])
     after = llm.collective_rpc(read_tree_stats)[0]
     assert after["requests_without_speculation"] - before["requests_without_speculation"] == FALLBACKS
     assert after["tree_requests"] > before["tree_requests"]  # the other requests still used trees

@@ -150,12 +150,13 @@ def test_the_runners_commit_on_a_second_device_moves_the_branch_into_place():
 def test_the_runners_tree_step_start_writes_device_positions():
     """``_start_tree_step`` with the runner's positions on the device: tree rows get P + depth."""
     import numpy as np
+    from vllm import SamplingParams
 
     from vllm_easyspec.integration.node_policy import TreeBudget
     from vllm_easyspec.integration.runner import TreeRunnerMixin
     from vllm_easyspec.integration.tree_step import PendingTree, TreeVerifier
 
-    params = types.SimpleNamespace(min_tokens=0, all_stop_token_ids=set())
+    params = SamplingParams(temperature=0.0)
     requests = {"a": types.SimpleNamespace(sampling_params=params, output_token_ids=[])}
     verifier = TreeVerifier(requests=requests, policy=TreeBudget())
     verifier.pending = {"a": PendingTree.within(5, TREES[0][0], TREES[0][1], ChildDrawMode.WITHOUT_REPLACEMENT)}

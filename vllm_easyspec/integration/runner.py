@@ -35,7 +35,7 @@ from vllm_easyspec.integration.options import easyspec_options
 from vllm_easyspec.integration.proposers import DraftingBatch, PluginProposerMixin, plugin_proposers
 from vllm_easyspec.integration.tree_attention import verifying
 from vllm_easyspec.integration.tree_sampler import TreeRejectionSampler, TreeVerdict
-from vllm_easyspec.integration.tree_step import TreeVerifier, TreeVerifyForward
+from vllm_easyspec.integration.tree_step import TreeVerifier, TreeVerifyForward, chain_sampler_serves
 from vllm_easyspec.tree.building import ChildDrawMode
 from vllm_easyspec.tree.verify_step import TreeRequest, TreeVerifyStep
 
@@ -67,9 +67,10 @@ class TreeRunnerMixin:
         if options is None or options.tree is None or drafter is None:
             return
         drafting = drafter.tree_drafting
-        self.tree_verifier = TreeVerifier(self.requests, TreeBudget(options.tree), drafting.unshared_target_tokens)
-        drafting.verifier = self.tree_verifier
         self.tree_sampler = TreeRejectionSampler(self.sampler, self.speculative_config, self.device)
+        self.tree_verifier = TreeVerifier(self.requests, TreeBudget(options.tree), drafting.unshared_target_tokens,
+                                          processed_logprobs=self.tree_sampler.is_processed_logprobs_mode)
+        drafting.verifier = self.tree_verifier
         self._step_trace = step_trace_path()
 
     # Extends GPUModelRunner.initialize_kv_cache (CPUModelRunner's too): with easyspec.tree.auto, the step's
@@ -122,7 +123,8 @@ class TreeRunnerMixin:
                                                self.input_batch.sampling_metadata)
             verifier.forward = None
             if self._step_trace is not None:  # before the commit rewrites the branch's input ids and positions
-                trace_tree_step(self._step_trace, forward.step, spec_decode_metadata, logits, self.input_ids.gpu,
+                trace_tree_step(self._step_trace, forward.step, spec_decode_metadata, verdict.node_logits,
+                                self.input_ids.gpu,
                                 self.positions, verdict, self.input_batch.sampling_metadata)
             self._commit(forward, verdict)
             output = verdict.sampler_output
@@ -223,6 +225,7 @@ class TreeRunnerMixin:
                 from_lookup = ()
             state = self.requests[req_id]
             params = state.sampling_params
+            all_chains &= chain_sampler_serves(params)  # else its chain is verified by the tree sampler
             banned_depth = 0
             if params is not None and params.min_tokens and params.all_stop_token_ids:
                 banned_depth = params.min_tokens - len(state.output_token_ids)

@@ -8,15 +8,18 @@ speculation):
 
 * requests without drafts are sampled by vLLM's own sampler on their one row, so penalties, bad words,
   logits processors and logprobs apply exactly as in vLLM;
-* tree requests go through :func:`vllm_easyspec.tree.sampling.tree_rejection_sample`: greedy rows take the
-  longest argmax path, sampled rows use the rule their tree's draw mode names (multi-step speculative
-  sampling for i.i.d. children, recursive rejection sampling for top-k children), with the request's
-  temperature, top-k, top-p and seed; under ``min_tokens`` the stop tokens are masked in the rows whose
-  token would be one of the first ``min_tokens`` outputs (a row's output index depends only on its depth).
+* every row of a tree request is first processed as vLLM's sampler processes a request's row, with the node's
+  path as the end of the output (:func:`~vllm_easyspec.integration.node_logits.process_node_logits`:
+  ``allowed_token_ids``, ``bad_words``, ``min_tokens``, ``logit_bias``, penalties), then the trees go through
+  :func:`vllm_easyspec.tree.sampling.tree_rejection_sample`: greedy rows take the longest argmax path, sampled
+  rows use the rule their tree's draw mode names (multi-step speculative sampling for i.i.d. children,
+  recursive rejection sampling for top-k children), with the request's temperature, ``min_p``, top-k, top-p and
+  seed.
 
 The verdict's output is vLLM's chain shape (accepted tokens, then the bonus token, then -1), on the logits'
-device, so the scheduler's rollback and bookkeeping see a chain; its accepted branch (on the host) is what the
-runner commits. The sampler writes nothing outside its outputs.
+device, so the scheduler's rollback and bookkeeping see a chain; its logprobs are each emitted token's from the
+raw logits of the row that predicted it; its accepted branch (on the host) is what the runner commits. The
+sampler writes nothing outside its outputs.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-from vllm.v1.outputs import SamplerOutput
+from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 
+from vllm_easyspec.integration.node_logits import min_p_of_rows, process_node_logits
 from vllm_easyspec.tree.building import ChildDrawMode
 from vllm_easyspec.tree.sampling import tree_rejection_sample
 from vllm_easyspec.tree.verify_step import AcceptedBranch, TreeVerifyStep
@@ -39,6 +43,7 @@ class TreeVerdict:
 
     sampler_output: SamplerOutput
     branch: AcceptedBranch
+    node_logits: torch.Tensor | None = None  # the rows the trees were verified against (options applied per node)
 
 
 class TreeRejectionSampler(RejectionSampler):
@@ -48,24 +53,17 @@ class TreeRejectionSampler(RejectionSampler):
         batch = len(metadata.num_draft_tokens)
         width = metadata.max_spec_len + 1
         output = torch.full((batch, width), PLACEHOLDER_TOKEN_ID, dtype=torch.int32, device=logits.device)
-        bonus = None
-        if len(step) < batch or sampling_metadata.max_num_logprobs is not None:  # some rows have no tree
+        if len(step) < batch:  # some rows have no tree: vLLM's sampler serves them, options and all
             bonus = self.sampler(
                 logits=logits[metadata.bonus_logits_indices],
-                sampling_metadata=replace(sampling_metadata, max_num_logprobs=-1),
+                sampling_metadata=replace(sampling_metadata, max_num_logprobs=None, logprob_token_ids=None),
                 predict_bonus_token=True,
-                logprobs_mode_override="processed_logits" if self.is_processed_logprobs_mode else "raw_logits",
             )
             output[:, 0] = bonus.sampled_token_ids[:, 0].to(torch.int32)
 
         sampled_per_request = torch.tensor(metadata.num_draft_tokens, dtype=torch.long) + 1  # host: vLLM's list
         first_logit_row = sampled_per_request.cumsum(0) - sampled_per_request
-        (banned_requests, banned_columns), banned_tokens = step.banned_stop_tokens()
-        if banned_tokens.numel():  # min_tokens: stop tokens are masked in the first rows, by depth
-            logits = logits.clone()
-            banned_rows = first_logit_row[step.batch_rows[banned_requests]] + banned_columns
-            logits[banned_rows.to(logits.device, non_blocking=True),
-                   banned_tokens.to(logits.device, non_blocking=True)] = float("-inf")
+        node_logits = process_node_logits(logits, step, first_logit_row, sampling_metadata)
         accepted = torch.full((len(step), max(step.trees.max_depth, 1)), -1, dtype=torch.long)
         num_accepted = torch.zeros(len(step), dtype=torch.long)
         for mode in ChildDrawMode:
@@ -76,18 +74,20 @@ class TreeRejectionSampler(RejectionSampler):
             rows = step.batch_rows[indices]  # host: bookkeeping and Python indices
             if len(indices) == 1:  # one request: its logit rows are one slice, [1, 1 + n, V]
                 first = int(first_logit_row[rows[0]])
-                tree_logits = logits[first : first + trees.node_counts[0] + 1].unsqueeze(0)
+                tree_logits = node_logits[first : first + trees.node_counts[0] + 1].unsqueeze(0)
             else:
-                tree_logits = logits[torch.cat([
+                tree_logits = node_logits[torch.cat([
                     torch.arange(int(first_logit_row[r]), int(first_logit_row[r]) + int(n) + 1)
                     for r, n in zip(rows.tolist(), trees.node_counts, strict=True)
                 ]).to(logits.device, non_blocking=True)]
+            min_p = min_p_of_rows(sampling_metadata, rows)
             result = tree_rejection_sample(
                 trees,
                 tree_logits,
                 temperature=_rows_of(sampling_metadata.temperature, rows),
                 top_k=_rows_of(sampling_metadata.top_k, rows),
                 top_p=_rows_of(sampling_metadata.top_p, rows),
+                min_p=None if min_p is None else min_p.to(logits.device, non_blocking=True),
                 generators={i: sampling_metadata.generators[r] for i, r in enumerate(rows.tolist())
                             if r in sampling_metadata.generators},
                 output_width=width,
@@ -100,16 +100,41 @@ class TreeRejectionSampler(RejectionSampler):
             num_accepted[indices] = on_host[:, depth]
 
         logprobs_tensors = None
-        if sampling_metadata.max_num_logprobs is not None:
-            # Only requests without drafts may ask for logprobs (the others fall back), so vLLM's own
-            # computation over the bonus rows is the right one for every request that reads them.
-            raw_target_logits = logits[metadata.target_logits_indices].to(torch.float32)
-            logprobs_tensors = self._get_logprobs_tensors(
-                sampling_metadata.max_num_logprobs, metadata, logits, raw_target_logits,
-                bonus.logprobs_tensors.logprobs, output,
-            )
+        if sampling_metadata.max_num_logprobs is not None or sampling_metadata.logprob_token_ids:
+            logprobs_tensors = self._emitted_logprobs(step, logits, first_logit_row, sampled_per_request, accepted,
+                                                      num_accepted, output, sampling_metadata)
         return TreeVerdict(SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs_tensors),
-                           step.accepted_moves(accepted, num_accepted))
+                           step.accepted_moves(accepted, num_accepted), node_logits)
+
+    def _emitted_logprobs(self, step: TreeVerifyStep, logits: torch.Tensor, first_logit_row: torch.Tensor,
+                          sampled_per_request: torch.Tensor, accepted: torch.Tensor, num_accepted: torch.Tensor,
+                          output: torch.Tensor, sampling_metadata) -> LogprobsTensors:
+        """The logprobs of every emitted token as vLLM's ``Sampler`` returns them without speculation, in
+        ``[batch * width]`` rows (as ``RejectionSampler`` returns them and ``parse_output`` filters them): each
+        token's from the raw logits of the row that predicted it, which for a tree request is its root's row, then
+        each accepted node's (``accepted``, ``num_accepted``: the step's accepted nodes, on the host). The top
+        ``max_num_logprobs`` and the token's rank, or, when a request of the batch asks for
+        ``logprob_token_ids``, those tokens' values for every request (``Sampler.forward`` prefers them too). A
+        request in a processed ``logprobs_mode`` is served without speculation
+        (:func:`~vllm_easyspec.integration.tree_step.tree_fallback_reason`), so raw values are the ones every
+        tree request reads."""
+        batch, width = output.shape
+        columns = torch.arange(width)
+        last = first_logit_row + sampled_per_request - 1
+        rows = torch.minimum(first_logit_row[:, None] + columns[None, :], last[:, None])  # [batch, width], host
+        path = torch.cat([torch.zeros(len(step), 1, dtype=torch.long), accepted + 1], dim=1)[:, :width]
+        path = torch.where(columns[None, : path.shape[1]] <= num_accepted[:, None], path, 0)
+        rows[step.batch_rows, : path.shape[1]] = first_logit_row[step.batch_rows][:, None] + path
+        emitted = logits[rows.flatten().to(logits.device, non_blocking=True)].to(torch.float32)
+        if not self.is_logits_logprobs_mode:
+            emitted = self.sampler.compute_logprobs(emitted)
+        tokens = output.flatten().long()
+        tokens = torch.where(tokens == PLACEHOLDER_TOKEN_ID, 0, tokens)  # rejected columns, filtered later
+        if sampling_metadata.logprob_token_ids:
+            by_row = {row * width + column: token_ids for row, token_ids in sampling_metadata.logprob_token_ids.items()
+                      for column in range(width)}
+            return self.sampler.gather_specific_token_logprobs(emitted, by_row, tokens)
+        return self.sampler.gather_logprobs(emitted, sampling_metadata.max_num_logprobs, tokens)
 
 
 def _rows_of(values: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:

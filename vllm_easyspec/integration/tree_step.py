@@ -28,6 +28,7 @@ import torch
 from vllm_easyspec.control.acceptance import NodeFeatures
 from vllm_easyspec.integration.compat import plugin_logger
 from vllm_easyspec.tree.building import ChildDrawMode
+from vllm_easyspec.tree.sampling import SAMPLING_EPS
 from vllm_easyspec.tree.verify_step import AcceptedBranch, TreeVerifyStep
 
 if TYPE_CHECKING:
@@ -36,31 +37,41 @@ if TYPE_CHECKING:
 logger = plugin_logger(__name__)
 
 
-def tree_fallback_reason(params) -> str | None:
+def tree_fallback_reason(params, processed_logprobs: bool = False) -> str | None:
     """Why a request with these ``SamplingParams`` cannot be verified as a tree exactly, or None.
 
-    The tree sampler implements temperature, top-k, top-p and seeds. Everything that changes the target
-    distribution at draft positions in ways that depend on the path (penalties, bad words, grammars,
-    logits processors) or reports per-position values (logprobs) is served without speculation.
-    ``min_tokens`` depends only on a node's depth and is applied by the tree sampler.
+    The tree sampler applies temperature, top-k, top-p, ``min_p`` and seeds, ``min_tokens``, and, per node with
+    the tokens of that node's path as the end of the output (:mod:`~vllm_easyspec.integration.node_logits`),
+    the repetition, frequency and presence penalties, ``bad_words``, ``logit_bias`` and ``allowed_token_ids``; it
+    returns the raw logprobs of every emitted token. What remains is served without speculation:
+
+    - ``logprobs`` in a processed ``logprobs_mode`` (``processed_logprobs``: the engine's mode is one): the tree
+      sampler returns raw values only;
+    - structured output: its grammar state lives in the scheduler, which fills masks and validates drafts as a
+      chain, not along each node's path;
+    - watermarking and a thinking-token budget: their state advances token by token in vLLM's sampler.
+
+    ``extra_args`` are served with speculation: vLLM refuses custom logits processors whenever a speculative config
+    exists (``build_logitsprocs``), so in a tree engine they reach no processor.
     """
     checks = (
-        (params.presence_penalty != 0.0, "presence_penalty"),
-        (params.frequency_penalty != 0.0, "frequency_penalty"),
-        (params.repetition_penalty != 1.0, "repetition_penalty"),
-        (params.min_p > 0.0, "min_p"),
-        (params.logprobs is not None, "logprobs"),
-        (bool(params.logprob_token_ids), "logprob_token_ids"),
-        (bool(params.bad_words), "bad_words"),
-        (bool(params.logit_bias), "logit_bias"),
-        (params.allowed_token_ids is not None, "allowed_token_ids"),
+        (params.logprobs is not None and processed_logprobs, "logprobs in a processed logprobs_mode"),
         (params.structured_outputs is not None, "structured output"),
         (bool(params.watermarking), "watermarking"),
         (params.thinking_token_budget is not None, "thinking_token_budget"),
-        (bool(params.extra_args), "extra_args (custom logits processors)"),
     )
     reasons = [name for present, name in checks if present]
     return ", ".join(reasons) if reasons else None
+
+
+def chain_sampler_serves(params) -> bool:
+    """Whether vLLM's own rejection sampler verifies this request's chain exactly: it applies penalties,
+    ``bad_words``, ``allowed_token_ids`` and ``min_tokens`` per draft position
+    (``RejectionSampler.apply_logits_processors``) and returns top-k logprobs, but applies neither
+    ``logit_bias`` nor ``min_p`` and ignores ``logprob_token_ids``, so a chain step with such a request is verified
+    by the tree sampler instead."""
+    return params is None or not (params.logit_bias or params.logprob_token_ids
+                                  or (params.min_p > 0.0 and params.temperature > SAMPLING_EPS))
 
 
 @dataclass
@@ -161,6 +172,7 @@ class TreeVerifier:
     requests: Mapping[str, Any]  # the runner's request states (vLLM's CachedRequestState), by request id
     policy: NodePolicy  # the step's budget: learns what verification accepted, forgets finished requests
     unshared_target_tokens: torch.Tensor | None = None  # tree.retokenize: bool [target vocab] the draft lacks
+    processed_logprobs: bool = False  # the engine's logprobs_mode is a processed one
     pending: dict[str, PendingTree] = field(default_factory=dict)
     no_drafts: set[str] = field(default_factory=set)
     drafted_this_step: bool = False
@@ -178,7 +190,7 @@ class TreeVerifier:
     def fallback_reason(self, req_id: str) -> str | None:
         """Why this request is served without speculation (logged once per request), or None."""
         params = getattr(self.requests.get(req_id), "sampling_params", None)
-        reason = None if params is None else tree_fallback_reason(params)
+        reason = None if params is None else tree_fallback_reason(params, self.processed_logprobs)
         if reason is not None and req_id not in self._explained:
             self._explained.add(req_id)
             self.stats.requests_without_speculation += 1

@@ -68,11 +68,13 @@ def apply_sampling_constraints(
     temperature: torch.Tensor,
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Temperature, then top-k, then top-p on ``logits`` ``[R, V]`` (per-row parameters ``[R]``).
+    """Temperature, then min-p, then top-k, then top-p on ``logits`` ``[R, V]`` (per-row parameters ``[R]``).
 
-    Mirrors vLLM 0.32 (``apply_sampling_constraints`` in ``v1/sample/rejection_sampler.py`` and
-    ``apply_top_k_top_p_pytorch``): greedy rows (temperature <= eps) are scaled by 1; top-k keeps
+    Mirrors vLLM 0.32's sampler (``Sampler.sample``: temperature, the argmax-invariant ``MinPLogitsProcessor``,
+    then ``apply_top_k_top_p_pytorch``): greedy rows (temperature <= eps) are scaled by 1; min-p removes the
+    tokens whose probability is below ``min_p`` times the row's largest (0 disables it); top-k keeps
     every logit >= the k-th largest (ties kept; ``k >= V`` or ``k <= 0`` disables it); top-p
     removes the smallest-probability tokens whose cumulative mass is <= 1 - p, always keeping the
     most likely one. Returns a new float32 tensor; the input is not modified.
@@ -81,6 +83,10 @@ def apply_sampling_constraints(
     vocab = logits.shape[-1]
     temp = torch.where(temperature <= SAMPLING_EPS, torch.ones_like(temperature), temperature).float()
     logits = logits / temp[:, None]
+    if min_p is not None:
+        probs = logits.softmax(dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * min_p.float()[:, None]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
     if top_k is None and top_p is None:
         return logits
     logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
@@ -225,6 +231,7 @@ def tree_rejection_sample(
     temperature: torch.Tensor | None = None,
     top_k: torch.Tensor | None = None,
     top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     generators: Mapping[int, torch.Generator] | None = None,
     output_width: int | None = None,
@@ -236,8 +243,9 @@ def tree_rejection_sample(
             ``tree.draft_probs`` supplies ``q`` for ``IID_FROM_DRAFT``.
         target_logits: raw target logits in query order, ``[B, N + 1, V]`` or vLLM's flat
             ``[sum(num_nodes + 1), V]`` (row 0 of a request = after its root).
-        temperature, top_k, top_p: per-request ``[B]`` sampling parameters (vLLM semantics, see
-            :func:`apply_sampling_constraints`). ``temperature=None`` means all greedy.
+        temperature, top_k, top_p, min_p: per-request ``[B]`` sampling parameters (vLLM semantics, see
+            :func:`apply_sampling_constraints`). ``temperature=None`` means all greedy; min-p, like top-k and
+            top-p, shapes only sampled rows (it never changes an argmax).
         generator: default random source; ``generators`` maps batch rows to their own generator
             (vLLM's per-request seeds). Randomness is drawn up front: one uniform per node and one
             exponential row per request, so results do not depend on batch composition for seeded
@@ -276,6 +284,7 @@ def tree_rejection_sample(
                     logits[torch.arange(batch, device=logits.device), rows], temperature,
                     None if top_k is None else top_k.to(logits.device).reshape(-1),
                     None if top_p is None else top_p.to(logits.device).reshape(-1),
+                    None if min_p is None else min_p.to(logits.device).reshape(-1),
                 ).softmax(-1)
 
             uniforms, exponentials = _draw_randomness(batch, tree.width, vocab, logits.device, generator,

@@ -64,6 +64,15 @@ class TreeRequest:
         branch is already in place."""
         return self.parents == list(range(-1, self.num_nodes - 1))
 
+    def row_paths(self) -> list[list[int]]:
+        """What stands between the root and each query row's prediction: ``[]`` for the root's row, then for each
+        node the tokens of its path from the root (its ancestors', then its own). A row's logits predict what
+        follows the request's tokens plus its path."""
+        paths: list[list[int]] = [[]]
+        for token, parent in zip(self.tokens, self.parents, strict=True):
+            paths.append([*paths[parent + 1], token])
+        return paths
+
 
 @dataclass
 class TreeVerifyStep:
