@@ -57,7 +57,7 @@ def test_vllm_serve_rejects_bad_options_in_one_line(tiny_llama_dir, tiny_llama_d
 def test_vllm_serve_with_trees_is_greedy_exact(tmp_path, llm_pool, tiny_llama_dir):
     """Trees with prompt-lookup candidates, sized by the controller (``tree.auto``), through
     `vllm-easyspec serve --additional-config`: concurrent greedy completions (one with a repetition penalty,
-    served without speculation) equal an engine without speculation, vLLM's speculative counters count tree
+    applied per node) equal an engine without speculation, vLLM's speculative counters count tree
     nodes per depth, the controller's figures are in ``/metrics`` and its cost curve in the log, and a
     malformed request gets a 400 without harming the server."""
     from concurrent.futures import ThreadPoolExecutor
