@@ -24,7 +24,7 @@ import torch
 from benchmarks.harness.paged_tree_attention import tree_attention_cpu, tree_attention_naive
 from benchmarks.harness.report import command_line
 from benchmarks.harness.setups import RESULTS_DIR
-from vllm_easyspec.tree.attention import ancestor_mask_from_parents
+from vllm_easyspec.tree.building import TokenTreeBatch
 
 # root, then 15 nodes: 3 root children, 2 grandchildren each ... (parents are query indices)
 TREE_PARENTS = [-1, 0, 0, 0, 1, 1, 2, 3, 4, 4, 5, 6, 8, 9, 12, 13]
@@ -46,7 +46,8 @@ def build_inputs(prefix_len: int, dtype: torch.dtype, seed: int = 0, block_size:
         block_table=block_table,
         prefix_lens=torch.tensor([prefix_len], dtype=torch.int32),
         cu_query_lens=cu,
-        tree_mask=ancestor_mask_from_parents(torch.tensor(TREE_PARENTS), cu),
+        tree_mask=TokenTreeBatch(torch.zeros(1, n, dtype=torch.long), torch.tensor([TREE_PARENTS]), torch.tensor([n]),
+                                 "without_replacement").ancestor_mask()[0],  # query j's ancestors and itself
         softmax_scale=head_dim**-0.5,
     )
 

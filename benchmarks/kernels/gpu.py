@@ -54,7 +54,7 @@ from vllm_easyspec.kernels.tree_attention import (  # noqa: E402
     choose_launch,
     tree_attention_triton,
 )
-from vllm_easyspec.tree.attention import ancestor_mask_from_parents  # noqa: E402
+from vllm_easyspec.tree.building import TokenTreeBatch  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,9 @@ def make_batch(model: Model, batch: int, prefix: int, tree: int, device: str, se
                 value_cache=randn(*cache_shape), block_table=block_table.to(device),
                 prefix_lens=torch.full((batch,), prefix, dtype=torch.int32, device=device),
                 cu_query_lens=cu_query_lens.to(device),
-                tree_mask=ancestor_mask_from_parents(torch.tensor(parents), cu_query_lens).to(device))
+                tree_mask=TokenTreeBatch(torch.zeros(batch, tree, dtype=torch.long), torch.tensor(parents).view(batch, -1),
+                                         torch.full((batch,), tree), "without_replacement")
+                .ancestor_mask().view(batch * tree, tree).to(device))  # query j's ancestors and itself
 
 
 def reference(args: dict, scale: float, requests: int) -> torch.Tensor:

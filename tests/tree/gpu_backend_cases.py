@@ -29,8 +29,7 @@ from unittest import mock
 import torch
 from attention_reference import tree_attention_reference
 from tree_testlib import random_parents
-
-from vllm_easyspec.tree.attention import ancestor_mask_from_parents
+from tree_views import ancestor_mask_from_parents
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 LAYER = "model.layers.0.self_attn.attn"

@@ -9,9 +9,9 @@ import pytest
 import torch
 from attention_reference import gather_positions, tree_attention_reference
 from tree_testlib import make_paged_batch, random_parents
-from tree_views import verify_layout
+from tree_views import ancestor_mask_from_parents, verify_layout
 
-from vllm_easyspec.tree.attention import ancestor_mask_from_parents, attention_over_prefix_and_tree
+from vllm_easyspec.tree.attention import attention_over_prefix_and_tree
 from vllm_easyspec.tree.building import TokenTreeBatch
 
 # error bounds against the float64 reference, on |out - ref| / max(1, |ref|) (absolute error for outputs

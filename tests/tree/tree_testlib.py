@@ -13,9 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from scipy import stats
-from tree_views import StaticTreeBuilder, root_to_leaf_paths
+from tree_views import StaticTreeBuilder, ancestor_mask_from_parents, root_to_leaf_paths
 
-from vllm_easyspec.tree.attention import ancestor_mask_from_parents
 from vllm_easyspec.tree.building import (
     ChildDrawMode,
     DynamicTopKTreeBuilder,

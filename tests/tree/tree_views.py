@@ -1,6 +1,7 @@
-"""Views of a :class:`TokenTreeBatch` and a static-tree builder that only the tests use: the verify-forward layout
-in query order (the engine builds its own in ``vllm_easyspec.tree.verify_step``), node positions, leaves and
-root-to-leaf paths, and :class:`StaticTreeBuilder`, which fills a choice list from draft log-probabilities."""
+"""Views of a :class:`TokenTreeBatch` and a static-tree builder that only the tests use: the kernels' ancestor
+mask from query parents, the verify-forward layout in query order (the engine builds its own in
+``vllm_easyspec.tree.verify_step``), node positions, leaves and root-to-leaf paths, and :class:`StaticTreeBuilder`,
+which fills a choice list from draft log-probabilities."""
 
 from __future__ import annotations
 
@@ -10,6 +11,21 @@ from dataclasses import dataclass
 import torch
 
 from vllm_easyspec.tree.building import ChildDrawMode, StaticTreeTemplate, TokenTreeBatch
+
+
+def ancestor_mask_from_parents(parents: torch.Tensor, cu_query_lens: torch.Tensor, width: int | None = None
+                               ) -> torch.Tensor:
+    """The kernels' ``tree_mask`` ``[T, W]`` from request-local parents ``[T]`` (-1: none; parents first): row ``t``
+    attends to query ``j`` iff ``j`` is ``t`` or one of its ancestors."""
+    cu = cu_query_lens.tolist()
+    lens = [end - start for start, end in zip(cu, cu[1:], strict=False)]
+    table = torch.full((len(lens), max(lens, default=1)), -1, dtype=torch.long)
+    for request, n in enumerate(lens):
+        table[request, :n] = parents[cu[request]: cu[request] + n].cpu()
+    trees = TokenTreeBatch(torch.zeros_like(table), table, torch.tensor(lens), ChildDrawMode.WITHOUT_REPLACEMENT)
+    mask = trees.ancestor_mask()[trees.valid]  # [T, max(lens)]
+    width = max(lens, default=0) if width is None else width
+    return torch.nn.functional.pad(mask, (0, max(width - mask.shape[1], 0)))[:, :width].to(parents.device)
 
 
 def node_positions(tree: TokenTreeBatch, prefix_lens: torch.Tensor) -> torch.Tensor:

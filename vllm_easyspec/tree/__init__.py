@@ -3,13 +3,12 @@
 * :mod:`.building`: the batched tree object (:class:`TokenTreeBatch`), static tree templates (choice lists) and
   the EAGLE-2 dynamic builder.
 * :mod:`.sampling`: the lossless tree rejection sampler (vLLM chain-shaped output).
-* :mod:`.attention`: the CPU tree attention path and the ancestor mask of the kernels' contract.
+* :mod:`.attention`: the engine's CPU tree attention.
 * :mod:`.compaction`: moves accepted nodes' K/V to linear slots after verification.
 
 Layout conventions shared by all of them: the :mod:`.building` module docstring.
 """
 
-from .attention import ancestor_mask_from_parents
 from .building import (
     MAX_TREE_NODES,
     ChildDrawMode,
@@ -27,7 +26,6 @@ __all__ = [
     "StaticTreeTemplate",
     "TokenTreeBatch",
     "TreeSamplerOutput",
-    "ancestor_mask_from_parents",
     "apply_sampling_constraints",
     "compact_kv",
     "tree_compaction_slots",

@@ -1,33 +1,11 @@
-"""Tree attention in torch: the engine's CPU tree path (:func:`attention_over_prefix_and_tree`) and the ancestor
-mask of the Triton kernel's contract (``vllm_easyspec/kernels/tree_attention.py``): ``tree_mask[t, j]`` iff
-request-local query ``j`` is an ancestor of row ``t`` or row ``t`` itself (diagonal included).
-"""
+"""The engine's CPU tree attention (:func:`attention_over_prefix_and_tree`): each row attends to its request's
+valid prefix and to the tree columns its mask allows (its ancestors and itself)."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["ancestor_mask_from_parents", "attention_over_prefix_and_tree", "prefix_and_tree_bias"]
-
-
-def ancestor_mask_from_parents(parents: torch.Tensor, cu_query_lens: torch.Tensor, width: int | None = None
-                               ) -> torch.Tensor:
-    """``[T, W]`` ancestor-or-self mask from request-local parent indices ``[T]`` (-1 = no parent;
-    parents precede children within a request)."""
-    cu = cu_query_lens.tolist()
-    lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
-    width = max(lens, default=0) if width is None else width
-    mask = torch.zeros(parents.shape[0], width, dtype=torch.bool, device=parents.device)
-    for b, n in enumerate(lens):
-        par = parents[cu[b]: cu[b] + n].tolist()
-        rows = mask[cu[b]: cu[b] + n]
-        for j, p in enumerate(par):
-            if not -1 <= p < j:
-                raise ValueError(f"parents[{cu[b] + j}] = {p}: the parent must come before its child.")
-            if p >= 0:
-                rows[j] = rows[p]
-            rows[j, j] = True
-    return mask
+__all__ = ["attention_over_prefix_and_tree", "prefix_and_tree_bias"]
 
 
 def prefix_and_tree_bias(prefix_lens: torch.Tensor, length: int, tree_mask: torch.Tensor, group: int,
