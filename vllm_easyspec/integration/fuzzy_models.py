@@ -239,14 +239,8 @@ class FuzzyDraftController:
         )
 
     # ----------------------------------------------------------------------------------------------
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        intermediate_tensors: object | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        **kwargs: object,
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors: object | None = None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs: object) -> torch.Tensor:
         if self.schedule.next_forward_exact():
             self.counts.exact += 1
             return self._exact_forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)

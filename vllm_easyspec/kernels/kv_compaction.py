@@ -19,22 +19,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _kv_compaction_kernel(
-    cache_ptr,
-    src_ptr,
-    dst_ptr,
-    num_moves,
-    stride_move_row,
-    stride_block,
-    stride_slot,
-    stride_head,
-    stride_dim,
-    KV_BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    ROW_ELEMS: tl.constexpr,
-    MOVES_PAD: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-):
+def _kv_compaction_kernel(cache_ptr, src_ptr, dst_ptr, num_moves, stride_move_row, stride_block, stride_slot,
+                          stride_head, stride_dim, KV_BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          ROW_ELEMS: tl.constexpr, MOVES_PAD: tl.constexpr, BLOCK_E: tl.constexpr):
     row = tl.program_id(0)
     e_tile = tl.program_id(1)
     m = tl.arange(0, MOVES_PAD)

@@ -161,45 +161,13 @@ def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, scale_log2, DOT_PRECIS
 
 
 @triton.jit
-def _tree_attention_kernel(
-    out_ptr,
-    partial_acc_ptr,
-    partial_stats_ptr,
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_table_ptr,
-    prefix_lens_ptr,
-    cu_q_ptr,
-    mask_ptr,
-    scale_log2,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    stride_bt,
-    stride_mt,
-    stats_plane,
-    num_kv_heads,
-    row_tiles,
-    num_splits,
-    min_split_len,
-    KV_BLOCK_SIZE: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
+def _tree_attention_kernel(out_ptr, partial_acc_ptr, partial_stats_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+                           block_table_ptr, prefix_lens_ptr, cu_q_ptr, mask_ptr, scale_log2, stride_qt, stride_qh,
+                           stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                           stride_bt, stride_mt, stats_plane, num_kv_heads, row_tiles, num_splits, min_split_len,
+                           KV_BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
+                           UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One row tile of one (request, KV head) against one KV range (the design in kernels/README.md).
 
     ``SPLIT``: write the unnormalised accumulator to ``partial_acc [T, Hq, num_splits, HEAD_DIM]`` and the
@@ -278,20 +246,9 @@ def _tree_attention_kernel(
 
 
 @triton.jit
-def _merge_splits_kernel(
-    out_ptr,
-    partial_acc_ptr,
-    partial_stats_ptr,
-    stride_ot,
-    stride_oh,
-    stats_plane,
-    num_q_heads,
-    num_splits,
-    HEADS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+def _merge_splits_kernel(out_ptr, partial_acc_ptr, partial_stats_ptr, stride_ot, stride_oh, stats_plane, num_q_heads,
+                         num_splits, HEADS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
     """Log-sum-exp merge of ``num_splits`` partial results for ``HEADS`` query heads of one token.
 
     Splits whose max is ``-inf`` (no visible position in their range) get weight 0 and their accumulator,
@@ -378,21 +335,11 @@ def _merge_splits(out: torch.Tensor, partial_acc: torch.Tensor, partial_stats: t
     )
 
 
-def tree_attention_triton(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    cu_query_lens: torch.Tensor,
-    tree_mask: torch.Tensor,
-    softmax_scale: float,
-    out: torch.Tensor | None = None,
-    max_query_len: int | None = None,
-    *,
-    launch: TreeAttentionLaunch | None = None,
-    fp32_precision: str = "ieee",
-) -> torch.Tensor:
+def tree_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                          block_table: torch.Tensor, prefix_lens: torch.Tensor, cu_query_lens: torch.Tensor,
+                          tree_mask: torch.Tensor, softmax_scale: float, out: torch.Tensor | None = None,
+                          max_query_len: int | None = None, *, launch: TreeAttentionLaunch | None = None,
+                          fp32_precision: str = "ieee") -> torch.Tensor:
     """Tree attention (the contract is in the module docstring).
 
     ``max_query_len`` (the largest number of query rows of one request) sizes the grid; pass it to avoid

@@ -20,17 +20,10 @@ def prefix_and_tree_bias(prefix_lens: torch.Tensor, length: int, tree_mask: torc
     return bias.repeat(1, group, 1)[:, None]  # rows ordered (g, w), as the folded queries
 
 
-def attention_over_prefix_and_tree(
-    query: torch.Tensor,
-    prefix_key: torch.Tensor,
-    prefix_value: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    tree_key: torch.Tensor,
-    tree_value: torch.Tensor,
-    tree_mask: torch.Tensor,
-    softmax_scale: float,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
+def attention_over_prefix_and_tree(query: torch.Tensor, prefix_key: torch.Tensor, prefix_value: torch.Tensor,
+                                   prefix_lens: torch.Tensor, tree_key: torch.Tensor, tree_value: torch.Tensor,
+                                   tree_mask: torch.Tensor, softmax_scale: float, bias: torch.Tensor | None = None
+                                   ) -> torch.Tensor:
     """Tree attention of ``R`` requests whose tree K/V is at hand (not in a paged cache).
 
     * ``query`` ``[R, W, Hq, D]``: ``W`` query rows per request (padding rows allowed);

@@ -23,13 +23,8 @@ import torch
 __all__ = ["compact_kv", "compact_kv_torch", "tree_compaction_slots"]
 
 
-def tree_compaction_slots(
-    block_table: torch.Tensor,
-    block_size: int,
-    prefix_lens: torch.Tensor,
-    accepted_nodes: torch.Tensor,
-    query_offset: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def tree_compaction_slots(block_table: torch.Tensor, block_size: int, prefix_lens: torch.Tensor,
+                          accepted_nodes: torch.Tensor, query_offset: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Physical slot moves ``(src_slots, dst_slots)`` ``[B, M]`` int64 for the accepted paths ``accepted_nodes``
     ``[B, M]`` (node indices, root side first, -1 padded), -1 where there is nothing to move (padding, or a node
     already in place). ``prefix_lens`` ``[B]``: each request's root position; ``query_offset``: the query index of
@@ -63,12 +58,8 @@ def compact_kv_torch(caches: Sequence[torch.Tensor], src_slots: torch.Tensor, ds
         cache[dst // block_size, dst % block_size] = rows
 
 
-def compact_kv(
-    caches: Sequence[torch.Tensor],
-    src_slots: torch.Tensor,
-    dst_slots: torch.Tensor,
-    backend: str = "auto",
-) -> None:
+def compact_kv(caches: Sequence[torch.Tensor], src_slots: torch.Tensor, dst_slots: torch.Tensor,
+               backend: str = "auto") -> None:
     """Move cache rows ``src_slots -> dst_slots`` (``[B, M]``, -1 padded) in every cache, in place.
 
     ``backend``: ``"triton"``, ``"torch"`` or ``"auto"`` (Triton for GPU caches, torch on CPU). Caches

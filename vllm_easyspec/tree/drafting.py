@@ -50,14 +50,9 @@ class LevelwiseTreeDraft:
     stash plus the frontier itself) and pass the logits ``[B, F, V]`` to :meth:`expand`; then :meth:`build`.
     """
 
-    def __init__(
-        self,
-        config: TreeConfig,
-        root_logits: torch.Tensor,
-        greedy_rows: Sequence[bool],
-        temperatures: torch.Tensor | None = None,
-        generators: Mapping[int, torch.Generator] | None = None,
-    ) -> None:
+    def __init__(self, config: TreeConfig, root_logits: torch.Tensor, greedy_rows: Sequence[bool],
+                 temperatures: torch.Tensor | None = None, generators: Mapping[int, torch.Generator] | None = None
+                 ) -> None:
         self.config = config
         self.batch = root_logits.shape[0]
         self.device = root_logits.device

@@ -14,14 +14,8 @@ from __future__ import annotations
 import torch
 
 
-def expand_batch_in_place(
-    output: torch.Tensor,
-    input_val: torch.Tensor,
-    cu_num_tokens: torch.Tensor,
-    replace_from,
-    replace_to,
-    MAX_NUM_TOKENS=None,  # noqa: N803 - the Triton kernel's parameter name
-) -> None:
+def expand_batch_in_place(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: torch.Tensor, replace_from,
+                          replace_to, MAX_NUM_TOKENS=None) -> None:  # noqa: N803 - the Triton kernel's parameter name
     counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
     values = torch.where(input_val == replace_from, torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
     expanded = torch.repeat_interleave(values, counts)
