@@ -2,7 +2,7 @@
 #   make demo   set up, fetch the default models, run the main job (vanilla vs vLLM eagle3 vs the plugin's
 #               EAGLE-2 tree and its speculation controller, 13-20 minutes; python -m benchmarks main
 #               --full runs all seven setups; benchmarks/README.md lists the other benchmarks)
-#   make test   set up, run the default test suite (what CI runs)
+#   make test   set up, run the default test suite (what CI runs): the engine-free fast lane, then the engine tests
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -26,7 +26,8 @@ demo: $(STAMP)
 	$(BIN)/python -m benchmarks main
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -m "not engine and not slow"  # the fast lane first: engine-free, under 2 minutes
+	$(BIN)/python -m pytest -q -m "engine and not slow" --durations=15
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

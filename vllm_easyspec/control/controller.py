@@ -218,6 +218,7 @@ class OutcomeGuard:
     drafted: dict[int, _Rate] = field(default_factory=dict)
     plain: dict[int, _Rate] = field(default_factory=dict)
     lookup: dict[int, _Rate] = field(default_factory=dict)  # cycles that verified prompt-lookup paths alone
+    standard_errors: float = GUARD_STANDARD_ERRORS  # how far below plain a kind of cycle must be to be held back
 
     @staticmethod
     def bucket(requests: int) -> int:
@@ -261,7 +262,7 @@ class OutcomeGuard:
         else:
             baseline, baseline_error = (requests / plain_seconds if plain_seconds > 0 else 0.0), 0.0
         error = (measured.standard_error**2 + baseline_error**2) ** 0.5
-        return measured.per_second + GUARD_STANDARD_ERRORS * error < baseline
+        return measured.per_second + self.standard_errors * error < baseline
 
     def table(self) -> list[dict[str, float]]:
         """Per bucket: its requests range and each kind's tokens per second and cycles."""
@@ -277,9 +278,12 @@ class OutcomeGuard:
 
 
 class SpeculationController:
-    def __init__(self, cost: StepCostModel, max_depth: int, max_nodes: int, level_width: int) -> None:
+    def __init__(self, cost: StepCostModel, max_depth: int, max_nodes: int, level_width: int,
+                 guard: OutcomeGuard | None = None, explore_draws: random.Random | None = None) -> None:
         """``max_depth``: the candidate tree's drafted depth; ``max_nodes``: the most nodes a request verifies;
-        ``level_width``: draft rows per request in one level forward."""
+        ``level_width``: draft rows per request in one level forward; ``guard``: the outcome guard (default:
+        :class:`OutcomeGuard`); ``explore_draws``: the random source of exploring steps (default seeded, and
+        independent of every verification, so choices stay lossless)."""
         self.cost = cost
         self.max_depth = max_depth
         self.max_nodes = max_nodes
@@ -296,12 +300,12 @@ class SpeculationController:
         self._offers_cache: dict[str, tuple[tuple[int, float, bool], list[Candidates]]] = {}
         self._drafted_levels = max_depth  # the depth plan_depth chose this step
         self.stats = ControllerStats()
-        self._explore = random.Random(0)  # independent of every verification: choices stay lossless
+        self._explore = random.Random(0) if explore_draws is None else explore_draws
         # request -> (chances of the nodes it verifies this step in their order, the ratio behind them, the step's
         # batch-size bucket); the scheduler may verify a prefix of them only
         self._predicted: dict[str, tuple[tuple[float, ...], float, int]] = {}
         self._ratio_sums: dict[int, list[float]] = {}  # bucket -> decayed [realised, predicted] accepted nodes
-        self.guard = OutcomeGuard()
+        self.guard = OutcomeGuard() if guard is None else guard
         self._guard_requests: set[str] = set()  # the running requests whose cycles the guard has weighed
         self._cycle: DecodeCycle | None = None
         self._first_pass_debt = 0.0  # catch-up first-pass seconds that drafted cycles have yet to repay to the guard
@@ -317,6 +321,11 @@ class SpeculationController:
         timing that reaches the controller late (a GPU's spans are read a step later) names the cycle it belongs
         to with this."""
         return self._cycle
+
+    @property
+    def explore_budget(self) -> float:
+        """Seconds exploring steps may still spend."""
+        return self._explore_budget
 
     @property
     def realised_over_predicted(self) -> float:

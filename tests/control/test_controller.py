@@ -588,10 +588,11 @@ def test_a_request_offering_nodes_is_priced_in_its_whole_batch_not_alone():
     # 3 ms a row on a 50 ms step: a lookup path pays for a lone request, not among 15 others that verify a row each
     cost = StepCostModel(CostCurve.from_measurements([1, 64], [0.05, 0.05 + 63 * 0.003]),
                          CostCurve.from_measurements([1, 64], [0.01, 0.02]))
-    controller = SpeculationController(cost, max_depth=2, max_nodes=4, level_width=2)
+    never_explores = random.Random(0)
+    never_explores.random = lambda: 1.0
+    controller = SpeculationController(cost, max_depth=2, max_nodes=4, level_width=2, explore_draws=never_explores)
     features = [NodeFeatures(True, depth, None) for depth in (1, 2, 3)]
     path = RequestTree("edit", [5, 6, 7], [-1, 0, 1], features, keeps_order=False)
-    controller._explore.random = lambda: 1.0  # no exploring step
     (alone,) = controller.choose([path])
     (in_batch,) = controller.choose([path], batch_size=16)
     assert alone.count > 0 and in_batch.count == 0
@@ -677,12 +678,11 @@ def test_the_guard_trusts_measured_cycles_without_drafts_over_the_model():
 
 
 def _held_back_share(batch: int, accept_chance: float, tokens_when_accepted: int, drafted_seconds: float,
-                     plain_seconds: float, cycles: int = 2000) -> float:
+                     plain_seconds: float, cycles: int = 2000, guard: OutcomeGuard | None = None) -> float:
     """Share of cycles after which the guard holds back, for drafted cycles whose requests each accept
     ``tokens_when_accepted`` drafts with ``accept_chance`` (else none)."""
-    from vllm_easyspec.control.controller import OutcomeGuard
-
-    rng, guard, held = random.Random(1), OutcomeGuard(), 0
+    rng, held = random.Random(1), 0
+    guard = OutcomeGuard() if guard is None else guard
     for _ in range(cycles):
         accepted = sum(tokens_when_accepted for _ in range(batch) if rng.random() < accept_chance)
         guard.add(True, batch, batch + accepted, drafted_seconds)
@@ -690,15 +690,12 @@ def _held_back_share(batch: int, accept_chance: float, tokens_when_accepted: int
     return held / cycles
 
 
-def test_the_guard_weighs_a_lone_requests_all_or_nothing_cycles_by_their_spread(monkeypatch):
-    import vllm_easyspec.control.controller as controller_module
-
+def test_the_guard_weighs_a_lone_requests_all_or_nothing_cycles_by_their_spread():
     # a lone request: 1 + 3 tokens one cycle in 5, else 1, in 61.6 ms: 30% more tokens a second than plain
     # 50 ms cycles; a batch of 16: 5% fewer. Only the second should be held back.
     lone, batch = (1, 0.2, 3, 0.0616, 0.05), (16, 0.3, 1, 0.0897, 0.0655)
     assert _held_back_share(*lone) < 0.05 and _held_back_share(*batch) > 0.9
-    monkeypatch.setattr(controller_module, "GUARD_STANDARD_ERRORS", 0.0)  # no allowance for the spread
-    assert _held_back_share(*lone) > 0.08
+    assert _held_back_share(*lone, guard=OutcomeGuard(standard_errors=0.0)) > 0.08  # no allowance for the spread
 
 
 def test_the_guard_forgets_the_cycles_of_requests_that_finished():
@@ -739,7 +736,7 @@ def _explore(draft_level_seconds: tuple[float, float], steps: int = 800) -> Spec
     batch = [f"r{i}" for i in range(16)]
     kept, verify_seconds, exploring_seconds = 0, 0.0, 0.0
     for _ in range(steps):
-        budget, explored = controller._explore_budget, controller.stats.exploring_drafts
+        budget, explored = controller.explore_budget, controller.stats.exploring_drafts
         depth = controller.plan_depth(batch, first_pass_rows=kept + 16)
         controller.observe_drafting(1e-4)
         rows = 16
@@ -750,7 +747,7 @@ def _explore(draft_level_seconds: tuple[float, float], steps: int = 800) -> Spec
                      for req_id in batch]
             choices = controller.choose(trees)
             if controller.stats.exploring_drafts > explored:
-                exploring_seconds += budget - controller._explore_budget
+                exploring_seconds += budget - controller.explore_budget
                 assert [choice.count for choice in choices] == [1] * 16  # every request's best level_width nodes
             rows += sum(choice.count for choice in choices)
             for req_id, choice in zip(batch, choices, strict=True):
