@@ -7,7 +7,7 @@ import hashlib
 import random
 import subprocess
 
-from benchmarks.gpu.real_model import RunSettings, make_cells
+from benchmarks.gpu.real_model_setups import RunSettings, make_cells
 from benchmarks.gpu.target_parts import check_device_file, cut_into_parts
 
 

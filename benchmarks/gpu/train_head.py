@@ -5,10 +5,10 @@ the bytes it ships and its device seconds, and the run call's phases with ESTIMA
     python benchmarks/gpu/train_head.py plan [--max-new-tokens 256 --epochs 2 ...]
 
 The call costs (cold start, part calls, install, conversion, engine start) are the ones
-``benchmarks/gpu/real_model.py plan`` uses (measured with the kit unless marked assumed there); the kit's and the
-target's parts are cut and listed by that planner's functions. The flow's own rates (``FLOW_RATES``: generation,
-features, training on an H100/H200 with the 0.5B bf16 target) are ESTIMATES until a GPU run measures them: a run's
-``flow.json`` records the real ones.
+``benchmarks/gpu/real_model.py plan`` uses (``SECONDS`` in ``benchmarks/gpu/window_plan.py``: measured with the
+kit unless marked assumed there); the kit's and the target's parts are cut and listed by that planner's
+functions. The flow's own rates (``FLOW_RATES``: generation, features, training on an H100/H200 with the 0.5B
+bf16 target) are ESTIMATES until a GPU run measures them: a run's ``flow.json`` records the real ones.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu import real_model, target_parts  # noqa: E402
+from benchmarks.gpu import target_parts, window_plan  # noqa: E402
+from benchmarks.gpu.real_model_setups import TARGET_NAME  # noqa: E402
 
 MiB = 1 << 20
 RUN_CARRY = [".gpu/proj", ".gpu/target", ".gpu/train"]
@@ -54,7 +55,7 @@ def corpus_tokens(corpus_file: Path, max_new_tokens: int, seq_len: int) -> dict:
 
 def run_call_phases(tokens: dict, epochs: float) -> list[tuple[str, tuple[float, float]]]:
     """(phase, (low, high) seconds) of the run call; generation, features and training from ``FLOW_RATES``."""
-    s = real_model.SECONDS
+    s = window_plan.SECONDS
     gen = tokens["answer_tokens"] / FLOW_RATES["generate"]
     feat = tokens["sequence_tokens"] / FLOW_RATES["features"]
     train = epochs * tokens["sequence_tokens"] / FLOW_RATES["train"]
@@ -70,11 +71,11 @@ def plan(args: argparse.Namespace) -> int:
     if not corpus_file.is_file():
         print(f"no {args.corpus}: python -m vllm_easyspec_train.gpu_flow prepare", file=sys.stderr)
         return 1
-    now, slim = real_model.travel_bytes_after_slim()
-    carried = sum(real_model.folder_bytes(ROOT / c) for c in (".gpu/proj", ".gpu/train"))
-    part_size = min(target_parts.PART_LIMIT, int((real_model.CALL_LIMIT - slim - 1.5 * MiB) // MiB * MiB))
-    target = target_parts.prepare(real_model.TARGET_NAME, part_size)
-    kit, kit_source = real_model.kit_parts(part_size)
+    now, slim = window_plan.travel_bytes_after_slim()
+    carried = sum(target_parts.folder_bytes(ROOT / c) for c in (".gpu/proj", ".gpu/train"))
+    part_size = min(target_parts.PART_LIMIT, int((window_plan.CALL_LIMIT - slim - 1.5 * MiB) // MiB * MiB))
+    target = target_parts.prepare(TARGET_NAME, part_size)
+    kit, kit_source = window_plan.kit_parts(part_size)
     tokens = corpus_tokens(corpus_file, args.max_new_tokens, args.seq_len)
     phases = run_call_phases(tokens, args.epochs)
     run_s = (sum(p[1][0] for p in phases), sum(p[1][1] for p in phases))
@@ -86,18 +87,18 @@ def plan(args: argparse.Namespace) -> int:
           f"Kit parts: {kit_source}. Corpus: {tokens['items']} items, {corpus_file.stat().st_size / MiB:.1f} MiB.")
     print("\nDevice calls, in order, back to back (a gap over 30 s loses the machine and /tmp):")
     for number, (carry, command, size) in enumerate(calls, 1):
-        flag = "  OVER 64 MiB" if size + slim > real_model.CALL_LIMIT else ""
+        flag = "  OVER 64 MiB" if size + slim > window_plan.CALL_LIMIT else ""
         print(f"{number:>2}/{len(calls) + 1}  {carry}  command: {command}   (ships {(size + slim) / MiB:.1f} MiB; "
-              f"~{real_model.SECONDS['part_call'][0]} s){flag}")
+              f"~{window_plan.SECONDS['part_call'][0]} s){flag}")
     print(f"{len(calls) + 1:>2}/{len(calls) + 1}  carry {json.dumps(RUN_CARRY)}  timeout_s 600  command: bash "
           f"benchmarks/gpu/train_head.sh   (ships {(run_bytes + slim) / MiB:.1f} MiB; ~{run_s[0]:.0f}-{run_s[1]:.0f} s)")
     print(f"\nThe run call (LIMIT {LIMIT_S} s; every phase after the conversion has a deadline, see gpu_flow run):")
     for name, (low, high) in phases:
         print(f"  {name:52s} {low:6.0f}-{high:.0f} s")
-    cold = real_model.SECONDS["cold_start"]
-    total = (cold[0] + len(calls) * real_model.SECONDS["part_call"][0] + run_s[0],
-             cold[1] + len(calls) * real_model.SECONDS["part_call"][1] + run_s[1])
-    print(f"Device seconds: ~{total[0]:.0f}-{total[1]:.0f} of the {real_model.BUDGET_S} s window.")
+    cold = window_plan.SECONDS["cold_start"]
+    total = (cold[0] + len(calls) * window_plan.SECONDS["part_call"][0] + run_s[0],
+             cold[1] + len(calls) * window_plan.SECONDS["part_call"][1] + run_s[1])
+    print(f"Device seconds: ~{total[0]:.0f}-{total[1]:.0f} of the {window_plan.BUDGET_S} s window.")
     if run_s[1] > LIMIT_S:
         print(f"The run call may not fit in {LIMIT_S} s at the high estimate: the deadlines cut generation and "
               "training, and flow.json says where. Two windows instead: FLOW_ARGS=--stop-after-data in the first "
