@@ -196,3 +196,32 @@ def test_the_states_an_eagle_level_feeds_are_dense_rows_of_each_nodes_parent(bat
     assert later.is_contiguous() and later.shape == (batch * 3, hidden)
     expected = torch.stack([torch.stack([stash[b, 1], root[b], stash[b, 0]]) for b in range(batch)])
     assert torch.equal(later, expected.view(batch * 3, hidden))
+
+
+def test_drafting_a_dynamic_tree_on_a_device_waits_for_nothing():
+    """Greedy EAGLE-2 drafting of a batch with its logits on a device (``fake_device``): the levels, their
+    masks and the tree it builds never make the host wait for the device (the checks that would are taken on
+    the host only; the verify step checks the trees it verifies, on the host)."""
+    from fake_device import counting_syncs, on_host, second_device
+
+    config = TreeConfig.model_validate({"top_k": 2, "depth": 3, "budget": 5})
+    roots = [1, 2]
+
+    def draft(device):
+        root_logits = torch.stack([path_logits(r, ()) for r in roots]).to(device)
+        draft = LevelwiseTreeDraft(config, root_logits, [True, True], temperatures=torch.zeros(2), generators={})
+        while not draft.done:
+            tokens = draft.frontier_tokens()
+            draft.frontier_mask()
+            draft.frontier_parent_columns()
+            logits = torch.randn(2, tokens.shape[1], VOCAB, generator=torch.Generator().manual_seed(tokens.shape[1]))
+            draft.expand(logits.to(device))
+        trees = draft.build()
+        return [on_host(x).tolist() for x in (trees.tokens, trees.parents, trees.logprobs)]
+
+    expected = draft(torch.device("cpu"))
+    with second_device() as device, counting_syncs() as waits:
+        got = draft(device)
+    project = [(what, where) for what, where in waits.waits if where != "?"]  # "?": this test's own copies
+    assert not project, project
+    assert got == expected

@@ -265,7 +265,11 @@ class StaticTreeTemplate:
 # ====================================================================== EAGLE-2 dynamic trees
 def _check_finite_or_neg_inf(top_logprobs: torch.Tensor, name: str) -> None:
     """Checks the ``topk`` of the log-probabilities only: ``topk`` ranks NaN and +inf above every number, so
-    a row that holds one shows it in its top entry (no second pass over the vocabulary)."""
+    a row that holds one shows it in its top entry (no second pass over the vocabulary). On the host only: on a
+    device the check would make the host wait every level, and bad draft values can lower acceptance but never
+    change what verification emits."""
+    if top_logprobs.device.type != "cpu":
+        return
     if bool(torch.isnan(top_logprobs).any()) or bool((top_logprobs == float("inf")).any()):
         raise ValueError(f"{name} contains NaN or +inf; pass log-probabilities (log_softmax output).")
 
@@ -353,7 +357,18 @@ class DynamicTopKTreeBuilder:
         self._depth_done += 1
 
     def build(self) -> TokenTreeBatch:
-        """Rerank all candidates to ``budget`` nodes (topological order = candidate order)."""
+        """Rerank all candidates to ``budget`` nodes (topological order = candidate order), checked."""
+        tokens, parents = self.select()
+        if bool(((torch.gather(self.candidate_parents, 1, self.kept_candidates) >= 0) & (parents < 0)).any()):
+            raise RuntimeError("internal error: a kept EAGLE-2 node lost its parent (NaN log-probs?).")
+        return TokenTreeBatch(tokens=tokens, parents=parents,
+                              num_nodes=torch.full((tokens.shape[0],), self.budget, device=self.device),
+                              draw_mode=ChildDrawMode.WITHOUT_REPLACEMENT)
+
+    def select(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``budget`` best-scoring candidates, in candidate (topological) order: ``[B, budget]`` tokens and
+        parents (tree node indices, -1 for the root's children); :attr:`kept_candidates` maps the nodes back to
+        the candidates. Nothing here reads the device."""
         if not self.done:
             raise RuntimeError(f"{self.max_depth - self._depth_done} expansion(s) still missing.")
         scores, tokens, parents = self.candidate_scores, self.candidate_tokens, self.candidate_parents
@@ -365,12 +380,5 @@ class DynamicTopKTreeBuilder:
         kept_parents = torch.gather(parents, 1, keep)
         remapped = torch.where(kept_parents >= 0, torch.gather(new_index, 1, kept_parents.clamp(min=0)),
                                kept_parents)
-        if bool(((kept_parents >= 0) & (remapped < 0)).any()):
-            raise RuntimeError("internal error: a kept EAGLE-2 node lost its parent (NaN log-probs?).")
         self.kept_candidates = keep  # maps tree nodes back to the draft forwards
-        return TokenTreeBatch(
-            tokens=torch.gather(tokens, 1, keep),
-            parents=remapped,
-            num_nodes=torch.full((batch,), self.budget, device=self.device),
-            draw_mode=ChildDrawMode.WITHOUT_REPLACEMENT,
-        )
+        return torch.gather(tokens, 1, keep), remapped

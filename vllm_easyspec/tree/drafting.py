@@ -172,10 +172,10 @@ class LevelwiseTreeDraft:
         if self.config.is_static:
             parents = self._parents[None, :].expand(self.batch, -1).clone()
             return DraftedTrees(self.tokens.clone(), parents, self.logprobs.clone(), self.draw_modes, self.draft_probs)
-        tree = self.dynamic.build()
         dynamic = self.dynamic
+        tokens, parents = dynamic.select()  # checked by the verify step's host trees, not here on the device
         scores = dynamic.candidate_scores
         kept = dynamic.kept_candidates
         parent_candidates = dynamic.candidate_parents.gather(1, kept)
         parent_scores = torch.where(parent_candidates >= 0, scores.gather(1, parent_candidates.clamp(min=0)), 0.0)
-        return DraftedTrees(tree.tokens, tree.parents, scores.gather(1, kept) - parent_scores, self.draw_modes, {})
+        return DraftedTrees(tokens, parents, scores.gather(1, kept) - parent_scores, self.draw_modes, {})
