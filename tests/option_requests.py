@@ -1,5 +1,5 @@
-"""Request batches with the sampling options a tree serves with speculation (issue 62), and how their outputs are
-compared with vanilla vLLM's.
+"""Request batches with the sampling options a tree serves with speculation (issue 62), structured output included,
+and how their outputs are compared with vanilla vLLM's.
 
 Each batch is the mixed batch of 8 (:data:`request_batches.MIXED`) with one option, or several, on the four
 requests with the longest outputs, beside four plain ones. The values were picked so that every option changes
@@ -21,21 +21,42 @@ OPTIONS: dict[str, dict] = {
     "allowed_token_ids": {"allowed_token_ids": list(range(3, 40))},
     "logprobs": {"logprobs": 3, "prompt_logprobs": 2},
 }
+OPTION_NAMES = [*OPTIONS, "structured_output"]  # structured output: one of GRAMMARS per request
+# grammars over the tiny vocabulary's raw token text ("w15", ...), in tokens w10..w29 (none has a prefix that is a
+# token: "w3" would let a grammar over "w30" start with w3); the second's and the third's next token depends on the
+# path taken, so a tree's nodes get different masks
+GRAMMARS = [
+    {"regex": "(w1[0-9]|w2[0-9])+"},
+    {"regex": "((w15w19|w15w23|w20w21w22|w11)w13)+"},
+    {"choice": ["w20w16w20w25", "w20w16w24w17", "w21w25w19"]},
+    {"grammar": 'root ::= ("w21" | "w27" | "w18")+ "w19"'},
+]
 WITH_OPTION = (0, 3, 5, 6)  # the requests of MIXED that get the option: the longest outputs
 LOGPROB_TOLERANCE = 1e-4  # float32: the tree's verify forward and vanilla's decode round differently
 
 
+def structured(index: int) -> dict:
+    """``structured_outputs`` with grammar ``index`` of :data:`GRAMMARS`."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return {"structured_outputs": StructuredOutputsParams(**GRAMMARS[index])}
+
+
 def with_option(name: str) -> list[tuple[list[int], dict]]:
-    """The mixed batch of 8 with option ``name`` on :data:`WITH_OPTION`."""
-    return [(prompt, options | OPTIONS[name]) if index in WITH_OPTION else (prompt, options)
+    """The mixed batch of 8 with option ``name`` on :data:`WITH_OPTION` (``structured_output``: each of them with
+    its own grammar)."""
+    def option(index: int) -> dict:
+        return structured(WITH_OPTION.index(index)) if name == "structured_output" else OPTIONS[name]
+
+    return [(prompt, options | option(index)) if index in WITH_OPTION else (prompt, options)
             for index, (prompt, options) in enumerate(MIXED)]
 
 
 def with_every_option() -> list[tuple[list[int], dict]]:
-    """The mixed batch of 8, six of them with different options (two with two options at once), two plain."""
+    """The mixed batch of 8, six of them with different options (three with two at once), two plain."""
     combined = [OPTIONS["repetition_penalty"] | OPTIONS["logprobs"], OPTIONS["bad_words"], {},
                 OPTIONS["presence_frequency_penalty"] | OPTIONS["logit_bias"], OPTIONS["allowed_token_ids"],
-                OPTIONS["logit_bias"], OPTIONS["bad_words"] | OPTIONS["repetition_penalty"], {}]
+                OPTIONS["logit_bias"] | structured(2), OPTIONS["bad_words"] | OPTIONS["repetition_penalty"], {}]
     return [(prompt, options | extra) for (prompt, options), extra in zip(MIXED, combined, strict=True)]
 
 
@@ -100,4 +121,4 @@ def speculation_of(llm, requests) -> dict[str, int]:
     generate_outputs(llm, requests)
     after = llm.collective_rpc(read_tree_stats)[0]
     return {key: after[key] - before[key] for key in ("accepted", "requests_without_speculation", "tree_requests",
-                                                      "chain_requests")}
+                                                      "chain_requests", "path_requests", "nodes_verified")}

@@ -21,11 +21,18 @@ def install() -> None:
     check_vllm_version()
     from vllm.platforms import current_platform
 
-    from vllm_easyspec.integration import front_end, model_runner_choice, request_options, runner
+    from vllm_easyspec.integration import (
+        front_end,
+        model_runner_choice,
+        request_options,
+        runner,
+        tree_grammar,
+    )
 
     model_runner_choice.install()
     front_end.install()
     request_options.install()
+    tree_grammar.install()
     runner.install()
     if current_platform.is_cpu():
         from vllm_easyspec.integration.cpu import attention_backend, sampler_fix

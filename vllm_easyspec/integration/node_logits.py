@@ -6,7 +6,8 @@ what it samples from in this order (``Sampler.apply_logits_processors``, then ``
 1. the ``allowed_token_ids`` mask;
 2. ``bad_words``: a bad word's last token is banned where the output so far ends with the word's other tokens
    (``vllm/v1/sample/ops/bad_words.py``);
-3. the processors that can change the argmax: ``min_tokens`` (stop tokens banned), then ``logit_bias``;
+3. the processors that can change the argmax: ``min_tokens`` (stop tokens banned; for structured output given back
+   in a row the ban would leave empty), then ``logit_bias``;
 4. the repetition, frequency and presence penalties over the prompt and the output so far
    (``vllm/v1/sample/ops/penalties.py``);
 5. for sampled requests only: temperature, ``min_p`` (``MinPLogitsProcessor``), top-k and top-p.
@@ -97,7 +98,15 @@ def process_node_logits(logits: torch.Tensor, step: TreeVerifyStep, first_logit_
                 _apply_bad_words_single_batch(part[start + column], words, histories[start + column])
     if banned_tokens.numel():  # min_tokens: the stop tokens of the rows below the request's depth
         local = row_start[banned_requests] + banned_columns
-        part[local.to(device, non_blocking=True), banned_tokens.to(device, non_blocking=True)] = float("-inf")
+        where = (local.to(device, non_blocking=True), banned_tokens.to(device, non_blocking=True))
+        restored = torch.tensor([step.requests[index].stop_tokens_restored_when_all_banned
+                                 for index in banned_requests.tolist()], dtype=torch.bool)
+        kept = part[where] if bool(restored.any()) else None  # host flags: no device read
+        part[where] = float("-inf")
+        if kept is not None:  # as MinTokensLogitsProcessor for structured output: nothing else left, stop tokens back
+            nothing_left = torch.isneginf(part[where[0]]).all(dim=-1)
+            back = restored.to(device, non_blocking=True) & nothing_left & torch.isfinite(kept)
+            part[where] = torch.where(back, kept, part[where])
     bias_rows, bias_tokens, bias_values = [], [], []
     for index, batch_row in enumerate(request_batch_rows):
         bias = biases.get(batch_row)

@@ -239,6 +239,7 @@ class TreeRunnerMixin:
                 draft_probs=probs,
                 stop_tokens_banned_below_depth=banned_depth,
                 stop_token_ids=tuple(sorted(params.all_stop_token_ids)) if banned_depth > 0 else (),
+                stop_tokens_restored_when_all_banned=banned_depth > 0 and params.structured_outputs is not None,
                 req_id=req_id,
                 from_lookup=from_lookup,
             ))

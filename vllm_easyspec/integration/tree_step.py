@@ -35,6 +35,9 @@ if TYPE_CHECKING:
     from vllm_easyspec.integration.node_policy import NodePolicy
 
 logger = plugin_logger(__name__)
+# vLLM's DraftTokenIds carries this attribute to the scheduler: {request id: node parents} of the structured-output
+# requests' drafts, whose grammar masks follow each node's path (:mod:`~vllm_easyspec.integration.tree_grammar`)
+DRAFT_PARENTS = "easyspec_draft_parents"
 
 
 def tree_fallback_reason(params, processed_logprobs: bool = False) -> str | None:
@@ -43,12 +46,11 @@ def tree_fallback_reason(params, processed_logprobs: bool = False) -> str | None
     The tree sampler applies temperature, top-k, top-p, ``min_p`` and seeds, ``min_tokens``, and, per node with
     the tokens of that node's path as the end of the output (:mod:`~vllm_easyspec.integration.node_logits`),
     the repetition, frequency and presence penalties, ``bad_words``, ``logit_bias`` and ``allowed_token_ids``; it
-    returns the raw logprobs of every emitted token. What remains is served without speculation:
+    returns the raw logprobs of every emitted token. Structured output's grammar masks follow each node's path
+    (:mod:`~vllm_easyspec.integration.tree_grammar`). What remains is served without speculation:
 
     - ``logprobs`` in a processed ``logprobs_mode`` (``processed_logprobs``: the engine's mode is one): the tree
       sampler returns raw values only;
-    - structured output: its grammar state lives in the scheduler, which fills masks and validates drafts as a
-      chain, not along each node's path;
     - watermarking and a thinking-token budget: their state advances token by token in vLLM's sampler.
 
     ``extra_args`` are served with speculation: vLLM refuses custom logits processors whenever a speculative config
@@ -56,7 +58,6 @@ def tree_fallback_reason(params, processed_logprobs: bool = False) -> str | None
     """
     checks = (
         (params.logprobs is not None and processed_logprobs, "logprobs in a processed logprobs_mode"),
-        (params.structured_outputs is not None, "structured output"),
         (bool(params.watermarking), "watermarking"),
         (params.thinking_token_budget is not None, "thinking_token_budget"),
     )
@@ -218,12 +219,20 @@ class TreeVerifier:
 
     def trim_drafts(self, drafts) -> None:
         """``take_draft_token_ids``: requests without speculation (or a step without drafting) get none, and
-        trees smaller than the widest (sources added fewer nodes) get their own node count."""
+        trees smaller than the widest (sources added fewer nodes) get their own node count; structured-output
+        requests' node parents go with their drafts to the scheduler (:data:`DRAFT_PARENTS`)."""
+        parents: dict[str, list[int]] = {}
         for index, req_id in enumerate(drafts.req_ids):
             if not self.drafted_this_step or req_id in self.no_drafts:
                 drafts.draft_token_ids[index] = []
             elif req_id in self.pending:
-                drafts.draft_token_ids[index] = drafts.draft_token_ids[index][: len(self.pending[req_id].tokens)]
+                pending = self.pending[req_id]
+                drafts.draft_token_ids[index] = drafts.draft_token_ids[index][: len(pending.tokens)]
+                params = getattr(self.requests.get(req_id), "sampling_params", None)
+                if params is not None and params.structured_outputs is not None:
+                    parents[req_id] = pending.parents
+        if parents:
+            setattr(drafts, DRAFT_PARENTS, parents)
         self.drafted_this_step = False
 
     # ------------------------------------------------------------------------------------------ verifying

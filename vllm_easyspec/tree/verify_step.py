@@ -40,6 +40,9 @@ class TreeRequest:
     # there, as vLLM's MinTokensLogitsProcessor does for the first min_tokens outputs)
     stop_tokens_banned_below_depth: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    # structured output: a row whose every token is banned keeps its stop tokens (vLLM's MinTokensLogitsProcessor
+    # restores them there, so that the grammar's end can still be sampled)
+    stop_tokens_restored_when_all_banned: bool = False
     req_id: str = ""  # the engine's request id (bookkeeping only)
     from_lookup: tuple[bool, ...] = ()  # per node: merged from a source (prompt lookup); empty: all drafted
 

@@ -1,0 +1,70 @@
+"""Each tree node's grammar mask is the grammar's mask after the node's own path (issue 62), without an engine: the
+scheduler-side rows of :mod:`vllm_easyspec.integration.tree_grammar` against a fresh xgrammar matcher advanced along
+each path, with vLLM's own ``XgrammarGrammar`` over the tiny tokenizer."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+VOCAB = 64
+REGEX = "((w15w19|w15w23|w20w21w22|w41)w33)+"
+# root children w15, w20 and w60 (which the grammar forbids); under w15: w19, w23 and w33 (forbidden there); under
+# w20: w21 (then w22, then w33); under w15 w19: w33; and a child of the forbidden w60
+TOKENS = [15, 20, 60, 19, 23, 33, 21, 33, 22, 33, 41]
+PARENTS = [-1, -1, -1, 0, 0, 0, 1, 3, 6, 8, 2]
+FORBIDDEN = {2, 5, 10}  # w60, w15 w33, and everything under w60
+
+
+def _grammar(tokenizer_dir, max_rollback: int = 16):
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+    from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar
+
+    info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(tokenizer_dir), vocab_size=VOCAB)
+    compiled = xgr.GrammarCompiler(info).compile_regex(REGEX)
+    return XgrammarGrammar(vocab_size=VOCAB, matcher=xgr.GrammarMatcher(compiled, max_rollback_tokens=max_rollback),
+                           ctx=compiled), compiled
+
+
+def _mask_after(compiled, tokens: list[int]) -> torch.Tensor:
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(compiled)
+    for token in tokens:
+        assert matcher.accept_token(token)
+    bitmask = xgr.allocate_token_bitmask(1, VOCAB)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    return bitmask[0]
+
+
+def _path(index: int) -> list[int]:
+    path = []
+    while index >= 0:
+        path.insert(0, TOKENS[index])
+        index = PARENTS[index]
+    return path
+
+
+def test_each_nodes_row_is_the_grammars_mask_after_its_path_and_the_matcher_ends_where_it_began(tiny_tokenizer_dir):
+    import xgrammar as xgr
+
+    from vllm_easyspec.integration.tree_grammar import _node_rows
+
+    grammar, compiled = _grammar(tiny_tokenizer_dir)
+    grammar.accept_tokens("r", [41, 33])  # the request's output so far
+    manager = types.SimpleNamespace(backend=types.SimpleNamespace(
+        allocate_token_bitmask=lambda rows: xgr.allocate_token_bitmask(rows, VOCAB)))
+    request = types.SimpleNamespace(request_id="r", structured_output_request=types.SimpleNamespace(grammar=grammar))
+    root = _mask_after(compiled, [41, 33]).numpy()
+    rows = torch.from_numpy(_node_rows(manager, request, TOKENS, PARENTS, root))
+    for node in range(len(TOKENS)):
+        if node in FORBIDDEN:
+            assert torch.equal(rows[node], torch.from_numpy(root)), node
+        else:
+            assert torch.equal(rows[node], _mask_after(compiled, [41, 33, *_path(node)])), node
+    assert not torch.equal(rows[0], rows[1])  # w15 and w20 allow different next tokens
+    after = xgr.allocate_token_bitmask(1, VOCAB)
+    grammar.fill_bitmask(after, 0)
+    assert torch.equal(after[0], torch.from_numpy(root)) and not grammar.is_terminated()

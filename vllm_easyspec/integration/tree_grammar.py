@@ -1,0 +1,148 @@
+"""Structured output with token trees: each node's grammar mask from the grammar state along its own path.
+
+In vLLM 0.32 a request's grammar matcher lives in the engine core's scheduler
+(``vllm/v1/structured_output/``). For a chain of drafts it validates the drafts (``Scheduler.update_draft_token_ids``
+keeps their longest grammar-valid prefix) and fills one bitmask row per scheduled position by advancing the matcher
+along the drafts (``StructuredOutputManager.grammar_bitmask``); the worker applies row ``i`` of a request to its
+``i``-th logit row (``apply_grammar_bitmask`` in ``GPUModelRunner.sample_tokens``), before sampling. A tree's nodes
+are not a chain, so for a tree request:
+
+1. the worker hands each structured-output request's node parents to the scheduler with its drafts
+   (:data:`~vllm_easyspec.integration.tree_step.DRAFT_PARENTS` on vLLM's ``DraftTokenIds``, which reaches the engine
+   core pickled, attributes and all; :meth:`~vllm_easyspec.integration.tree_step.TreeVerifier.trim_drafts`);
+2. ``update_draft_token_ids`` (seam) keeps the whole tree rather than a chain prefix. A node the grammar forbids
+   stays: its parent's row masks it, so it is never accepted. A request still in its reasoning section (a
+   reasoning parser constrains it only after the section ends) gets no drafts for the step: exact, unspeculated;
+3. ``grammar_bitmask`` (seam) fills vLLM's rows for every request with the tree requests' drafts left out (so each
+   tree request gets its root row exactly as vLLM fills it), then inserts after each root row one row per scheduled
+   node: the matcher advanced along the node's path (rolled back to the longest prefix it shares with the previous
+   node's), the next-token mask filled, a full mask once the grammar has terminated, the root's row for a node
+   whose path the grammar forbids (never reached);
+4. the tree sampler verifies the masked rows; the scheduler advances the matcher by the accepted tokens
+   (``update_from_output``), as without speculation.
+
+Row ``i`` of a tree request is then the mask of its ``i``-th logit row, which is what vanilla vLLM applies once
+the node's path is the output. Chains (``budget_by_batch`` chains, ``auto``'s lookup paths) carry their parents
+too, and get the masks vLLM gives a chain.
+
+Invariant: a request whose drafts come without parents is handled exactly as vLLM handles it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from vllm_easyspec.integration.compat import plugin_logger
+from vllm_easyspec.integration.tree_step import DRAFT_PARENTS
+
+logger = plugin_logger(__name__)
+_REQUEST_PARENTS = "easyspec_draft_parents"  # on the scheduler's Request: the parents of its spec_token_ids
+
+
+def install() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    if getattr(Scheduler.update_draft_token_ids, "_easyspec_patched", False):
+        return
+    # Replaces vllm.v1.core.sched.scheduler.Scheduler.update_draft_token_ids: vLLM's, except that a structured-output
+    # request's tree keeps all its nodes (step 2 of the module docstring).
+    Scheduler.update_draft_token_ids = _update_draft_token_ids(Scheduler.update_draft_token_ids)
+    # Replaces vllm.v1.structured_output.StructuredOutputManager.grammar_bitmask: vLLM's rows, plus one per tree node
+    # filled along the node's own path (step 3).
+    StructuredOutputManager.grammar_bitmask = _grammar_bitmask(StructuredOutputManager.grammar_bitmask)
+
+
+def _update_draft_token_ids(original):
+    @functools.wraps(original)
+    def update_draft_token_ids(self, draft_token_ids) -> None:
+        trees: dict[str, list[int]] = getattr(draft_token_ids, DRAFT_PARENTS, None) or {}
+        for req_id in draft_token_ids.req_ids:
+            request = self.requests.get(req_id)
+            if request is not None:
+                setattr(request, _REQUEST_PARENTS, None)
+        if not trees:
+            return original(self, draft_token_ids)
+        plain = type(draft_token_ids)([], [])
+        for req_id, tokens in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids, strict=True):
+            request = self.requests.get(req_id)
+            if req_id not in trees or request is None or not request.use_structured_output:
+                plain.req_ids.append(req_id)
+                plain.draft_token_ids.append(tokens)
+            elif request.is_finished():
+                continue
+            elif request.is_prefill_chunk or not _constrained_from_start(self.structured_output_manager, request):
+                request.spec_token_ids = []  # a prefill chunk takes no drafts; a reasoning section none of a tree's
+            else:
+                request.spec_token_ids = list(tokens)
+                setattr(request, _REQUEST_PARENTS, list(trees[req_id]))
+        original(self, plain)
+
+    update_draft_token_ids._easyspec_patched = True
+    return update_draft_token_ids
+
+
+def _constrained_from_start(manager, request) -> bool:
+    """The grammar constrains the request's next token (no reasoning section still open before it)."""
+    bounds = manager._get_constraint_bounds(request, ())
+    return bounds.constraint_start == 0 and bounds.grammar_start == 0
+
+
+def _grammar_bitmask(original):
+    @functools.wraps(original)
+    def grammar_bitmask(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens):
+        trees = {}
+        for req_id in structured_output_request_ids:
+            parents = getattr(requests[req_id], _REQUEST_PARENTS, None)
+            tokens = scheduled_spec_decode_tokens.get(req_id)
+            if parents is not None and tokens:
+                trees[req_id] = (list(tokens), parents[: len(tokens)])
+        if not trees:
+            return original(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens)
+        without_trees = {req_id: tokens for req_id, tokens in scheduled_spec_decode_tokens.items() if req_id not in trees}
+        rows = original(self, requests, structured_output_request_ids, without_trees)
+        parts, start = [], 0
+        for req_id in structured_output_request_ids:
+            count = 1 + len(without_trees.get(req_id, ()))
+            parts.append(rows[start : start + count])
+            start += count
+            if req_id in trees:
+                parts.append(_node_rows(self, requests[req_id], *trees[req_id], root=rows[start - 1]))
+        return np.concatenate(parts)
+
+    return grammar_bitmask
+
+
+def _node_rows(manager, request, tokens: list[int], parents: list[int], root: np.ndarray) -> np.ndarray:
+    """One bitmask row per node: the grammar's next-token mask after the node's path (module docstring, step 3)."""
+    grammar = request.structured_output_request.grammar
+    bitmask = manager.backend.allocate_token_bitmask(len(tokens))
+    paths: list[list[int]] = []
+    advanced: list[int] = []  # the tokens the matcher is advanced by
+    for index, (token, parent) in enumerate(zip(tokens, parents, strict=True)):
+        path = [*(paths[parent] if parent >= 0 else []), token]
+        paths.append(path)
+        shared = 0
+        while shared < min(len(advanced), len(path)) and advanced[shared] == path[shared]:
+            shared += 1
+        if len(advanced) > shared:
+            grammar.rollback(len(advanced) - shared)
+            del advanced[shared:]
+        valid = True
+        for next_token in path[shared:]:
+            if grammar.is_terminated() or grammar.validate_tokens([next_token]) != [next_token]:
+                valid = False
+                break
+            grammar.accept_tokens(request.request_id, [next_token])
+            advanced.append(next_token)
+        if not valid:
+            bitmask[index] = bitmask.new_tensor(root)  # never reached: the node's parent row masks its token
+        elif grammar.is_terminated():
+            bitmask[index].fill_(-1)  # as vLLM: no constraint after the grammar's end (the request stops there)
+        else:
+            grammar.fill_bitmask(bitmask, index)
+    if advanced:
+        grammar.rollback(len(advanced))
+    return bitmask.numpy()
