@@ -66,6 +66,18 @@ def only_options(requests: list[tuple[list[int], dict]]) -> list[tuple[list[int]
             if options != plain]
 
 
+_VANILLA: dict[str, list[dict]] = {}
+
+
+def vanilla_outputs(llm_pool, target, name: str, requests) -> list[dict]:
+    """:func:`generate_outputs` of an engine without speculation for ``target``, kept for the session under ``name``
+    (taken before the engine under test: the pool runs one in-process engine at a time)."""
+    key = f"{target}:{name}"
+    if key not in _VANILLA:
+        _VANILLA[key] = generate_outputs(llm_pool.get(target), requests)
+    return _VANILLA[key]
+
+
 def generate_outputs(llm, requests, **common) -> list[dict]:
     """Each request's output: token ids, text, finish reason, and its logprobs and prompt logprobs as
     ``{token: (logprob, rank)}`` per position (None where not asked for); greedy unless the options say so."""

@@ -10,11 +10,12 @@ from __future__ import annotations
 import pytest
 from controller_costs import steps_cost_nothing
 from option_requests import (
-    OPTIONS,
+    OPTION_NAMES,
     assert_same_outputs,
     generate_outputs,
     only_options,
     speculation_of,
+    vanilla_outputs,
     with_every_option,
     with_option,
 )
@@ -22,18 +23,9 @@ from option_requests import (
 DYNAMIC = {"top_k": 3, "depth": 4, "budget": 10}
 AUTO = DYNAMIC | {"sources": {"prompt_lookup": {"nodes": 3}}, "auto": True}
 
-_VANILLA: dict[str, list] = {}
-
-
-def _vanilla(llm_pool, target, name: str, requests) -> list[dict]:
-    key = f"{target}:{name}"
-    if key not in _VANILLA:
-        _VANILLA[key] = generate_outputs(llm_pool.get(target), requests)
-    return _VANILLA[key]
-
 
 def _check(llm_pool, target, head, tree: dict, name: str, requests) -> None:
-    expected = _vanilla(llm_pool, target, name, requests)
+    expected = vanilla_outputs(llm_pool, target, name, requests)
     llm = llm_pool.get(target, speculative_config={"method": "eagle3", "model": str(head)},
                        additional_config={"easyspec": {"tree": tree}})
     if tree is AUTO:
@@ -50,7 +42,7 @@ def test_every_option_at_once_with_eagle_trees_equals_vanilla(llm_pool, tiny_lla
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("option", OPTION_NAMES)
 def test_each_option_with_eagle_trees_equals_vanilla(llm_pool, tiny_llama_dir, trained_tiny_heads, option):
     for tree in (DYNAMIC, AUTO):
         _check(llm_pool, tiny_llama_dir, trained_tiny_heads("eagle3"), tree, option, with_option(option))

@@ -33,6 +33,7 @@ from option_requests import (
     generate_outputs,
     only_options,
     speculation_of,
+    vanilla_outputs,
     with_every_option,
     with_option,
 )
@@ -49,16 +50,6 @@ def _engine(llm_pool, target, draft, tree: dict):
                         additional_config={"easyspec": {"tree": tree}})
 
 
-_VANILLA: dict[str, list] = {}
-
-
-def _vanilla(llm_pool, target, name: str, requests) -> list[dict]:
-    key = f"{target}:{name}"
-    if key not in _VANILLA:
-        _VANILLA[key] = generate_outputs(llm_pool.get(target), requests)
-    return _VANILLA[key]
-
-
 def _assert_speculated(llm, requests, branching: bool = False) -> None:
     """The requests with options, run alone, got drafts accepted and none was served without speculation; with
     ``branching``, trees that branch were verified for them (a structured-output tree cut to a chain by vLLM's chain
@@ -73,8 +64,8 @@ def _assert_speculated(llm, requests, branching: bool = False) -> None:
 def test_requests_with_an_option_are_speculated_and_equal_vanilla(llm_pool, tree_llama_dir, tiny_llama_draft_dir,
                                                                    option):
     requests = with_option(option)
-    expected = _vanilla(llm_pool, tree_llama_dir, option, requests)
-    plain = _vanilla(llm_pool, tree_llama_dir, "plain", with_option("logprobs"))  # the option changes the output
+    expected = vanilla_outputs(llm_pool, tree_llama_dir, option, requests)
+    plain = vanilla_outputs(llm_pool, tree_llama_dir, "plain", with_option("logprobs"))  # the option changes the output
     llm = _engine(llm_pool, tree_llama_dir, tiny_llama_draft_dir, STATIC)
     assert_same_outputs(generate_outputs(llm, requests), expected)
     if option != "logprobs":
@@ -85,7 +76,7 @@ def test_requests_with_an_option_are_speculated_and_equal_vanilla(llm_pool, tree
 @pytest.mark.parametrize("tree", ["auto", "chains"])
 def test_every_option_at_once_is_speculated_and_equals_vanilla(llm_pool, tree_llama_dir, tiny_llama_draft_dir, tree):
     requests = with_every_option()
-    expected = _vanilla(llm_pool, tree_llama_dir, "every", requests)
+    expected = vanilla_outputs(llm_pool, tree_llama_dir, "every", requests)
     llm = _engine(llm_pool, tree_llama_dir, tiny_llama_draft_dir, AUTO if tree == "auto" else CHAINS)
     if tree == "auto":
         llm.collective_rpc(steps_cost_nothing)  # nodes must be verified to be checked, whatever the timings
@@ -98,13 +89,25 @@ def test_every_option_at_once_is_speculated_and_equals_vanilla(llm_pool, tree_ll
 def test_an_option_under_auto_and_in_chain_steps_equals_vanilla(llm_pool, tree_llama_dir, tiny_llama_draft_dir,
                                                                  option):
     requests = with_option(option)
-    expected = _vanilla(llm_pool, tree_llama_dir, option, requests)
+    expected = vanilla_outputs(llm_pool, tree_llama_dir, option, requests)
     for tree in (AUTO, CHAINS):
         llm = _engine(llm_pool, tree_llama_dir, tiny_llama_draft_dir, tree)
         if tree is AUTO:
             llm.collective_rpc(steps_cost_nothing)
         assert_same_outputs(generate_outputs(llm, requests), expected)
         _assert_speculated(llm, requests)
+
+
+@pytest.mark.slow  # LLM()'s own processes take 25-40 s to start on 2 cores
+def test_structured_output_trees_reach_a_scheduler_in_another_process(llm_pool, tree_llama_dir, tiny_llama_draft_dir):
+    """The node parents travel to the scheduler on vLLM's ``DraftTokenIds``, pickled between the worker's process
+    and the engine core's: there too, structured-output requests verify branching trees and equal vanilla."""
+    requests = with_option("structured_output")
+    expected = vanilla_outputs(llm_pool, tree_llama_dir, "structured_output", requests)
+    llm = llm_pool.get(tree_llama_dir, multiprocess=True, additional_config={"easyspec": {"tree": STATIC}},
+                       speculative_config={"method": "draft_model", "model": str(tiny_llama_draft_dir)})
+    assert_same_outputs(generate_outputs(llm, requests), expected)
+    _assert_speculated(llm, requests, branching=True)
 
 
 def test_min_p_and_logit_bias_are_accepted_with_a_tree(llm_pool, tree_llama_dir, tiny_llama_draft_dir):
@@ -127,8 +130,8 @@ def test_an_invalid_grammar_gets_vllms_error_and_the_engine_serves_on(llm_pool, 
 
     invalid = [{"json": {"type": "nonsense"}}, {"regex": "(w1["}]
     impossible = [([1, 7], {"max_tokens": 6, "structured_outputs": StructuredOutputsParams(regex="xyz")})]
-    expected = _vanilla(llm_pool, tree_llama_dir, "impossible", impossible)
-    plain = _vanilla(llm_pool, tree_llama_dir, "structured_output", with_option("structured_output"))
+    expected = vanilla_outputs(llm_pool, tree_llama_dir, "impossible", impossible)
+    plain = vanilla_outputs(llm_pool, tree_llama_dir, "structured_output", with_option("structured_output"))
     vanilla_errors = []
     for spec in invalid:
         with pytest.raises(Exception) as refused:  # noqa: PT011 - whatever vLLM raises, the tree engine must too
@@ -153,7 +156,7 @@ def test_min_tokens_beyond_a_grammars_end_keeps_its_stop_token_as_vanilla(llm_po
     requests = [(prompt, {"max_tokens": 12, "min_tokens": 5,
                           "structured_outputs": StructuredOutputsParams(choice=["w20w21", "w28w25"])})
                 for prompt, _ in with_option("structured_output")[:4]]
-    expected = _vanilla(llm_pool, tree_llama_dir, "min_tokens_grammar", requests)
+    expected = vanilla_outputs(llm_pool, tree_llama_dir, "min_tokens_grammar", requests)
     llm = _engine(llm_pool, tree_llama_dir, tiny_llama_draft_dir, STATIC)
     assert_same_outputs(generate_outputs(llm, requests), expected)
     assert all(out["finish"] == "stop" and len(out["tokens"]) == 3 for out in expected)

@@ -1,6 +1,6 @@
 """Request options through the OpenAI server with token trees (issue 62): ``vllm-easyspec serve`` with a draft-model
 tree takes the mixed batch with every option (penalties, ``logit_bias``, ``bad_words``, ``allowed_token_ids``,
-``logprobs``, ``prompt_logprobs``) as concurrent completions, and a sampled ``min_p`` request, which vLLM's server
+``logprobs``, ``prompt_logprobs``, structured output) as concurrent completions, and a sampled ``min_p`` request, which vLLM's server
 refuses with speculation. Greedy texts and logprobs equal vanilla ``LLM()``'s, drafts are accepted, and no request
 is served without speculation. Slow: it starts a server (tests/tree/test_engine_tree_options.py checks each option
 through ``LLM()`` in the default suite)."""
@@ -25,6 +25,10 @@ def _body(model: str, prompt: list[int], options: dict) -> dict:
     body = {"model": model, "prompt": prompt, "temperature": 0.0} | options
     if "logit_bias" in body:  # the API takes token ids as strings
         body["logit_bias"] = {str(token): bias for token, bias in body["logit_bias"].items()}
+    if "structured_outputs" in body:  # and the grammar as its fields
+        grammar = body["structured_outputs"]
+        body["structured_outputs"] = {name: getattr(grammar, name) for name in ("json", "regex", "choice", "grammar")
+                                      if getattr(grammar, name) is not None}
     return body
 
 

@@ -13,6 +13,7 @@ import types
 import pytest
 import torch
 from fake_device import DEVICE, on_host, second_device
+from tree_testlib import spec_decode_metadata
 
 from vllm_easyspec.tree.building import ChildDrawMode
 from vllm_easyspec.tree.verify_step import TreeRequest, TreeVerifyStep
@@ -25,22 +26,7 @@ PREFIXES = [10, 20]
 
 
 def _metadata(device):
-    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
-
-    drafts = [TREES[0][0], TREES[1][0]]
-    sampled = torch.tensor([len(d) + 1 for d in drafts])
-    cu_sampled = sampled.cumsum(0)
-    starts = cu_sampled - sampled
-    target = torch.cat([starts[i] + torch.arange(len(d)) for i, d in enumerate(drafts)])
-    return SpecDecodeMetadata(  # as vLLM's runner lays out the rows (_calc_spec_decode_metadata)
-        draft_token_ids=torch.tensor(sum(drafts, []), dtype=torch.int32, device=device),
-        num_draft_tokens=[len(d) for d in drafts],
-        cu_num_draft_tokens=torch.tensor([len(d) for d in drafts], device=device).cumsum(0).int(),
-        cu_num_sampled_tokens=cu_sampled.int().to(device),
-        target_logits_indices=target.int().to(device),
-        bonus_logits_indices=(cu_sampled - 1).int().to(device),
-        logits_indices=torch.arange(int(cu_sampled[-1]), dtype=torch.int32, device=device),
-    )
+    return spec_decode_metadata([TREES[0][0], TREES[1][0]], device)
 
 
 def _sampling_metadata(device, seed: int):

@@ -284,3 +284,23 @@ def make_paged_batch(parents_per_request, prefix_lens, block_size, num_q_heads, 
     args = dict(query=query, key_cache=key_cache, value_cache=value_cache, block_table=block_table,
                 prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32), cu_query_lens=cu, tree_mask=mask)
     return {k: v.to(device) for k, v in args.items()}
+
+
+def spec_decode_metadata(drafts: list[list[int]], device):
+    """vLLM's ``SpecDecodeMetadata`` of a batch whose requests have these drafts (``[]``: none), its rows laid out as
+    vLLM's runner lays them out (``_calc_spec_decode_metadata``): each request's drafts' rows, then its bonus row."""
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    sampled = torch.tensor([len(d) + 1 for d in drafts])
+    cu_sampled = sampled.cumsum(0)
+    starts = cu_sampled - sampled
+    target = torch.cat([starts[i] + torch.arange(len(d)) for i, d in enumerate(drafts)])
+    return SpecDecodeMetadata(
+        draft_token_ids=torch.tensor(sum(drafts, []), dtype=torch.int32, device=device),
+        num_draft_tokens=[len(d) for d in drafts],
+        cu_num_draft_tokens=torch.tensor([len(d) for d in drafts], device=device).cumsum(0).int(),
+        cu_num_sampled_tokens=cu_sampled.int().to(device),
+        target_logits_indices=target.int().to(device),
+        bonus_logits_indices=(cu_sampled - 1).int().to(device),
+        logits_indices=torch.arange(int(cu_sampled[-1]), dtype=torch.int32, device=device),
+    )
