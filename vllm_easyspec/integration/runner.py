@@ -124,8 +124,7 @@ class TreeRunnerMixin:
             verifier.forward = None
             if self._step_trace is not None:  # before the commit rewrites the branch's input ids and positions
                 trace_tree_step(self._step_trace, forward.step, spec_decode_metadata, verdict.node_logits,
-                                self.input_ids.gpu,
-                                self.positions, verdict, self.input_batch.sampling_metadata)
+                                self.input_ids.gpu, self.positions, verdict, self.input_batch.sampling_metadata)
             self._commit(forward, verdict)
             output = verdict.sampler_output
         if verifier is not None:
