@@ -20,7 +20,9 @@ OPTIONS: dict[str, dict] = {
     "logit_bias": {"logit_bias": {35: 2.5, 20: -3.0, 41: 1.0}},
     "allowed_token_ids": {"allowed_token_ids": list(range(3, 40))},
     "logprobs": {"logprobs": 3, "prompt_logprobs": 2},
+    "logprob_token_ids": {"logprob_token_ids": [20, 35, 41]},
 }
+REPORTS_ONLY = {"logprobs", "logprob_token_ids"}  # options that change no token
 OPTION_NAMES = [*OPTIONS, "structured_output"]  # structured output: one of GRAMMARS per request
 # grammars over the tiny vocabulary's raw token text ("w15", ...), in tokens w10..w29 (none has a prefix that is a
 # token: "w3" would let a grammar over "w30" start with w3); the second's and the third's next token depends on the
