@@ -1,37 +1,19 @@
 """The speculation controller of ``easyspec.tree.auto``: every step, how deep to draft and which nodes of each
-request's candidate tree to verify, from a measured cost model and a calibrated acceptance model.
+request's candidate tree to verify, from a measured cost model and a calibrated acceptance model
+(docs/design.md, "Self-tuning speculation").
 
-One step, as the drafter and the runner call it:
+One step: :meth:`SpeculationController.plan_depth` before drafting (the depth with the best predicted rate, or
+0: no drafting, the first pass deferred); :meth:`SpeculationController.choose` after drafting (each request's
+nodes best first and how many it verifies); :meth:`SpeculationController.observe` after verification, and
+:meth:`observe_verify` / :meth:`observe_first_pass` / :meth:`observe_draft` with the step's timings. The
+:class:`OutcomeGuard` holds drafting back where it measurably produced less than plain cycles; steps explore
+against the plan (:class:`Exploring`) from a budget of :data:`EXPLORE_SHARE` of the verify time.
 
-1. :meth:`SpeculationController.plan_depth` before drafting: the depth with the best predicted rate
-   (:func:`~vllm_easyspec.control.planning.choose_depth`), each depth priced by a moving average of the nodes the
-   request offered when it drafted that deep (:class:`~vllm_easyspec.control.planning.AveragedOffer`; a request
-   starts from the average over every request's offers, which starts from a chain of :data:`FIRST_DEPTH_RATE`
-   powers), kept apart for steps with a prompt-lookup path and steps without one, and never below a shallower
-   depth's offer; or no drafting at all (the first pass deferred) when no node is expected to repay it or the
-   requests' prompt-lookup paths alone pay more;
-2. :meth:`SpeculationController.choose` after drafting: each request's nodes with their chances
-   (:class:`~vllm_easyspec.control.acceptance.AcceptanceModel`, times the recent ratio of realised to predicted
-   accepted nodes in this batch-size bucket, at most 1), best first, and how many of them it verifies
-   (:func:`~vllm_easyspec.control.planning.choose_nodes`);
-3. :meth:`SpeculationController.observe` after verification (calibrates the acceptance model), and
-   :meth:`observe_verify` / :meth:`observe_first_pass` / :meth:`observe_draft` with the step's timings (keep the
-   cost model current).
+Trees of i.i.d. draws (``draw: sample``) keep their template order and are chosen without their draft
+probabilities: such a request verifies a prefix whose length depends on depth and its history only.
 
-The :class:`OutcomeGuard` keeps the outcome itself, tokens per second of whole decode cycles per batch-size bucket,
-and holds back drafting (or prompt-lookup paths verified alone) where it measurably produced less than plain
-cycles, even when the models say it pays. Where the plan drafts nothing, drafts less than the whole depth, or is
-held back, a step explores now and then (:class:`Exploring`), paid from a budget that grows by
-:data:`EXPLORE_SHARE` of every decode step's verify time and holds at most :data:`EXPLORE_MOST_STEPS` steps'
-time; one step in :data:`EXPLORE_EVERY` also verifies a random number of the best nodes, so the verify cost is
-learnt at row counts a steady batch never shows.
-
-Trees whose children are i.i.d. draws from the draft (``draw: sample``) keep their template order and are chosen
-without their draft probabilities: such a request verifies a prefix of its template whose length depends on depth
-and the request's history only.
-
-Invariant: every choice is a function of the draft's output, of earlier verification outcomes and of random draws
-independent of every verification, so speculation stays lossless whatever the controller chooses.
+Invariant: every choice is a function of the draft's output, of earlier verification outcomes and of random
+draws independent of every verification, so speculation stays lossless whatever the controller chooses.
 """
 
 from __future__ import annotations
@@ -209,9 +191,7 @@ class DecodeCycle:
 class OutcomeGuard:
     """Tokens per second of whole decode cycles (drafting + verify), by batch-size bucket (powers of two), kept
     apart for cycles that drafted, plain cycles (no node verified) and cycles that verified prompt-lookup paths
-    alone. A cycle's tokens are its verify step's requests plus the drafts they accepted; its seconds are the
-    drafting and the verify, a catch-up first pass charged at the share :meth:`SpeculationController.plan_depth`
-    charges it, and the rest repaid by the drafted cycles after it (each ``1 / horizon`` of what is outstanding).
+    alone (docs/design.md, "Outcome guard").
 
     Invariant: :meth:`holds_back` depends only on timings and earlier verification outcomes."""
 
@@ -238,8 +218,7 @@ class OutcomeGuard:
         """Whether cycles that drafted, at this many requests, measurably produced fewer tokens per second than
         plain cycles (measured ones, else ``requests`` tokens in ``plain_seconds``, the verify model's
         cost of a cycle without drafts): by more than :data:`GUARD_STANDARD_ERRORS` standard errors of the
-        difference. A lone request's cycles vary much (each accepts all or nothing of its drafts), so a run of
-        failures alone does not stop its drafting; a large batch's vary little, so a small loss does."""
+        difference."""
         return self._below_plain(self.drafted, requests, plain_seconds)
 
     def holds_back_lookup(self, requests: int, plain_seconds: float) -> bool:
@@ -317,9 +296,8 @@ class SpeculationController:
 
     @property
     def current_cycle(self) -> DecodeCycle | None:
-        """The decode cycle the last :meth:`plan_depth` opened and no :meth:`observe_verify` has closed yet. A
-        timing that reaches the controller late (a GPU's spans are read a step later) names the cycle it belongs
-        to with this."""
+        """The decode cycle the last :meth:`plan_depth` opened and no :meth:`observe_verify` has closed yet (a
+        timing that reaches the controller late, as a GPU's spans do, names its cycle with this)."""
         return self._cycle
 
     @property
@@ -342,16 +320,11 @@ class SpeculationController:
     # ------------------------------------------------------------------------------------------ before drafting
     def plan_depth(self, req_ids: list[str], first_pass_rows: int, horizon_steps: float = 1.0,
                    lookup_lengths: list[int] | None = None) -> int:
-        """How deep to draft this step; 0 when no node is expected to repay drafting, so the step drafts nothing
-        (its first pass, over ``first_pass_rows`` rows, is deferred) and verifies at most the requests'
-        prompt-lookup paths (``lookup_lengths``: their nodes, known before drafting; :meth:`choose` picks which).
-        Such a step drafts one level anyway when the exploration budget covers it (module docstring), so the
-        acceptance of requests that speculate nothing keeps being observed.
-
-        The first pass of a step that drafts every step covers about two rows per request (the bonus token and
-        an accepted one); rows beyond that (a prompt, rows deferred while the batch drafted nothing) are paid once,
-        and then repaid by every later step that drafts: the plan charges them spread over ``horizon_steps``, the
-        steps the batch's requests can still run."""
+        """How deep to draft this step; 0 when no node is expected to repay drafting, so the step drafts
+        nothing (its first pass, over ``first_pass_rows`` rows, is deferred) and verifies at most the
+        requests' prompt-lookup paths (``lookup_lengths``: their nodes, known before drafting; :meth:`choose`
+        picks which), or one level where the exploration budget covers it, so acceptance keeps being observed.
+        First-pass rows beyond two per request are charged spread over ``horizon_steps`` (steps left)."""
         started = time.perf_counter()
         batch = len(req_ids)
         level_rows = batch * self.level_width
@@ -456,8 +429,7 @@ class SpeculationController:
         """The nodes ``req_id`` would offer when drafting 1, 2, ..., ``max_depth`` levels this step: at each depth
         its average offer at steps like this one (with or without a prompt-lookup path), else every request's,
         else a chain of :data:`FIRST_DEPTH_RATE` powers; each at least as good, node by node, as every shallower
-        depth's (drafting deeper offers the shallower nodes and more: an average the request has not refreshed
-        lately, because the plan drafted less deep, must not make a deeper step look worse)."""
+        depth's (drafting deeper offers those nodes too: a stale deeper average must not look worse)."""
         with_lookup = self._with_lookup.get(req_id, False)
         key = (self._offers_version, ratio, with_lookup)
         cached = self._offers_cache.get(req_id)
@@ -483,10 +455,9 @@ class SpeculationController:
         return Candidates([FIRST_DEPTH_RATE ** (j + 1) for j in range(min(depth, self.max_nodes))], self.max_nodes)
 
     def remember_offer(self, req_id: str, tree: OfferedTree, with_lookup: bool | None = None) -> None:
-        """Moves ``req_id``'s average offer at every depth ``tree`` drafted toward what it offered there (from
-        every request's average on its first offer), and every request's average by a smaller weight; the
-        averages of steps with a prompt-lookup path (``with_lookup``; None: whether ``tree`` has lookup nodes)
-        apart from those without, since a lookup path, when there is one, is offered at every depth."""
+        """Moves ``req_id``'s average offer at every depth ``tree`` drafted toward what it offered there, and
+        every request's average by a smaller weight; kept apart by ``with_lookup`` (None: whether ``tree`` has
+        lookup nodes), since a lookup path, when there is one, is offered at every depth."""
         if with_lookup is None:
             with_lookup = any(tree.from_lookup)
         own = self.offered.setdefault(req_id, {})

@@ -1,20 +1,13 @@
 """What a step costs: measured curves of the target's verify forward and of one draft level against the rows
 they run, kept current by the engine's own step timings.
 
-The start-up measurement times bare forwards; a real verify step also pays, per row, attention over the context
-and the sampler; for a tree that branches, masked tree attention, per row and more per request whose tree
-branches; and, in a step that verifies any node at all, speculative sampling and multi-token attention over every
-row of the batch. So the verify prediction is ``scale * curve(rows) + extra_per_row * rows + extra_per_masked_row
-* masked_rows + extra_per_masked_request * masked_requests + extra_per_speculating_row * rows`` (the last only
-where the step verifies nodes), all five fitted by least squares over the last decode steps, pulled towards scale
-1 and no extra.
-
-Drafting costs the drafter's first pass (one forward over the tokens the last step verified, plus any rows
-deferred from steps that drafted nothing, then the logits of each request's root) and one forward per further
-level, with the logits of every row; both are predicted from start-up curves of one draft forward (with and
-without the logits of its rows), each with its own scale. A step that drafts nothing skips the first pass. The
-rest of a drafting stage (host work) is kept per request of the batch, a moving average of what the stage took
-beyond its forwards.
+The start-up measurement times bare forwards; a real verify step also pays what they do not show (attention
+over the context, the sampler, masked tree attention, speculative sampling), so the verify prediction is
+``scale * curve(rows)`` plus four extras (per row, per masked row, per masked request, per row of a step that
+verifies any node), all five fitted by least squares over the last decode steps, pulled towards scale 1 and no
+extra. Drafting costs the first pass and one forward per further level, predicted from start-up curves of one
+draft forward (with and without logits), each with its own scale; host work is a moving average per request
+(docs/design.md, "Cost model").
 
 Invariants: a :class:`CostCurve` goes through its measured points and extrapolates linearly past its last
 point, and its floor (the lower envelope) is non-decreasing and never above it; the fitted scale is positive
@@ -97,11 +90,9 @@ class ForwardTimings:
 
 def time_forwards(rows: Sequence[int], forward: Callable[[int], tuple[float, float]]) -> ForwardTimings:
     """Times ``forward(count)`` (one forward over ``count`` rows; returns its seconds with and without the
-    logits) at each row count of ``rows`` (ascending). A row count is timed by an untimed forward, then up to
-    :data:`CALIBRATION_REPEATS` timed ones that stop once they have taken :data:`CALIBRATION_SECONDS_PER_POINT`;
-    then the row counts up to :data:`RECHECK_ROWS` once more each, in descending order, and the fastest of all
-    is kept (a machine still settling after start-up slows the first row counts of an ascending pass). The row
-    counts stop at the first whose forward takes that long: past it, cost grows linearly with rows."""
+    logits) at each row count of ``rows`` (ascending), the fastest of :data:`CALIBRATION_REPEATS` after an
+    untimed one; the counts up to :data:`RECHECK_ROWS` are re-timed descending (a machine still settling after
+    start-up slows the first counts of an ascending pass)."""
     fastest: dict[int, tuple[float, float]] = {}
     for count in rows:
         forward(count)  # the first forward at a row count is not timed
@@ -167,8 +158,7 @@ class StepCostModel:
 
     def verify_floor(self, rows: int, masked_rows: int = 0, masked_requests: int = 0,
                      requests: int | None = None) -> float:
-        """A bound on :meth:`verify_seconds` at these counts or more of each (the curve's floor; the extras
-        only grow with their counts)."""
+        """A bound on :meth:`verify_seconds` at these counts or more of each (the extras grow with them)."""
         return (self.verify_scale * self.verify.floor(rows) + self.extra_per_row * rows
                 + self.extra_per_masked_row * masked_rows + self.extra_per_masked_request * masked_requests
                 + self.extra_per_speculating_row * _speculating_rows(rows, requests))
@@ -193,9 +183,8 @@ class StepCostModel:
 
     def observe_verify(self, rows: int, seconds: float, masked_rows: int = 0, masked_requests: int = 0,
                        requests: int | None = None) -> None:
-        """An engine step's verify (target forward and sampling) over ``rows`` rows of ``requests`` requests
-        (None: one row each), ``masked_rows`` of them in the trees of ``masked_requests`` requests that need
-        masked attention, took ``seconds``."""
+        """An engine step's verify (target forward and sampling), counted as :meth:`verify_seconds`, took
+        ``seconds``."""
         if rows > 0 and seconds > 0:
             self._count("verify", self.verify_seconds(rows, masked_rows, masked_requests, requests), seconds)
             self._add_verify_step((self.verify(rows), rows, masked_rows, masked_requests,
@@ -220,11 +209,9 @@ class StepCostModel:
 
     def _fit_verify(self) -> None:
         """``scale`` and the four extras by least squares over the recent steps, each weakly pulled towards
-        (1, 0, 0, 0, 0), which keeps them determined when every step had the same rows; of the fits whose extras
-        are not negative (some extras left out), the one closest to the steps. The extras of the last step's fit
-        are tried first: where that fit is feasible and no extra it leaves out would lower the loss (the problem
-        is convex), it is the one. Each fit solves its block of the regularised normal equations (at most 5 x 5,
-        in plain Python); an extra whose column is all zero is left out of every fit."""
+        (1, 0, 0, 0, 0), which keeps them determined when every step had the same rows; of the fits whose
+        extras are not negative (some extras left out), the one closest to the steps. Each fit solves its
+        block of the regularised normal equations (at most 5 x 5, plain Python: cheaper than numpy here)."""
         products, moment, seconds_squared = self._verify_sums
         squares = [products[i][i] for i in range(5)]
         if squares[0] <= 0:  # a curve of zeros has no scale to fit
@@ -274,8 +261,7 @@ class StepCostModel:
             self.draft_scale = self._blend(self.draft_scale, seconds / predicted)
 
     def observe_first_pass(self, rows: int, seconds: float, requests: int = 0) -> None:
-        """A drafting step's first pass over ``rows`` rows, with the logits of ``requests`` roots, took
-        ``seconds``."""
+        """A first pass over ``rows`` rows, with the logits of ``requests`` roots, took ``seconds``."""
         predicted = self._first_pass_curve(rows, requests)
         if rows > 0 and predicted > 0 and seconds > 0:
             self._count("first_pass", self.first_pass_scale * predicted, seconds)

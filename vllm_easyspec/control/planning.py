@@ -41,8 +41,7 @@ class Candidates:
 
 
 def path_length(parents: Sequence[int]) -> int:
-    """How many first nodes of a tree (parents first) are one path from the root: node ``j``'s parent is
-    ``j - 1``."""
+    """How many first nodes of a tree (parents first) are one path from the root (``parents[j] == j - 1``)."""
     for index, parent in enumerate(parents):
         if parent != index - 1:
             return index
@@ -130,17 +129,14 @@ VerifySeconds = Callable[[int, int, int, int], float]
 TIE = 1e-12  # relative: rates closer than this are taken as equal when deciding that no later count can win
 
 
-def _best_total(candidates: Sequence[Candidates], verify_seconds: VerifySeconds,
-                other_seconds: float, to_beat: float = 0.0,
-                verify_floor: VerifySeconds | None = None) -> tuple[int, float, float]:
+def _best_total(candidates: Sequence[Candidates], verify_seconds: VerifySeconds, other_seconds: float,
+                to_beat: float = 0.0, verify_floor: VerifySeconds | None = None) -> tuple[int, float, float]:
     """(count, rate, gain): the number of the batch's most likely nodes, at least one, with the best predicted
     rate ``(B + gain) / (verify(B + count, masked rows, masked requests, B) + other_seconds)`` (the first such
-    count), and the expected accepted nodes among them; (0, 0.0, 0.0) when no node is offered.
-    ``verify_floor``: a bound on ``verify_seconds`` at the same counts or more (None: ``verify_seconds`` never
-    falls as counts grow). Rows, masked rows and masked requests only grow as nodes are added, so once even
-    every node's gain over this count's floor cannot beat the best rate, or ``to_beat``, no later count can,
-    and the nodes after it are not looked at: where the best rate is below ``to_beat``, what is returned is a
-    count with a rate below it, not necessarily the best."""
+    count), and the expected accepted nodes among them; (0, 0.0, 0.0) when no node is offered. Counts only
+    grow as nodes are added, so once every node's gain over this count's ``verify_floor`` cannot beat the best
+    rate, or ``to_beat``, the walk stops: where the best rate is below ``to_beat``, the count returned is not
+    necessarily the best."""
     batch = len(candidates)
     most_gain = sum(sum(c.chances[: c.cap]) for c in candidates)
     chosen = [0] * batch
@@ -165,11 +161,9 @@ def _best_total(candidates: Sequence[Candidates], verify_seconds: VerifySeconds,
 
 def choose_nodes(candidates: Sequence[Candidates], verify_seconds: VerifySeconds,
                  other_seconds: float, verify_floor: VerifySeconds | None = None) -> list[int]:
-    """How many of its candidates each request verifies (module docstring). ``verify_seconds(rows, masked,
-    masked_requests, requests)``: the target's verify over ``rows`` rows of ``requests`` requests, ``masked``
-    of them in the branching trees of ``masked_requests`` requests (``verify_floor``: a bound on it at those
-    counts or more; None: it never falls as they grow); ``other_seconds``: the rest of the step, whatever is
-    chosen (drafting already spent)."""
+    """How many of its candidates each request verifies (module docstring). ``verify_seconds``: see
+    :data:`VerifySeconds` (``verify_floor``: a bound on it at those counts or more; None: it never falls as
+    they grow); ``other_seconds``: the rest of the step, whatever is chosen (drafting already spent)."""
     batch = len(candidates)
     count, rate, _ = _best_total(candidates, verify_seconds, other_seconds, verify_floor=verify_floor)
     if rate <= batch / (verify_seconds(batch, 0, 0, batch) + other_seconds):
@@ -275,8 +269,7 @@ class DepthRate:
 
 
 def choose_depth(candidates_by_depth: Sequence[Sequence[Candidates]], verify_seconds: VerifySeconds,
-                 draft_seconds: Callable[[int], float],
-                 without_drafting: Sequence[Candidates] | None = None,
+                 draft_seconds: Callable[[int], float], without_drafting: Sequence[Candidates] | None = None,
                  record: list[DepthRate] | None = None,
                  verify_floor: VerifySeconds | None = None) -> DepthPlan:
     """The drafting depth with the best predicted rate, or depth 0 when no depth beats drafting nothing.
@@ -285,10 +278,9 @@ def choose_depth(candidates_by_depth: Sequence[Sequence[Candidates]], verify_sec
     ``draft_seconds(depth)``: drafting that deep (first pass included); ``without_drafting[i]``: the nodes
     request ``i`` offers with no drafting at all (its prompt-lookup path; None: none).
 
-    A depth is judged by the nodes :func:`choose_nodes`'s rule would then verify, so a level or first pass whose
-    nodes would not be verified is not drafted. A depth that offers the same nodes as the one before it is not
-    priced unless ``record`` is given, which receives every option's :class:`DepthRate` (drafting nothing first,
-    as depth 0 with no nodes; the prompt-lookup paths alone next, as depth 0 with their nodes)."""
+    A depth is judged by the nodes :func:`choose_nodes`'s rule would then verify. A depth that offers the same
+    nodes as the one before it is not priced unless ``record`` is given, which receives every option's
+    :class:`DepthRate` (drafting nothing first; the prompt-lookup paths alone next, both as depth 0)."""
     batch = len(candidates_by_depth[0]) if candidates_by_depth else 0
     if batch == 0:
         return DepthPlan(0, 0)

@@ -1,47 +1,35 @@
 """The drafter drafts the tree: the tree path of the plugin's draft-model proposer and of its EAGLE proposer
-(:mod:`~vllm_easyspec.integration.proposers`).
+(:mod:`~vllm_easyspec.integration.proposers`; docs/design.md, "Drafting a tree with a draft model" and "EAGLE
+heads draft trees").
 
 One drafting step is:
 
 1. vLLM's own first pass (``SpecDecodeBaseProposer.set_inputs_first_pass`` and the first forward of
-   ``propose``): one forward over each request's verified tokens and bonus token. After a tree step the
-   runner has already rewritten those rows to the accepted branch, so this pass writes the draft's K/V of
-   the verified tokens linearly and exactly (bonus calibration; with EasySpec it is the exact forward);
+   ``propose``): one forward over each request's verified tokens and bonus token, which the runner has already
+   rewritten to the accepted branch, so it writes the draft's K/V of the verified tokens linearly and exactly;
    its last row gives the root's distribution;
 2. one forward per further level of the tree over that level's frontier nodes
    (:class:`~vllm_easyspec.tree.drafting.LevelwiseTreeDraft`), attending through
-   :class:`~vllm_easyspec.integration.tree_attention.TreeLevelMetadata` to the draft prefix and
-   their ancestors; they write nothing to the cache. With ``layer_parallel_size`` > 1 these forwards run
-   fuzzy (EasySpec), in ``fused`` or ``tensor_parallel`` mode;
+   :class:`~vllm_easyspec.integration.tree_attention.TreeLevelMetadata` to the draft prefix and their
+   ancestors; they write nothing to the cache (fuzzy, EasySpec, with ``layer_parallel_size`` > 1);
 3. with ``sources.prompt_lookup``, the continuation of the context's latest earlier n-gram match is merged
-   into each greedy or top-k tree (:mod:`vllm_easyspec.tree.merging`); with ``budget_by_batch``, a dynamic
-   tree is drafted at the step's budget (:meth:`~vllm_easyspec.tree.config.TreeConfig.budget_at`,
-   :meth:`~vllm_easyspec.tree.config.TreeConfig.drafted_within`); a step that drafts nothing (budget 0, or
-   the controller of ``tree.auto`` expects no node to pay) skips even the first pass, which the next step
-   that drafts catches up (:mod:`~vllm_easyspec.integration.deferred_first_pass`); under ``tree.auto`` such a
-   step still offers each request's prompt-lookup path alone (found before the plan, which prices it; the
-   controller picks how many of its nodes to verify, and they verify as vLLM verifies a chain);
+   into each greedy or top-k tree (:mod:`vllm_easyspec.tree.merging`); a step that drafts nothing (budget 0,
+   or the ``tree.auto`` controller expects no node to pay) skips even the first pass, which the next step that
+   drafts catches up (:mod:`~vllm_easyspec.integration.deferred_first_pass`), and under ``tree.auto`` may
+   still offer each request's prompt-lookup path alone, verified as vLLM verifies a chain;
 4. each request's tree goes to the runner's verifier as a
-   :class:`~vllm_easyspec.integration.tree_step.PendingTree` (cut to the budget there) and its nodes,
-   parents first, to the scheduler as the request's speculative tokens.
+   :class:`~vllm_easyspec.integration.tree_step.PendingTree` (cut to the budget there) and its nodes, parents
+   first, to the scheduler as the request's speculative tokens.
 
-At a batch size where ``budget_by_batch`` asks for ``{"chain": k}``, the whole step is the proposer's own
-chain drafting instead (vLLM's ``propose`` with ``k`` tokens, after the branch's hidden states are moved
-into place), handed over as paths, which the runner verifies as vLLM verifies a chain.
+Where ``budget_by_batch`` asks for ``{"chain": k}``, the step is the proposer's own chain drafting instead
+(vLLM's ``propose`` with ``k`` tokens), verified as vLLM verifies a chain.
 
 An EAGLE head also reads a hidden state per row: in the first pass the target's, of the accepted branch
-(:meth:`~vllm_easyspec.integration.tree_step.TreeVerifier.branch_hidden_states` moves the winning nodes'
-states to the branch's rows, whichever branch won); at every level each node gets the state the head
-produced for its parent (the root's for depth 1). An EAGLE-3 head with a reduced output vocabulary (``d2t``)
-drafts in that vocabulary: its logits are never spread over the target's (18x wider at 8,192 of 151,936
-tokens, and the widest tensor of a drafting step), node tokens become target ids before each level forward and
-at hand-over, and an i.i.d. tree's draft probabilities are spread into the target vocabulary at hand-over.
-
-With ``use_heterogeneous_vocab`` the draft scores only tokens that map into the target vocabulary, and
-node tokens (and an i.i.d. tree's draft probabilities) are mapped to target ids. With ``tree.retokenize``
-the draft scores every token that has text instead, its tree is re-encoded into a target tree, and the target
-tokens it lacks reach it through :func:`~vllm_easyspec.tree.retokenizing.approximate_target_to_draft`
-(:class:`~vllm_easyspec.tree.retokenizing.TreeRetokenizer`).
+(:meth:`~vllm_easyspec.integration.tree_step.TreeVerifier.branch_hidden_states`); at every level the state the
+head produced for each node's parent. An EAGLE-3 head with a reduced output vocabulary (``d2t``) drafts in it
+(its logits are never spread over the target's); node tokens become target ids before each level forward and
+at hand-over. Across vocabularies, node tokens map to target ids through vLLM's shared ids, or with
+``tree.retokenize`` by text (:class:`~vllm_easyspec.tree.retokenizing.TreeRetokenizer`).
 """
 
 from __future__ import annotations
@@ -93,11 +81,9 @@ class TreeDrafting:
 
     def _bridge_by_text(self) -> None:
         """``tree.retokenize``: the retokenizer, the draft tokens it can use, and the refined target -> draft
-        table of the proposer's vocabulary mapping (module docstring). The proposer is a draft model with
-        ``use_heterogeneous_vocab``: the front end
-        (:func:`~vllm_easyspec.integration.front_end.prepare_tree_engine_args`) refuses an explicit
-        ``retokenize`` otherwise, and the default asks for it only then. When a tokenizer's token text is
-        unknown, an explicit ``retokenize`` is refused and the default keeps vLLM's shared-id mapping."""
+        table of the proposer's vocabulary mapping, for a draft model with ``use_heterogeneous_vocab``
+        (:func:`~vllm_easyspec.integration.front_end.prepare_tree_engine_args`). Where token text is unknown,
+        an explicit ``retokenize`` is refused and the default keeps vLLM's shared ids."""
         proposer = self.proposer
         from vllm.tokenizers.registry import get_tokenizer
 
@@ -215,10 +201,9 @@ class TreeDrafting:
         return size - cad.num_actual_tokens - extra * cad.batch_size()
 
     def _propose_trees(self, node_limit: int, depth: int, lookup_paths: list[list[int]] | None, *,
-                       target_token_ids, target_positions,
-                       target_hidden_states, next_token_ids, token_indices_to_sample, common_attn_metadata,
-                       sampling_metadata, mm_embed_inputs=None, num_rejected_tokens_gpu=None,
-                       **_unused) -> torch.Tensor:
+                       target_token_ids, target_positions, target_hidden_states, next_token_ids,
+                       token_indices_to_sample, common_attn_metadata, sampling_metadata, mm_embed_inputs=None,
+                       num_rejected_tokens_gpu=None, **_unused) -> torch.Tensor:
         """One tree drafting step at ``node_limit`` nodes, at most ``depth`` deep; ``lookup_paths``: the requests' prompt-lookup paths (:meth:`_lookup_paths`)."""
         proposer = self.proposer
         proposer._last_draft_probs = None
@@ -229,17 +214,14 @@ class TreeDrafting:
         mark = policy.start()
         root_hidden, root_feed, root_positions, cad = self._first_pass(
             target_token_ids, target_positions, target_hidden_states, next_token_ids,
-            token_indices_to_sample, common_attn_metadata, mm_embed_inputs, num_rejected_tokens_gpu,
-        )
+            token_indices_to_sample, common_attn_metadata, mm_embed_inputs, num_rejected_tokens_gpu)
         root_logits = self._logits(root_hidden)
         policy.first_pass_done(mark, common_attn_metadata.num_actual_tokens, batch_size)  # the roots' logits too
         greedy, temperatures = greedy_rows(sampling_metadata, batch_size)
         drafted = self.config.drafted_within(node_limit).within_depth(depth)
         draft = LevelwiseTreeDraft(drafted, root_logits, greedy, temperatures, sampling_metadata.generators)
-        state = DraftTreeAttention(
-            prefix_lens=(root_positions + 1).long().cpu(),  # host metadata of the level forwards' attention
-            block_table=cad.block_table_tensor[:batch_size],
-        )
+        state = DraftTreeAttention(prefix_lens=(root_positions + 1).long().cpu(),  # host metadata
+                                   block_table=cad.block_table_tensor[:batch_size])
         mark = policy.start()
         levels, level_rows = self._draft_levels(draft, state, root_feed, root_positions, batch_size)
         if levels:
@@ -263,17 +245,12 @@ class TreeDrafting:
             positions = root_positions.repeat_interleave(width) + draft.frontier_depth
             if self.output_ids is not None:
                 tokens = self.output_ids[tokens]
-            inputs = {
-                "input_ids": tokens.reshape(-1).to(proposer.input_ids.dtype),
-                "positions": positions.to(proposer.positions.dtype),
-                "inputs_embeds": None,
-            }
+            inputs = {"input_ids": tokens.reshape(-1).to(proposer.input_ids.dtype),
+                      "positions": positions.to(proposer.positions.dtype), "inputs_embeds": None}
             if feeds_hidden:
                 inputs["hidden_states"] = _parent_states(root_feed, stash_feed, draft.frontier_parent_columns())
-            with set_forward_context(
-                {name: metadata for name in layer_names}, proposer.vllm_config,
-                num_tokens=batch_size * width, slot_mapping={},
-            ):
+            with set_forward_context({name: metadata for name in layer_names}, proposer.vllm_config,
+                                     num_tokens=batch_size * width, slot_mapping={}):
                 output = proposer.model(**inputs)
             hidden, feed = output if proposer.model_returns_tuple() else (output, None)
             if feeds_hidden:
@@ -290,21 +267,15 @@ class TreeDrafting:
         its children, or None for a draft model), their positions, and the metadata."""
         proposer = self.proposer
         num_tokens, token_indices_to_sample, cad = proposer.set_inputs_first_pass(
-            target_token_ids=target_token_ids,
-            next_token_ids=next_token_ids,
-            target_positions=target_positions,
-            target_hidden_states=target_hidden_states,
-            token_indices_to_sample=token_indices_to_sample,
-            cad=cad,
-            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
-        )
+            target_token_ids=target_token_ids, next_token_ids=next_token_ids,
+            target_positions=target_positions, target_hidden_states=target_hidden_states,
+            token_indices_to_sample=token_indices_to_sample, cad=cad,
+            num_rejected_tokens_gpu=num_rejected_tokens_gpu)
         _, per_layer_attn_metadata = proposer.build_per_group_and_layer_attn_metadata(cad)
-        cudagraph_mode, num_input_tokens, num_tokens_across_dp = proposer._determine_batch_execution_and_padding(
-            num_tokens
-        )
-        model_kwargs, slot_mapping_size = proposer.build_model_inputs_first_pass(
-            num_tokens, num_input_tokens, mm_embed_inputs
-        )
+        cudagraph_mode, num_input_tokens, num_tokens_across_dp = (
+            proposer._determine_batch_execution_and_padding(num_tokens))
+        model_kwargs, slot_mapping_size = proposer.build_model_inputs_first_pass(num_tokens, num_input_tokens,
+                                                                                 mm_embed_inputs)
         with set_forward_context(
             per_layer_attn_metadata, proposer.vllm_config, num_tokens=num_input_tokens,
             num_tokens_across_dp=num_tokens_across_dp, cudagraph_runtime_mode=cudagraph_mode,
@@ -420,8 +391,7 @@ class TreeDrafting:
         return tokens, tokens.tolist(), trees.parents.tolist()
 
     def _target_probs(self, probs: torch.Tensor | None) -> torch.Tensor | None:
-        """An i.i.d. tree's draft probabilities in the target's vocabulary (None for top-k and retokenized
-        rows)."""
+        """An i.i.d. tree's draft probabilities in the target's vocabulary (None for top-k or retokenized)."""
         proposer = self.proposer
         if probs is not None and proposer.use_heterogeneous_vocab:
             return _to_target_vocab(probs, proposer.vocab_mapping)

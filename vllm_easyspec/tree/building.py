@@ -2,21 +2,21 @@
 
 Layout conventions (shared by every module in :mod:`vllm_easyspec.tree` and by the kernels)
 ---------------------------------------------------------------------------------------------
-* A request's *root* is its last verified token (the previous step's bonus token). It is not a
-  tree node. Its position is ``prefix_len`` = the number of tokens whose K/V is already cached.
+* A request's *root* is its last verified token (the previous step's bonus token). It is not a tree node. Its
+  position is ``prefix_len`` = the number of tokens whose K/V is already cached.
 * Draft nodes ``0 .. num_nodes-1`` are stored in a fixed topological order: ``parents[i] < i``.
   ``parents[i] == -1`` means "child of the root". ``depth[i] >= 1`` (root children have depth 1).
-* The verify forward of the target feeds, per request, the root followed by the nodes in node
-  order: *query index* ``j = 0`` is the root, ``j = i + 1`` is node ``i``. This is exactly vLLM's
-  linear slot accounting: query ``j`` writes its K/V to logical slot ``prefix_len + j``.
+* The verify forward of the target feeds, per request, the root followed by the nodes in node order: *query
+  index* ``j = 0`` is the root, ``j = i + 1`` is node ``i``. This is exactly vLLM's linear slot accounting:
+  query ``j`` writes its K/V to logical slot ``prefix_len + j``.
 * Positions (RoPE) follow the tree, not the slots: node ``i`` sits at ``prefix_len + depth[i]``.
-* Target logits arrive in the same query order (row 0 = distribution after the root, row
-  ``i + 1`` = distribution after node ``i``), which is how vLLM orders ``logits_indices``.
-* After acceptance, the accepted nodes' K/V move from ``prefix_len + 1 + node`` to
-  ``prefix_len + depth`` (see :mod:`vllm_easyspec.tree.compaction`).
+* Target logits arrive in the same query order (row 0 = distribution after the root, row ``i + 1`` =
+  distribution after node ``i``), which is how vLLM orders ``logits_indices``.
+* After acceptance, the accepted nodes' K/V move from ``prefix_len + 1 + node`` to ``prefix_len + depth``
+  (see :mod:`vllm_easyspec.tree.compaction`).
 
-How children were drawn is recorded in :class:`ChildDrawMode`; the sampler picks its verification
-rule from it and never guesses.
+How children were drawn is recorded in :class:`ChildDrawMode`; the sampler picks its verification rule from it
+and never guesses.
 """
 
 from __future__ import annotations
@@ -48,10 +48,9 @@ def _check_budget(num_nodes: int, what: str) -> None:
     if num_nodes <= 0:
         raise ValueError(f"{what}: the tree is empty (0 draft nodes); give at least one node.")
     if num_nodes > MAX_TREE_NODES:
-        raise ValueError(
-            f"{what}: {num_nodes} draft nodes exceed vLLM's speculative limit MAX_SPEC_LEN="
-            f"{MAX_TREE_NODES}; reduce the number of nodes (budget / choices) to at most {MAX_TREE_NODES}."
-        )
+        raise ValueError(f"{what}: {num_nodes} draft nodes exceed vLLM's speculative limit MAX_SPEC_LEN="
+                         f"{MAX_TREE_NODES}; reduce the number of nodes (budget / choices) to at most "
+                         f"{MAX_TREE_NODES}.")
 
 
 @dataclass
@@ -59,18 +58,16 @@ class TokenTreeBatch:
     """Per-request token trees of a batch, padded to ``N = max nodes`` columns.
 
     Invariants (checked in ``__post_init__``):
-      * ``tokens``, ``parents``: ``[B, N]`` int64; nodes ``i >= num_nodes[b]`` are padding
-        (token -1, parent -1) and take part in nothing.
+      * ``tokens``, ``parents``: ``[B, N]`` int64; nodes ``i >= num_nodes[b]`` are padding (token -1, parent
+        -1) and take part in nothing.
       * ``-1 <= parents[b, i] < i`` for every real node (parents come first).
-      * ``draft_probs`` is ``[B, N + 1, V]`` in query order (row 0 = ``q`` after the root, row
-        ``i + 1`` = ``q`` after node ``i``) and is required iff ``draw_mode`` is
-        ``IID_FROM_DRAFT``. Rows of leaves are unused.
+      * ``draft_probs`` is ``[B, N + 1, V]`` in query order (row 0 after the root, row ``i + 1`` after node
+        ``i``; leaves' rows unused) and is required iff ``draw_mode`` is ``IID_FROM_DRAFT``.
 
-    Derived tensors (computed once): ``depth`` ``[B, N]`` (0 for padding), ``ancestors``
-    ``[B, N, D]`` (root-to-node path of node indices, ``D = max depth``, -1 padded), and on the host
-    ``max_depth``, ``node_counts`` (``num_nodes`` as ints) and ``max_children`` (the largest branching factor).
-    Build a batch on the host and move it with :meth:`to`: its checks and derived values are then read on the
-    host, and nothing that uses it waits for the device to learn its shape.
+    Derived tensors (computed once): ``depth`` ``[B, N]`` (0 for padding), ``ancestors`` ``[B, N, D]``
+    (root-to-node path of node indices, ``D = max depth``, -1 padded), and on the host ``max_depth``,
+    ``node_counts`` (``num_nodes`` as ints) and ``max_children`` (the largest branching factor). Build a batch
+    on the host and move it with :meth:`to`: then nothing waits for the device to learn its shape.
     """
 
     tokens: torch.Tensor
@@ -87,10 +84,8 @@ class TokenTreeBatch:
     def __post_init__(self) -> None:
         self.draw_mode = ChildDrawMode(self.draw_mode)
         if self.tokens.ndim != 2 or self.parents.shape != self.tokens.shape:
-            raise ValueError(
-                f"tokens and parents must both be [batch, nodes]; got {tuple(self.tokens.shape)} and "
-                f"{tuple(self.parents.shape)}."
-            )
+            raise ValueError(f"tokens and parents must both be [batch, nodes]; got "
+                             f"{tuple(self.tokens.shape)} and {tuple(self.parents.shape)}.")
         batch, width = self.tokens.shape
         _check_budget(width, "TokenTreeBatch.tokens")
         self.tokens = self.tokens.long()
@@ -105,25 +100,21 @@ class TokenTreeBatch:
         bad = real & ((self.parents >= node_index[None, :]) | (self.parents < -1))
         if bool(bad.any()):
             b, i = (int(v) for v in bad.nonzero()[0])
-            raise ValueError(
-                f"parents[{b}, {i}] = {int(self.parents[b, i])}: a node's parent must come before it "
-                f"(-1 <= parent < node index). Reorder the nodes topologically (parents first)."
-            )
+            raise ValueError(f"parents[{b}, {i}] = {int(self.parents[b, i])}: a node's parent must come "
+                             f"before it (-1 <= parent < node index). Reorder the nodes topologically "
+                             f"(parents first).")
         if bool((real & (self.tokens < 0)).any()):
             raise ValueError("tokens: real nodes need a token id >= 0 (-1 is reserved for padding).")
         self.tokens = torch.where(real, self.tokens, torch.full_like(self.tokens, -1))
         self.parents = torch.where(real, self.parents, torch.full_like(self.parents, -1))
         if self.draw_mode is ChildDrawMode.IID_FROM_DRAFT:
             if self.draft_probs is None:
-                raise ValueError(
-                    "draft_probs is required for draw_mode=iid_from_draft (SpecInfer verification needs "
-                    "q at every expanded node); pass [batch, nodes + 1, vocab] probabilities."
-                )
+                raise ValueError("draft_probs is required for draw_mode=iid_from_draft (SpecInfer "
+                                 "verification needs q at every expanded node); pass [batch, nodes + 1, "
+                                 "vocab] probabilities.")
             if self.draft_probs.ndim != 3 or tuple(self.draft_probs.shape[:2]) != (batch, width + 1):
-                raise ValueError(
-                    f"draft_probs must be [batch, nodes + 1, vocab] = [{batch}, {width + 1}, V]; got "
-                    f"{tuple(self.draft_probs.shape)}."
-                )
+                raise ValueError(f"draft_probs must be [batch, nodes + 1, vocab] = [{batch}, {width + 1}, "
+                                 f"V]; got {tuple(self.draft_probs.shape)}.")
         self.depth, self.ancestors = _depth_and_paths(self.parents, real)
         self.max_depth = int(self.depth.max())
         self.node_counts = tuple(self.num_nodes.tolist())
@@ -205,10 +196,9 @@ def _depth_and_paths(parents: torch.Tensor, valid: torch.Tensor) -> tuple[torch.
 class StaticTreeTemplate:
     """Topology of a Medusa / vLLM style choice list such as ``[(0,), (1,), (0, 0), (0, 1)]``.
 
-    Choice ``(r1, ..., rd)`` is the node reached by taking child rank ``r1`` of the root, then rank
-    ``r2`` of that node, ... Node order = the order of the list (must be topological).
-    ``ranks[i]`` is the last element of choice ``i``: the draft-rank of the token (for
-    ``WITHOUT_REPLACEMENT``) or the index of the i.i.d. draw (for ``IID_FROM_DRAFT``).
+    Choice ``(r1, ..., rd)`` is the node reached by taking child rank ``r1`` of the root, then rank ``r2`` of
+    that node, ... Node order = the order of the list (must be topological). ``ranks[i]`` is the last element
+    of choice ``i``: the draft-rank of the token (``WITHOUT_REPLACEMENT``) or the index of the i.i.d. draw.
     """
 
     choices: tuple[Choice, ...]
@@ -231,10 +221,9 @@ class StaticTreeTemplate:
                 raise ValueError(f"choices[{i}] = {choice} is listed twice; each node must appear once.")
             parent = choice[:-1]
             if parent and parent not in index:
-                raise ValueError(
-                    f"choices[{i}] = {choice}: its parent {parent} does not come before it. List parents "
-                    f"before children (e.g. sorted(choices, key=lambda c: (len(c), c)))."
-                )
+                raise ValueError(f"choices[{i}] = {choice}: its parent {parent} does not come before it. "
+                                 f"List parents before children (e.g. sorted(choices, key=lambda c: "
+                                 f"(len(c), c))).")
             parents.append(index[parent] if parent else -1)
             ranks.append(choice[-1])
             index[choice] = i
@@ -278,12 +267,12 @@ class DynamicTopKTreeBuilder:
     """EAGLE-2 dynamic draft tree (Li et al. 2024), batched, deterministic (``WITHOUT_REPLACEMENT``).
 
     * Depth 1: the ``top_k`` most likely root children; score = log q.
-    * Each further depth: every node of the *frontier* (the ``top_k`` best-scoring nodes of the
-      previous depth) gets its ``top_k`` most likely children as candidates, score = parent score
-      + log q(child). The ``top_k`` best candidates of the new depth become the next frontier.
-    * :meth:`build` reranks **all** candidates of all depths by score and keeps ``budget`` of them.
-      Scores never increase along a path, and ties are broken towards shallower / earlier nodes, so
-      the kept set is closed under taking parents (it is a tree).
+    * Each further depth: every node of the *frontier* (the ``top_k`` best-scoring nodes of the previous
+      depth) gets its ``top_k`` most likely children as candidates, score = parent score + log q(child). The
+      ``top_k`` best candidates of the new depth become the next frontier.
+    * :meth:`build` reranks **all** candidates of all depths by score and keeps ``budget`` of them. Scores
+      never increase along a path, and ties are broken towards shallower / earlier nodes, so the kept set is
+      closed under taking parents (it is a tree).
 
     Protocol: call :meth:`expand` with the log-probs ``[B, top_k, V]`` of ``frontier_tokens`` ``max_depth - 1``
     times, then :meth:`build`; after it, ``kept_candidates`` ``[B, budget]`` maps every tree node to its candidate.
@@ -299,10 +288,8 @@ class DynamicTopKTreeBuilder:
         _check_budget(budget, "budget")
         total = top_k + (max_depth - 1) * top_k * top_k
         if budget > total:
-            raise ValueError(
-                f"budget={budget} exceeds the {total} candidates that top_k={top_k}, max_depth={max_depth} "
-                f"produce; lower the budget or raise top_k / max_depth."
-            )
+            raise ValueError(f"budget={budget} exceeds the {total} candidates that top_k={top_k}, "
+                             f"max_depth={max_depth} produce; lower the budget or raise top_k / max_depth.")
         self.top_k, self.max_depth, self.budget = top_k, max_depth, budget
         self.device = root_logprobs.device
         batch = root_logprobs.shape[0]
