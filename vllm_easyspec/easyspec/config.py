@@ -51,10 +51,8 @@ def parse_easyspec_config(additional_config: dict[str, Any] | None) -> EasySpecC
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise EasySpecConfigError(
-            f'additional_config["{ADDITIONAL_CONFIG_KEY}"] must be a JSON object such as '
-            f'{{"layer_parallel_size": 2}}, got {type(raw).__name__}'
-        )
+        raise EasySpecConfigError(f'additional_config["{ADDITIONAL_CONFIG_KEY}"] must be a JSON object such '
+                                  f'as {{"layer_parallel_size": 2}}, got {type(raw).__name__}')
     try:
         return EasySpecConfig.model_validate(raw)
     except ValidationError as exc:

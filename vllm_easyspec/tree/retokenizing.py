@@ -84,10 +84,9 @@ def token_bytes(tokenizer) -> list[bytes | None]:
             else:
                 table[index] = piece.replace(SENTENCEPIECE_SPACE, " ").encode()
         return table
-    raise ValueError(
-        f"{type(tokenizer).__name__} is neither a byte-level BPE nor a SentencePiece tokenizer, so its tokens' "
-        "text is unknown; tree.retokenize needs one of those for the draft and the target; remove retokenize"
-    )
+    raise ValueError(f"{type(tokenizer).__name__} is neither a byte-level BPE nor a SentencePiece "
+                     "tokenizer, so its tokens' text is unknown; tree.retokenize needs one of those for the "
+                     "draft and the target; remove retokenize")
 
 
 def complete_text(data: bytes) -> str:

@@ -91,9 +91,8 @@ class TreeCPUAttentionMetadataBuilder(TreeVerifyBuilderMixin, CPUAttentionMetada
         """Start-up self-check: refuse tree mode where tree attention would not be exact."""
         dtype = vllm_config.model_config.dtype if self.kv_cache_dtype in ("auto", None) else None
         if dtype is None:
-            raise EasySpecConfigError(
-                f"easyspec.tree supports only unquantized KV caches, got kv_cache_dtype {self.kv_cache_dtype!r}"
-            )
+            raise EasySpecConfigError("easyspec.tree supports only unquantized KV caches, got "
+                                      f"kv_cache_dtype {self.kv_cache_dtype!r}")
         probe_cpu_kv_layout(self.isa, dtype, self.num_kv_heads, self.block_size, self.head_dim)
         refuse_unsupported_layers(vllm_config, layer_names, no_window=-1)
 

@@ -74,9 +74,8 @@ def _locate(isa: str, dtype: torch.dtype, shape: tuple[int, int, int], for_keys:
         if where is None:
             where = (block != 0).nonzero().flatten()
             if where.numel() != count:
-                raise CpuKVLayoutError(
-                    f"writing {count} {'key' if for_keys else 'value'} elements filled {where.numel()} places"
-                )
+                raise CpuKVLayoutError(f"writing {count} {'key' if for_keys else 'value'} elements filled "
+                                       f"{where.numel()} places")
         decoded += (block[where].round().long() - 1) * scale
         scale *= _PROBE_BASE
         remaining //= _PROBE_BASE

@@ -109,16 +109,13 @@ class TreeTritonAttentionMetadataBuilder(TreeVerifyBuilderMixin, TritonAttention
         from vllm.utils.torch_utils import is_quantized_kv_cache
 
         if getattr(vllm_config.model_config, "rswa_window", None) is not None:
-            raise EasySpecConfigError(
-                "easyspec.tree: this model uses reference sliding-window attention, which tree attention does "
-                "not implement; remove easyspec.tree to use chain speculation with this model"
-            )
+            raise EasySpecConfigError("easyspec.tree: this model uses reference sliding-window attention, "
+                                      "which tree attention does not implement; remove easyspec.tree to use "
+                                      "chain speculation with this model")
         for layer in get_layers_from_vllm_config(vllm_config, Attention, layer_names).values():
             if is_quantized_kv_cache(layer.impl.kv_cache_dtype):
-                raise EasySpecConfigError(
-                    f"easyspec.tree supports only unquantized KV caches, got kv_cache_dtype "
-                    f"{layer.impl.kv_cache_dtype!r}"
-                )
+                raise EasySpecConfigError("easyspec.tree supports only unquantized KV caches, got "
+                                          f"kv_cache_dtype {layer.impl.kv_cache_dtype!r}")
         refuse_unsupported_layers(vllm_config, layer_names, no_window=(-1, -1))
 
     def build_verify(self, common_prefix_len, cm, forward: TreeVerifyForward) -> TreeTritonVerifyMetadata:
