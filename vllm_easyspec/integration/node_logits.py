@@ -19,9 +19,8 @@ applies steps 1-4 to every row of a tree request with that history, through vLLM
 vLLM computes for that request once the path's tokens are its output (float32 arithmetic, op for op), so the
 greedy path is vanilla's and the sampled one is distributed as vanilla's.
 
-vLLM's own chain sampler (``RejectionSampler.apply_logits_processors``) applies steps 1, 2, the ``min_tokens``
-part of 3 and step 4 per draft position, but neither ``logit_bias`` nor ``min_p``; a step with such a request is
-verified here (:func:`~vllm_easyspec.integration.tree_step.chain_sampler_serves`).
+A chain step vLLM's own chain sampler cannot serve exactly is verified here too
+(:func:`~vllm_easyspec.integration.tree_step.chain_sampler_serves`).
 
 Invariant: the values are computed on the logits' device from host bookkeeping copied without waiting; nothing
 here reads the device.

@@ -1,26 +1,18 @@
 """How many nodes each request verifies this step: the one seam between a tree step and its budget.
 
-The drafter (:mod:`~vllm_easyspec.integration.tree_drafting`) and the runner
-(:mod:`~vllm_easyspec.integration.runner`) call a :class:`NodePolicy` at the same points of every tree step,
-whatever decides the budget:
+The drafter and the runner call a :class:`NodePolicy` at the same points of every tree step, whatever decides
+the budget (docs/design.md, "How many nodes each request verifies"): before drafting,
+:meth:`~NodePolicy.budget` and :meth:`~NodePolicy.plan_depth` (0: draft nothing); after drafting,
+:meth:`~NodePolicy.choose` (each :class:`CandidateTree` becomes the
+:class:`~vllm_easyspec.integration.tree_step.PendingTree` it verifies); around the step's work, spans from a
+:meth:`~NodePolicy.start` mark to ``first_pass_done``, ``levels_done``, ``drafting_done`` and (shape given by
+``verify_started``) ``verify_done``; after verifying, :meth:`~NodePolicy.observe`, :meth:`~NodePolicy.forget`
+and :meth:`~NodePolicy.publish`.
 
-1. before drafting, :meth:`~NodePolicy.budget` (the step's node limit, or a chain) and
-   :meth:`~NodePolicy.plan_depth` (how deep to draft; 0: draft nothing and verify at most the requests'
-   prompt-lookup paths);
-2. after drafting, :meth:`~NodePolicy.choose`: each request's :class:`CandidateTree` becomes the
-   :class:`~vllm_easyspec.integration.tree_step.PendingTree` it verifies;
-3. around the step's work, spans from a :meth:`~NodePolicy.start` mark to ``first_pass_done``,
-   ``levels_done``, ``drafting_done``, and (the mark taken before the step's inputs, its shape given by
-   ``verify_started``) to ``verify_done``;
-4. after verifying, :meth:`~NodePolicy.observe` with what each request accepted of its scheduled nodes,
-   :meth:`~NodePolicy.forget` for finished requests, and :meth:`~NodePolicy.publish` once per step.
-
-:class:`TreeBudget` serves a fixed tree and ``budget_by_batch``: every request keeps the step's first
-``node_limit`` nodes, and steps and spans are not timed. :class:`AutoBudget` serves ``tree.auto`` with the
-:class:`~vllm_easyspec.control.controller.SpeculationController`; its spans are timed by a
+:class:`TreeBudget` serves a fixed tree and ``budget_by_batch`` untimed; :class:`AutoBudget` serves
+``tree.auto`` with the :class:`~vllm_easyspec.control.controller.SpeculationController`, its spans timed by a
 :class:`~vllm_easyspec.instruments.device_clock.DeviceClock`, so on a GPU they reach the controller a step or
-two late and the step never waits for the device. Its start-up calibration is in
-:mod:`~vllm_easyspec.integration.auto_calibration`.
+two late and the step never waits for the device.
 
 Invariant: a policy's choices depend on the drafts and on earlier verification outcomes only (never on the
 target's output of the step being verified), so any policy keeps speculation lossless.
@@ -126,29 +118,16 @@ class TreeBudget:
     def start(self) -> None:
         return None
 
-    def first_pass_done(self, mark: Any, rows: int, requests: int) -> None:
-        pass
-
-    def levels_done(self, mark: Any, levels: int, rows_per_level: int) -> None:
-        pass
-
-    def drafting_done(self, mark: Any) -> None:
-        pass
-
-    def verify_started(self, mark: Any, shape: VerifyShape | None) -> None:
-        pass
-
-    def verify_done(self) -> None:
-        pass
-
-    def observe(self, req_id: str, features: list[NodeFeatures], parents: list[int], accepted: set[int]) -> None:
-        pass
-
-    def forget(self, live: set[str]) -> None:
-        pass
-
-    def publish(self) -> None:
-        pass
+    # nothing is timed or learnt
+    def first_pass_done(self, mark: Any, rows: int, requests: int) -> None: pass
+    def levels_done(self, mark: Any, levels: int, rows_per_level: int) -> None: pass
+    def drafting_done(self, mark: Any) -> None: pass
+    def verify_started(self, mark: Any, shape: VerifyShape | None) -> None: pass
+    def verify_done(self) -> None: pass
+    def observe(self, req_id: str, features: list[NodeFeatures], parents: list[int],
+                accepted: set[int]) -> None: pass
+    def forget(self, live: set[str]) -> None: pass
+    def publish(self) -> None: pass
 
 
 class AutoBudget:

@@ -107,9 +107,8 @@ class TreeRunnerMixin:
         forward = None if verifier is None else verifier.forward
         if verifier is not None and spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
             # No request has drafts (auto or budget_by_batch chose none): one token per request from its
-            # last row, as without speculation. vLLM would run its rejection sampler over zero drafts, which
-            # samples the same bonus token with the same sampler and costs a copy of the logits (2 ms a step
-            # at batch 16 on 2 CPU cores).
+            # last row, as without speculation (vLLM's rejection sampler over zero drafts samples the same
+            # token and costs a copy of the logits).
             self.input_batch.update_async_output_token_ids()
             output = self.sampler(logits=logits, sampling_metadata=self.input_batch.sampling_metadata)
             verifier.stats.steps_without_drafts += 1
@@ -139,11 +138,9 @@ class TreeRunnerMixin:
             self.tree_verifier.policy.publish()
         return output
 
-    # Extends GPUModelRunner.propose_draft_token_ids: with easyspec options, a drafter that raises (a bug, or one
-    # request's input it cannot handle) costs the step its drafts, never the engine. Every request of the batch
-    # then verifies no draft next step (with async scheduling: zeros), which is exact; draft K/V the failed step
-    # did not write stays stale, which lowers acceptance there and never changes what the target emits. After
-    # the k-th failure in a row the drafter is not called for the next 2^(k-1) - 1 steps (at most
+    # Extends GPUModelRunner.propose_draft_token_ids: with easyspec options, a drafter that raises costs the
+    # step its drafts, never the engine; verifying no draft is exact (design.md, "A drafter that raises").
+    # After the k-th failure in a row the drafter is not called for the next 2^(k-1) - 1 steps (at most
     # MAX_DRAFTING_PAUSE): a drafter that fails every step costs a few attempts, not one per step.
     def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
         if self._plugin_drafter is not None:

@@ -41,21 +41,10 @@ DRAFT_PARENTS = "easyspec_draft_parents"
 
 
 def tree_fallback_reason(params, processed_logprobs: bool = False) -> str | None:
-    """Why a request with these ``SamplingParams`` cannot be verified as a tree exactly, or None.
-
-    The tree sampler applies temperature, top-k, top-p, ``min_p`` and seeds, ``min_tokens``, and, per node with
-    the tokens of that node's path as the end of the output (:mod:`~vllm_easyspec.integration.node_logits`),
-    the repetition, frequency and presence penalties, ``bad_words``, ``logit_bias`` and ``allowed_token_ids``; it
-    returns the raw logprobs of every emitted token. Structured output's grammar masks follow each node's path
-    (:mod:`~vllm_easyspec.integration.tree_grammar`). What remains is served without speculation:
-
-    - ``logprobs`` in a processed ``logprobs_mode`` (``processed_logprobs``: the engine's mode is one): the tree
-      sampler returns raw values only;
-    - watermarking and a thinking-token budget: their state advances token by token in vLLM's sampler.
-
-    ``extra_args`` are served with speculation: vLLM refuses custom logits processors whenever a speculative config
-    exists (``build_logitsprocs``), so in a tree engine they reach no processor.
-    """
+    """Why a request with these ``SamplingParams`` cannot be verified as a tree exactly, or None (every other
+    option is applied per node: docs/design.md, "Requests a tree cannot serve exactly"): ``logprobs`` in a
+    processed ``logprobs_mode`` (``processed_logprobs``; the tree sampler returns raw values only),
+    watermarking and a thinking-token budget (their state advances token by token in vLLM's sampler)."""
     checks = (
         (params.logprobs is not None and processed_logprobs, "logprobs in a processed logprobs_mode"),
         (bool(params.watermarking), "watermarking"),

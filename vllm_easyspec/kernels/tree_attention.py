@@ -25,15 +25,12 @@ import triton.language as tl
 # Streaming multiprocessors assumed where no GPU can be asked (CPU tensors under Triton's interpreter):
 # an H100's, so interpreter runs take the launch an H100 would.
 NOMINAL_SM_COUNT = 132
-# Shared memory per program assumed where no GPU can be asked (the H100's opt-in limit).
-NOMINAL_SHARED_MEMORY = 227 * 1024
+NOMINAL_SHARED_MEMORY = 227 * 1024  # shared memory per program assumed there (the H100's opt-in limit)
 # Fraction of a device's shared memory per program that the launch estimate may plan to use; the rest is
 # left for what the estimate leaves out (block-table tiles, reduction scratch, layout conversions).
 SHARED_MEMORY_MARGIN = 0.75
-# At most this many KV splits: the merge kernel holds all splits of a head in registers.
-MAX_SPLITS = 64
-# Fraction of the best wave efficiency that the split count must reach (FlashAttention-2's heuristic).
-WAVE_EFFICIENCY_TOLERANCE = 0.85
+MAX_SPLITS = 64  # at most this many KV splits: the merge kernel holds all splits of a head in registers
+WAVE_EFFICIENCY_TOLERANCE = 0.85  # of the best wave efficiency, the split count must reach (FA-2's heuristic)
 
 
 @dataclass(frozen=True)

@@ -11,15 +11,9 @@ Two shapes, exactly one per config:
   nodes of each depth, then keep the ``budget`` nodes with the highest cumulative draft log-probability.
   Dynamic trees are deterministic functions of the context, so they always verify as top-k children.
 
-Either shape may take ``"sources": {"prompt_lookup": {"nodes": n, "min_match": 2, "max_match": 4}}``: the
-continuation of the context's latest earlier n-gram match is merged into every greedy or ``top_k`` tree
-(:mod:`vllm_easyspec.tree.merging`), as up to ``n`` extra nodes.
-
-``"retokenize"`` bridges a draft model and a target with different vocabularies by text instead of by shared ids
-(:mod:`vllm_easyspec.tree.retokenizing`); unset, it is on wherever it applies (:meth:`TreeConfig.bridges_by_text`).
-``"budget_by_batch": {"4": 4, "8": {"chain": 2}, "16": 0}`` makes the tree follow the batch (from 4 running
-requests on 4 nodes each, from 8 a chain of 2 tokens, from 16 no speculation); ``"auto"`` lets the controller
-choose (:class:`AutoSpeculation`).
+Either shape may take ``sources`` (:mod:`vllm_easyspec.tree.merging`), ``retokenize``
+(:mod:`vllm_easyspec.tree.retokenizing`), ``budget_by_batch`` and ``auto`` (:class:`AutoSpeculation`);
+docs/options.md says what each does.
 
 Invariant: a ``TreeConfig`` that exists describes a tree of 1..:data:`MAX_TREE_NODES` nodes whose
 parents come first; :attr:`TreeConfig.num_nodes` is what ``num_speculative_tokens`` must equal.

@@ -1,24 +1,23 @@
 """Lossless tree rejection sampling in batched torch, with vLLM's chain-shaped output.
 
-Verification walks down the tree from the root. At the current node with (filtered) target
-distribution ``p`` it tests the children one after another, in node order:
+Verification walks down the tree from the root. At the current node with (filtered) target distribution ``p``
+it tests the children one after another, in node order:
 
-* ``IID_FROM_DRAFT`` children (SpecInfer multi-step speculative sampling, Miao et al. 2024,
-  Thm. 4.2): child token ``x`` was drawn from the draft ``q``; accept with ``min(1, p(x)/q(x))``;
-  on rejection ``p <- norm(max(0, p - q))`` and the next sibling is tested against the new ``p``.
-* ``WITHOUT_REPLACEMENT`` children (recursive rejection sampling with deterministic drafts; Jeon
-  et al. 2024 with one-hot ``q``): accept ``x`` with probability ``p(x)``; on rejection set
-  ``p(x) = 0`` and renormalise.
+* ``IID_FROM_DRAFT`` children (SpecInfer multi-step speculative sampling, Miao et al. 2024, Thm. 4.2): child
+  token ``x`` was drawn from the draft ``q``; accept with ``min(1, p(x)/q(x))``; on rejection
+  ``p <- norm(max(0, p - q))`` and the next sibling is tested against the new ``p``.
+* ``WITHOUT_REPLACEMENT`` children (recursive rejection sampling with deterministic drafts; Jeon et al. 2024
+  with one-hot ``q``): accept ``x`` with probability ``p(x)``; on rejection set ``p(x) = 0`` and renormalise.
 
-On acceptance the walk moves into the child and uses the target distribution at that child; when
-every child is rejected (or the node is a leaf) one token is drawn from the current ``p`` (the
-residual, or the unmodified target at a leaf): that is the bonus token. Either rule makes each
-emitted token exactly ``p``-distributed given the tokens before it, so the output is distributed
-as sequential sampling from the target (``tests/tree/test_tree_sampling_lossless.py`` checks this).
+On acceptance the walk moves into the child and uses the target distribution at that child; when every child
+is rejected (or the node is a leaf) one token is drawn from the current ``p`` (the residual, or the unmodified
+target at a leaf): that is the bonus token. Either rule makes each emitted token exactly ``p``-distributed
+given the tokens before it, so the output is distributed as sequential sampling from the target
+(``tests/tree/test_tree_sampling_lossless.py`` checks this).
 
-Greedy requests (temperature <= 1e-5 or no temperature) take the longest path whose every token is
-the argmax of the raw target logits at its parent, ties to the smaller node index, then the
-argmax at the path's end as the bonus token.
+Greedy requests (temperature <= 1e-5 or no temperature) take the longest path whose every token is the argmax
+of the raw target logits at its parent, ties to the smaller node index, then the argmax at the path's end as
+the bonus token.
 """
 
 from __future__ import annotations

@@ -1,19 +1,18 @@
 """One target forward that verifies the token trees of a batch: the pure bookkeeping around it.
 
-The engine schedules a tree of ``n`` nodes like a chain of ``n`` speculative tokens: request ``b``'s
-``1 + n`` query rows are its root (the last verified token, at position ``P``) followed by the nodes in
-topological order, and row ``j`` writes its K/V to the linear slot of position ``P + j``. This module
-turns the trees into what the forward, the sampler and the cache need:
+The engine schedules a tree of ``n`` nodes like a chain of ``n`` speculative tokens: request ``b``'s ``1 + n``
+query rows are its root (the last verified token, at position ``P``) followed by the nodes in topological
+order, and row ``j`` writes its K/V to the linear slot of position ``P + j``. This module turns the trees into
+what the forward, the sampler and the cache need:
 
 * :meth:`TreeVerifyStep.row_positions`: RoPE positions ``P + depth`` of every row (slots stay linear);
-* :meth:`TreeVerifyStep.attention_rows` and :attr:`TreeVerifyStep.attention_mask`: per tree request,
-  its query rows padded to ``W = 1 + max n`` and the ancestor-or-self mask ``[R, W, W]`` (the root is
-  column 0); every row also sees the whole prefix (positions ``< P``);
+* :meth:`TreeVerifyStep.attention_rows` and :attr:`TreeVerifyStep.attention_mask`: per tree request, its query
+  rows padded to ``W = 1 + max n`` and the ancestor-or-self mask ``[R, W, W]`` (the root is column 0); every
+  row also sees the whole prefix (positions ``< P``);
 * :meth:`TreeVerifyStep.accepted_moves`: after sampling, which row's K/V goes to which position so the
   accepted branch sits at ``P + 1 .. P + a``, and the accepted tokens in that order.
 
-Invariant: a truncated tree (the first ``n`` nodes of a longer one) is still a tree, because parents
-come first.
+Invariant: a truncated tree (the first ``n`` nodes of a longer one) is still a tree: parents come first.
 """
 
 from __future__ import annotations
