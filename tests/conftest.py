@@ -10,26 +10,25 @@ slow"`` runs the engine-free tests.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
-TESTS_DIR = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]  # the repository: ``tests`` is a package under it
 
 # Engine settings this 2-core CPU machine needs; set before vLLM is imported anywhere. Worker processes
-# inherit the environment, including PYTHONPATH so that functions from tests/ can run inside workers
-# through LLM.collective_rpc.
+# inherit the environment, including PYTHONPATH so that functions from the tests package can run inside
+# workers through LLM.collective_rpc.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Lets tests send functions to workers with LLM.collective_rpc (test processes only).
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
-sys.path.insert(0, str(TESTS_DIR))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 import pytest  # noqa: E402
-from engine_pool import EnginePool  # noqa: E402
-from tiny_models import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+
+from tests.engine_pool import EnginePool  # noqa: E402
+from tests.tiny_models import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 
 ENGINE_FIXTURES = frozenset({"llm_pool", "real_pair"})
 

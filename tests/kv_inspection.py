@@ -122,7 +122,7 @@ DEFERRAL_REQUESTS = {"long": ([1] + [3 + (j * 11) % 60 for j in range(20)], 30),
 
 def deferral_expected(vanilla: Any) -> dict[str, list[int]]:
     """Each of :data:`DEFERRAL_REQUESTS`' greedy outputs on ``vanilla`` (an engine without speculation)."""
-    from request_batches import generate
+    from tests.request_batches import generate
 
     outputs = generate(vanilla, [(prompt, {"max_tokens": n, "ignore_eos": True})
                                  for prompt, n in DEFERRAL_REQUESTS.values()])

@@ -9,8 +9,7 @@ their plain output, ...): an option a tree ignored would show.
 
 from __future__ import annotations
 
-from request_batches import MIXED
-
+from tests.request_batches import MIXED
 from vllm_easyspec.instruments.worker_extension import read_tree_stats
 
 OPTIONS: dict[str, dict] = {

@@ -2,9 +2,9 @@
 and the first-pass inputs a later step gets with them in front, on the layouts vLLM's ``propose`` receives."""
 
 import torch
-from fake_device import on_host, second_device
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
+from tests.fake_device import on_host, second_device
 from vllm_easyspec.integration.deferred_first_pass import MAX_KEPT_ROWS, DeferredFirstPass
 
 HIDDEN = 3

@@ -5,14 +5,14 @@ speculation, and at temperature > 0 the output law equals the target's (and a bi
 from __future__ import annotations
 
 import pytest
-from distribution import (
+
+from benchmarks.harness.step_timers import read_timed_drafting_stats, time_drafter
+from tests.distribution import (
     ALPHA,
     install_biased_rejection_sampler,
     restore_rejection_sampler,
     run_distribution_test,
 )
-
-from benchmarks.harness.step_timers import read_timed_drafting_stats, time_drafter
 from vllm_easyspec.instruments.metrics import read_spec_decode_counters
 from vllm_easyspec.instruments.worker_extension import read_drafting_stats
 

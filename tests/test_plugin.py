@@ -169,8 +169,9 @@ def test_plugin_is_loaded_in_worker_processes(llm_pool, tiny_llama_dir, tiny_lla
 
 @pytest.mark.engine
 def test_vocab_mismatch_error_names_the_fix(tiny_llama_dir, tiny_root, tiny_tokenizer_dir):
-    from tiny_models import build_tiny_model
     from vllm import LLM
+
+    from tests.tiny_models import build_tiny_model
 
     other_vocab = build_tiny_model(tiny_root / "llama_vocab96", tiny_tokenizer_dir, vocab_size=96, seed=9)
     with pytest.raises(Exception, match=r'set "use_heterogeneous_vocab": true'):

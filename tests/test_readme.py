@@ -17,7 +17,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from serving import free_port, serving
+
+from tests.serving import free_port, serving
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK_START_HEADING = "## Quick start"
@@ -105,7 +106,7 @@ def run_program(llm_block: str, path: Path, environment: dict[str, str]) -> str:
 @pytest.fixture(scope="module")
 def tiny_head(tmp_path_factory, tiny_qwen2_dir) -> Path:
     """An EAGLE-3 head for the tiny Qwen2 target, in the reference layout the committed head has."""
-    from eagle.reference_checkpoint import build_reference_checkpoint
+    from tests.eagle.reference_checkpoint import build_reference_checkpoint
 
     return build_reference_checkpoint(tiny_qwen2_dir, tmp_path_factory.mktemp("readme") / "head", "eagle3",
                                       draft_vocab_size=48, aux_layer_ids=[1, 2, 5])

@@ -9,7 +9,8 @@ import subprocess
 import urllib.request
 
 import pytest
-from serving import free_port, post, serve_command, serving
+
+from tests.serving import free_port, post, serve_command, serving
 
 pytestmark = pytest.mark.engine  # every test here starts a server
 

@@ -15,8 +15,8 @@ import types
 
 import pytest
 import torch
-from fake_device import counting_syncs, second_device
 
+from tests.fake_device import counting_syncs, second_device
 from vllm_easyspec.control.controller import SpeculationController
 from vllm_easyspec.control.cost import CostCurve, StepCostModel
 from vllm_easyspec.instruments.device_clock import DeviceClock, DraftingStats

@@ -19,20 +19,17 @@ import argparse
 import json
 import multiprocessing
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 from benchmarks.harness.report import command_line
 from benchmarks.harness.setups import RESULTS_DIR
 
-TESTS_DIR = Path(__file__).resolve().parents[2] / "tests"
 TREE = {"top_k": 2, "depth": 3, "budget": 6, "auto": True}
 
 
 def _build(root: Path, layers: int, hidden: int, intermediate: int, experts: int) -> dict[str, Path]:
-    sys.path.insert(0, str(TESTS_DIR))
-    from tiny_models import build_tiny_model, build_tiny_tokenizer
+    from tests.tiny_models import build_tiny_model, build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer(root / "tokenizer")
     moe = build_tiny_model(root / "mixtral", tokenizer, "mixtral", num_layers=layers, seed=4, hidden_size=hidden,

@@ -32,8 +32,7 @@ def tiny_text_dir(tmp_path_factory) -> Path:
 def trained_tiny_heads(tmp_path_factory, tiny_llama_dir, tiny_text_dir):
     """``heads(fmt)``: the directory of a head trained on the tiny Llama (``eagle`` or ``eagle3``), trained
     once per session."""
-    from eagle_helpers import train_args
-
+    from tests.eagle.eagle_helpers import train_args
     from vllm_easyspec_train.trainer import train
 
     trained: dict[str, Path] = {}

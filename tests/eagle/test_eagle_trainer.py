@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
-from eagle_helpers import train_args
 from safetensors.torch import load_file
 
+from tests.eagle.eagle_helpers import train_args
 from vllm_easyspec_train import checkpoint as ckpt
 from vllm_easyspec_train.errors import HiddenSizeMismatchError, NotEnoughDataError, UnsupportedTargetError
 from vllm_easyspec_train.trainer import epoch_batches, init_from_head, run_train_eagle, train

@@ -17,12 +17,12 @@ layouts, the chain equivalence, vLLM's untouched path, and lookup merged into EA
 from __future__ import annotations
 
 import pytest
-from controller_costs import steps_cost_nothing
-from distribution import ALPHA, install_biased_tree_sampler, restore_tree_sampler, run_distribution_test
-from kv_inspection import assert_same_kv, deferral_expected, deferral_run
-from reference_checkpoint import build_reference_checkpoint
-from request_batches import MIXED, SINGLE, generate
 
+from tests.controller_costs import steps_cost_nothing
+from tests.distribution import ALPHA, install_biased_tree_sampler, restore_tree_sampler, run_distribution_test
+from tests.eagle.reference_checkpoint import build_reference_checkpoint
+from tests.kv_inspection import assert_same_kv, deferral_expected, deferral_run
+from tests.request_batches import MIXED, SINGLE, generate
 from vllm_easyspec.instruments.metrics import read_spec_decode_counters
 from vllm_easyspec.instruments.worker_extension import (
     read_controller_stats,

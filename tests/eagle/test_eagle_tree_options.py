@@ -10,8 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from controller_costs import steps_cost_nothing
-from option_requests import (
+
+from tests.controller_costs import steps_cost_nothing
+from tests.option_requests import (
     OPTION_NAMES,
     assert_same_outputs,
     generate_outputs,
@@ -21,7 +22,6 @@ from option_requests import (
     with_every_option,
     with_option,
 )
-
 from vllm_easyspec.instruments.worker_extension import read_tree_stats
 
 DYNAMIC = {"top_k": 3, "depth": 4, "budget": 10}

@@ -13,9 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from distribution import ALPHA, run_distribution_test
-from reference_checkpoint import build_reference_checkpoint
 
+from tests.distribution import ALPHA, run_distribution_test
+from tests.eagle.reference_checkpoint import build_reference_checkpoint
 from vllm_easyspec.instruments.metrics import read_spec_decode_counters
 from vllm_easyspec_train.checkpoint import load_head
 from vllm_easyspec_train.simulate import replay_acceptance

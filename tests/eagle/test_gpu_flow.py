@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 
 import torch
-from eagle_helpers import train_args
-from fake_device import on_host, second_device
 from safetensors.torch import load_file
 
+from tests.eagle.eagle_helpers import train_args
+from tests.fake_device import on_host, second_device
 from vllm_easyspec_train.trainer import fit_steps, train
 
 

@@ -12,7 +12,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from serving import free_port, serve_command, serving
+
+from tests.serving import free_port, serve_command, serving
 
 pytestmark = pytest.mark.engine  # every test here starts a server
 

@@ -7,8 +7,8 @@ import json
 import sys
 
 import pytest
-from eagle_helpers import train_args
 
+from tests.eagle.eagle_helpers import train_args
 from vllm_easyspec import cli
 
 

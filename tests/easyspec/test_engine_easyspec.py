@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distribution import ALPHA, run_distribution_test
-from kv_inspection import read_draft_kv, start_recording_block_tables
 
+from tests.distribution import ALPHA, run_distribution_test
+from tests.kv_inspection import read_draft_kv, start_recording_block_tables
 from vllm_easyspec.easyspec.config import EasySpecConfigError
 from vllm_easyspec.instruments.metrics import read_spec_decode_counters
 from vllm_easyspec.instruments.worker_extension import read_drafting_stats

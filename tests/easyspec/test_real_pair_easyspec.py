@@ -5,8 +5,8 @@ process and tensor_parallel on 2 CPU ranks. Run with ``pytest -m slow tests/easy
 from __future__ import annotations
 
 import pytest
-from engine_pool import greedy_tokens
 
+from tests.engine_pool import greedy_tokens
 from vllm_easyspec.instruments.worker_extension import read_drafting_stats
 from vllm_easyspec.models import prompt_token_ids
 

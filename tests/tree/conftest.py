@@ -51,7 +51,7 @@ def kernel_runner() -> Iterator[Callable]:
 
 @pytest.fixture(scope="session")
 def tree_llama_dir(tiny_root, tiny_tokenizer_dir):
-    from tiny_models import build_tiny_model
+    from tests.tiny_models import build_tiny_model
 
     return build_tiny_model(tiny_root / "tree_llama", tiny_tokenizer_dir, "llama", num_layers=4, seed=11,
                             layer_scale=4.0)
@@ -59,7 +59,7 @@ def tree_llama_dir(tiny_root, tiny_tokenizer_dir):
 
 @pytest.fixture(scope="session")
 def tree_qwen2_dir(tiny_root, tiny_tokenizer_dir):
-    from tiny_models import build_tiny_model
+    from tests.tiny_models import build_tiny_model
 
     return build_tiny_model(tiny_root / "tree_qwen2", tiny_tokenizer_dir, "qwen2", num_layers=4, seed=12,
                             layer_scale=4.0)
@@ -67,7 +67,7 @@ def tree_qwen2_dir(tiny_root, tiny_tokenizer_dir):
 
 @pytest.fixture(scope="session")
 def tree_moe_dir(tiny_root, tiny_tokenizer_dir):
-    from tiny_models import build_tiny_model
+    from tests.tiny_models import build_tiny_model
 
     return build_tiny_model(tiny_root / "tree_mixtral", tiny_tokenizer_dir, "mixtral", num_layers=2, seed=13,
                             layer_scale=4.0)
@@ -76,6 +76,6 @@ def tree_moe_dir(tiny_root, tiny_tokenizer_dir):
 @pytest.fixture(scope="session")
 def byte_level_pair(tiny_root):
     """(target, draft) across vocabularies: byte-level BPE, the draft lacking the target's last 30 tokens."""
-    from tiny_models import build_byte_level_pair
+    from tests.tiny_models import build_byte_level_pair
 
     return build_byte_level_pair(tiny_root / "byte_level")

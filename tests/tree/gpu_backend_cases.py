@@ -27,9 +27,10 @@ import types
 from unittest import mock
 
 import torch
-from attention_reference import tree_attention_reference
-from tree_testlib import random_parents
-from tree_views import ancestor_mask_from_parents
+
+from tests.tree.attention_reference import tree_attention_reference
+from tests.tree.tree_testlib import random_parents
+from tests.tree.tree_views import ancestor_mask_from_parents
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 LAYER = "model.layers.0.self_attn.attn"

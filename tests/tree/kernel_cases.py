@@ -5,8 +5,9 @@ sent to the worker) and returns plain results for the test to assert on."""
 from __future__ import annotations
 
 import torch
-from attention_reference import reference_error
-from tree_testlib import make_paged_batch, random_parents
+
+from tests.tree.attention_reference import reference_error
+from tests.tree.tree_testlib import make_paged_batch, random_parents
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_reference import reference_error
-from tree_testlib import make_paged_batch, random_parents
 
 from benchmarks.harness.paged_tree_attention import tree_attention_cpu, tree_attention_naive
+from tests.tree.attention_reference import reference_error
+from tests.tree.tree_testlib import make_paged_batch, random_parents
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 8e-3}  # as test_tree_attention.py
 

@@ -7,8 +7,9 @@ engine-level chi-square test passes at T > 0, and still rejects a biased verifie
 from __future__ import annotations
 
 import pytest
-from controller_costs import drafting_costs_nothing, only_prompt_lookup_pays, steps_cost_nothing
-from distribution import (
+
+from tests.controller_costs import drafting_costs_nothing, only_prompt_lookup_pays, steps_cost_nothing
+from tests.distribution import (
     ALPHA,
     install_biased_rejection_sampler,
     install_biased_tree_sampler,
@@ -16,8 +17,7 @@ from distribution import (
     restore_tree_sampler,
     run_distribution_test,
 )
-from request_batches import MIXED, SINGLE, generate
-
+from tests.request_batches import MIXED, SINGLE, generate
 from vllm_easyspec.instruments.worker_extension import read_controller_stats, read_tree_stats
 
 TREES = {

@@ -22,15 +22,15 @@ import itertools
 
 import pytest
 import torch
-from kv_inspection import (
+
+from tests.kv_inspection import (
     assert_same_kv,
     deferral_expected,
     deferral_run,
     read_target_kv,
     start_recording_block_tables,
 )
-from request_batches import MIXED, SINGLE, generate
-
+from tests.request_batches import MIXED, SINGLE, generate
 from vllm_easyspec.instruments.metrics import read_spec_decode_counters
 from vllm_easyspec.instruments.worker_extension import read_drafting_stats, read_tree_stats
 

@@ -8,8 +8,8 @@ the prefill, so a sampler that is not lossless shifts the law of the token pair.
 from __future__ import annotations
 
 import pytest
-from distribution import ALPHA, install_biased_tree_sampler, restore_tree_sampler, run_distribution_test
 
+from tests.distribution import ALPHA, install_biased_tree_sampler, restore_tree_sampler, run_distribution_test
 from vllm_easyspec.instruments.worker_extension import read_tree_stats
 
 DRAW_MODES = {

@@ -25,9 +25,10 @@ from __future__ import annotations
 import types
 
 import pytest
-from controller_costs import steps_cost_nothing
-from distribution import ALPHA, chi_square_against, install_biased_tree_sampler, restore_tree_sampler
-from option_requests import (
+
+from tests.controller_costs import steps_cost_nothing
+from tests.distribution import ALPHA, chi_square_against, install_biased_tree_sampler, restore_tree_sampler
+from tests.option_requests import (
     OPTION_NAMES,
     REPORTS_ONLY,
     assert_same_outputs,
@@ -38,7 +39,6 @@ from option_requests import (
     with_every_option,
     with_option,
 )
-
 from vllm_easyspec.instruments.worker_extension import read_tree_stats
 
 STATIC = {"choices": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]}

@@ -8,8 +8,8 @@ test checks it (``tests/tree/test_real_pair_tree.py``)."""
 from __future__ import annotations
 
 import pytest
-from request_batches import MIXED, SINGLE, generate
 
+from tests.request_batches import MIXED, SINGLE, generate
 from vllm_easyspec.easyspec.config import EasySpecConfigError
 from vllm_easyspec.instruments.worker_extension import read_tree_stats
 

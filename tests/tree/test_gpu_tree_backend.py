@@ -27,10 +27,11 @@ from __future__ import annotations
 import math
 import types
 
-import gpu_backend_cases
 import pytest
 import torch
-from gpu_backend_cases import LAYER, fa_views, make_kv_cache, stub_layer, stub_vllm_config
+
+import tests.tree.gpu_backend_cases as gpu_backend_cases
+from tests.tree.gpu_backend_cases import LAYER, fa_views, make_kv_cache, stub_layer, stub_vllm_config
 
 # |out - ref| / max(1, |ref|), as tests/tree/test_tree_attention.py
 TOLERANCE = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 8e-3}
@@ -147,7 +148,6 @@ def test_tree_rows_attend_with_the_fp32_precision_of_vllms_attention(monkeypatch
     decided a 2e-5 logit near-tie differently from vanilla's TF32 rows ("return torch.", token 10)."""
     pytest.importorskip("triton")
     import vllm_easyspec.kernels.tree_attention as kernel
-
     from vllm_easyspec.integration.gpu.attention_backend import TreeTritonAttentionImpl
 
     assert kernel.triton_default_fp32_precision("cuda") == ("tf32" if torch.version.hip is None else "ieee")

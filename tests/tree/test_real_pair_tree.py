@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine_pool import greedy_tokens
 
+from tests.engine_pool import greedy_tokens
 from vllm_easyspec.instruments.worker_extension import read_tree_stats
 from vllm_easyspec.models import prompt_token_ids
 

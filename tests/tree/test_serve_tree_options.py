@@ -12,8 +12,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from option_requests import LOGPROB_TOLERANCE, generate_outputs, with_every_option
-from serving import free_port, post, serve_command, serving
+
+from tests.option_requests import LOGPROB_TOLERANCE, generate_outputs, with_every_option
+from tests.serving import free_port, post, serve_command, serving
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

@@ -4,13 +4,13 @@ ragged prefixes (including 0 and block-crossing ones), GQA, and block sizes 16 a
 
 from __future__ import annotations
 
-import kernel_cases
 import pytest
 import torch
-from attention_reference import gather_positions, tree_attention_reference
-from tree_testlib import make_paged_batch, random_parents
-from tree_views import ancestor_mask_from_parents, verify_layout
 
+import tests.tree.kernel_cases as kernel_cases
+from tests.tree.attention_reference import gather_positions, tree_attention_reference
+from tests.tree.tree_testlib import make_paged_batch, random_parents
+from tests.tree.tree_views import ancestor_mask_from_parents, verify_layout
 from vllm_easyspec.tree.attention import attention_over_prefix_and_tree
 from vllm_easyspec.tree.building import TokenTreeBatch
 

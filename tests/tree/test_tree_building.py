@@ -6,8 +6,14 @@ import math
 
 import pytest
 import torch
-from tree_views import StaticTreeBuilder, is_leaf, node_positions, root_to_leaf_paths, verify_layout
 
+from tests.tree.tree_views import (
+    StaticTreeBuilder,
+    is_leaf,
+    node_positions,
+    root_to_leaf_paths,
+    verify_layout,
+)
 from vllm_easyspec.tree.building import (
     MAX_TREE_NODES,
     ChildDrawMode,

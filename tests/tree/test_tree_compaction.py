@@ -4,10 +4,10 @@ strided cache views), and the sampler -> compaction hand-off."""
 
 from __future__ import annotations
 
-import kernel_cases
 import pytest
 import torch
 
+import tests.tree.kernel_cases as kernel_cases
 from vllm_easyspec.tree.building import TokenTreeBatch
 from vllm_easyspec.tree.compaction import compact_kv, compact_kv_torch, tree_compaction_slots
 from vllm_easyspec.tree.sampling import tree_rejection_sample

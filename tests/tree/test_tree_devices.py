@@ -12,9 +12,9 @@ import types
 
 import pytest
 import torch
-from fake_device import DEVICE, on_host, second_device
-from tree_testlib import spec_decode_metadata
 
+from tests.fake_device import DEVICE, on_host, second_device
+from tests.tree.tree_testlib import spec_decode_metadata
 from vllm_easyspec.tree.building import ChildDrawMode
 from vllm_easyspec.tree.verify_step import TreeRequest, TreeVerifyStep
 
@@ -168,7 +168,7 @@ def test_a_tree_verify_step_reads_the_device_once():
     commit and the next drafting step need on the host. Tree shapes are checked on the host, early exits that
     would read a mask are taken on the host only, and host bookkeeping goes to the device without waiting
     (before: 22 waits in this step)."""
-    from fake_device import counting_syncs
+    from tests.fake_device import counting_syncs
 
     logits = _logits(0)
     with second_device() as device:
@@ -186,7 +186,7 @@ def test_a_tree_verify_step_reads_the_device_once():
 
 
 def test_the_runners_tree_step_start_and_commit_wait_for_nothing():
-    from fake_device import counting_syncs
+    from tests.fake_device import counting_syncs
 
     with counting_syncs() as waits:
         test_the_runners_tree_step_start_writes_device_positions()

@@ -202,7 +202,7 @@ def test_drafting_a_dynamic_tree_on_a_device_waits_for_nothing():
     """Greedy EAGLE-2 drafting of a batch with its logits on a device (``fake_device``): the levels, their
     masks and the tree it builds never make the host wait for the device (the checks that would are taken on
     the host only; the verify step checks the trees it verifies, on the host)."""
-    from fake_device import counting_syncs, on_host, second_device
+    from tests.fake_device import counting_syncs, on_host, second_device
 
     config = TreeConfig.model_validate({"top_k": 2, "depth": 3, "budget": 5})
     roots = [1, 2]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tree_views import verify_layout
 
+from tests.tree.tree_views import verify_layout
 from vllm_easyspec.tree.building import ChildDrawMode, TokenTreeBatch
 from vllm_easyspec.tree.sampling import apply_sampling_constraints, tree_rejection_sample
 

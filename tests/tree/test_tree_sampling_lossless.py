@@ -26,7 +26,8 @@ Statistical design (identical for every case, including the biased verifier):
 from __future__ import annotations
 
 import pytest
-from tree_testlib import (
+
+from tests.tree.tree_testlib import (
     LosslessCase,
     chi_square,
     expected_two_token_distribution,

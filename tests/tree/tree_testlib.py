@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from scipy import stats
-from tree_views import StaticTreeBuilder, ancestor_mask_from_parents, root_to_leaf_paths
 
+from tests.tree.tree_views import StaticTreeBuilder, ancestor_mask_from_parents, root_to_leaf_paths
 from vllm_easyspec.tree.building import (
     ChildDrawMode,
     DynamicTopKTreeBuilder,
