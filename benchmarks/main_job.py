@@ -15,6 +15,9 @@ Run from the repository root: ``python -m benchmarks main`` (``make demo`` runs 
 - A ``--target`` without the committed EAGLE head (any target but the default) compares the draft-model
   setups instead: by default vanilla, vLLM's ``draft_model`` and the plugin's token tree; ``--full`` adds the
   EasySpec chain drafter.
+- ``--json`` (``benchmarks.main_json``): the same setups on the same prompts asking for a JSON answer (vLLM
+  structured output), beside the same prompts without it in the same engine processes; ``--batch-size 1 8``
+  runs once per batch size into one report.
 
 Invariants:
 - Both modes run the same prompts, tokens, batch, dtype and engine processes per setup (``--repeats``,
@@ -173,11 +176,13 @@ def estimated_seconds(processes: int, generated_tokens: int) -> float:
 
 
 def plan_text(
-    setups: list[Setup], left_out: list[Setup], workload: Workload, repeats: int, models_to_fetch: list[str]
+    setups: list[Setup], left_out: list[Setup], workload: Workload, repeats: int, models_to_fetch: list[str],
+    runs: int = 1, cells: int = 1,
 ) -> str:
-    """What the run will do and roughly how long it takes, printed before anything is fetched."""
-    processes = len(setups) * repeats
-    tokens_per_process = len(workload.prompts) * workload.max_tokens
+    """What the run will do and roughly how long it takes (``runs`` harness runs, ``cells`` workloads timed in
+    all of them per setup and round), printed before anything is fetched."""
+    processes = len(setups) * repeats * runs
+    tokens_per_process = len(workload.prompts) * workload.max_tokens * cells / runs
     estimate_minutes = estimated_seconds(processes, (processes + 1) * tokens_per_process) / 60
     width = max(len(s.name) for s in setups)
     lines = [
@@ -205,7 +210,8 @@ def main(argv: list[str], prog: str = "python -m benchmarks main") -> int:
     )  # fmt: skip
     parser.add_argument("--num-prompts", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, nargs="+", default=[1],
+                        help="with --json, several: one harness run each, one report")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, default=3, help="draft_model chain length")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                         help="default: bfloat16 where the CPU computes it natively (AVX-512 BF16, AMX), else float32")
@@ -216,7 +222,13 @@ def main(argv: list[str], prog: str = "python -m benchmarks main") -> int:
         "--repeats", type=int, default=DEFAULT_REPEATS,
         help="engine processes per setup, run interleaved; speeds are medians with their min-max",
     )  # fmt: skip
+    parser.add_argument("--json", action="store_true",
+                        help="the prompts ask for a JSON answer, served with vLLM structured output (stem main_job_json)")
+    parser.add_argument("--plain", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --json, also time the prompts without JSON in the same processes (default)")
     args = parser.parse_args(argv)
+    if len(args.batch_size) > 1 and not args.json:
+        parser.error("several --batch-size values need --json; run the main job once per batch size")
     args.dtype = args.dtype or cpu_native_dtype()
 
     with_eagle = eagle_head_available(target_is_default=args.target == DEFAULT_TARGET)
@@ -227,13 +239,17 @@ def main(argv: list[str], prog: str = "python -m benchmarks main") -> int:
         target=model_folder(args.target),
         prompts=load_prompts(args.num_prompts),
         max_tokens=args.max_tokens,
-        batch_size=args.batch_size,
+        batch_size=args.batch_size[0],
         dtype=args.dtype,
     )
     models = [args.target, args.draft] if needs_draft else [args.target]
     to_fetch = [name for name in models if name in MODELS and not is_fetched(name)]
     left_out = [s for s in all_setups if s not in setups]
-    print(plan_text(setups, left_out, workload, args.repeats, to_fetch))
+    runs, cells = (len(args.batch_size), len(args.batch_size) + (args.plain and 1 in args.batch_size)) if args.json else (1, 1)
+    print(plan_text(setups, left_out, workload, args.repeats, to_fetch, runs, cells))
+    if args.json:
+        print(f"--json: one harness run per batch size ({', '.join(map(str, args.batch_size))}), each timing the "
+              f"prompts asking for JSON{' (at batch 1 also without)' if args.plain and 1 in args.batch_size else ''}")
     if args.target != DEFAULT_TARGET:
         print(f"no EAGLE setups: the committed head {EAGLE3_HEAD.name} is for {DEFAULT_TARGET} only")
     elif not with_eagle:
@@ -248,15 +264,20 @@ def main(argv: list[str], prog: str = "python -m benchmarks main") -> int:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
 
-    rows = run_setups(setups, workload, repeats=args.repeats)
     command = command_line("main", argv)
     drafters = ([f"draft {Path(model_folder(args.draft)).name}"] if needs_draft else []) + (
         [f"EAGLE head {EAGLE3_HEAD.name}"] if any(s.name.startswith("eagle3") for s in setups) else []
     )
     title = (
         f"{Path(workload.target).name} with {' and '.join(drafters)}: {len(workload.prompts)} prompts, "
-        f"{args.max_tokens} tokens, batch {args.batch_size}, {args.dtype}, greedy"
+        f"{args.max_tokens} tokens, batch {' and '.join(map(str, args.batch_size))}, {args.dtype}, greedy"
     )
+    if args.json:
+        from benchmarks.main_json import JSON_STEM, run_json
+
+        return run_json(setups, workload, args.batch_size, args.repeats, args.stem or JSON_STEM,
+                        f"JSON requests: {title}", command, plain=args.plain)
+    rows = run_setups(setups, workload, repeats=args.repeats)
     stem = args.stem or (FULL_STEM if args.full else DEFAULT_STEM)
     paths = write_results(rows, stem, title, command.strip())
     print(f"\n{title}\n\n{markdown_table(rows)}\n")

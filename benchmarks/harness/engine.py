@@ -154,7 +154,7 @@ def _measure(llm, tokenizer, setup: Setup, workload: Workload, cell: Cell, recor
     prompts = [TokensPrompt(prompt_token_ids=prompt_token_ids(tokenizer, text)) for text in cell.prompts]
     in_flight = cell.batch_size if limit_in_flight else None
     params = cell.sampling_params(temperature=workload.temperature, seed=0)
-    warm_up = SamplingParams(temperature=0.0, max_tokens=8)
+    warm_up = SamplingParams(temperature=0.0, max_tokens=8, **cell.structured_options())  # compiles its grammar
     llm.generate(prompts[:1], warm_up, use_tqdm=False)
     drafting_before = _drafting_seconds_and_steps(llm)
     steps_before = _step_stats(llm)

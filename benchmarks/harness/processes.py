@@ -43,7 +43,7 @@ def run_setups(
 
 def run_matrix(
     setups: list[Setup], workload: Workload, cells: list[Cell], repeats: int = DEFAULT_REPEATS,
-    runs_file: Path | None = None, progress: bool = True, side_by_side: bool = False,
+    runs_file: Path | None = None, progress: bool = True, side_by_side: bool = False, speed: str = MATRIX_SPEED,
 ) -> dict[str, list[dict[str, Any]]]:
     """Like ``run_setups``, but each engine process times every cell in turn (engine start-up is paid once per
     process, not per cell); the engine's ``max_num_seqs`` is ``workload.batch_size``, at least every cell's
@@ -53,7 +53,7 @@ def run_matrix(
 
     ``runs_file`` (JSON lines) keeps every finished run; a run already there is not run again (side by side:
     a round whose every setup is there), so an interrupted matrix resumes where it stopped. Rows are of
-    ``MATRIX_SPEED`` (package docstring)."""
+    ``speed``: ``MATRIX_SPEED`` (package docstring), or ``decode_tok_per_s`` as ``run_setups`` reports."""
     if max(cell.batch_size for cell in cells) > workload.batch_size:
         raise ValueError(f"workload.batch_size {workload.batch_size} is below a cell's batch")
     names = [s.name for s in setups]
@@ -62,7 +62,7 @@ def run_matrix(
     rows_by_cell = {}
     for cell in cells:
         rows = finalize_rows([run["cells"][cell.name] | {"round": run["round"]} for run in raw], order=names,
-                             speed=MATRIX_SPEED)
+                             speed=speed)
         print(f"-- {cell.name}")
         report_identity(rows)
         rows_by_cell[cell.name] = rows

@@ -80,16 +80,28 @@ class Cell:
     max_tokens: int
     lengths: list[int] | None = None  # each prompt's max_tokens, in order; None: max_tokens for every prompt
     group: str = ""  # the prompt class: rounds rotate the order of the groups (``cell_order``)
+    # vLLM structured output for every request of the cell: ``StructuredOutputsParams`` keyword arguments (e.g.
+    # {"json": schema}); None: free text
+    structured_outputs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.lengths is not None and len(self.lengths) != len(self.prompts):
             raise ValueError(f"cell {self.name!r}: {len(self.lengths)} lengths for {len(self.prompts)} prompts")
 
+    def structured_options(self) -> dict[str, Any]:
+        """``SamplingParams`` keyword arguments of the cell's structured output: {} for free text."""
+        if self.structured_outputs is None:
+            return {}
+        from vllm.sampling_params import StructuredOutputsParams
+
+        return {"structured_outputs": StructuredOutputsParams(**self.structured_outputs)}
+
     def sampling_params(self, **options: Any) -> list[Any]:
-        """One ``SamplingParams`` per prompt, each with its own ``max_tokens``."""
+        """One ``SamplingParams`` per prompt, each with its own ``max_tokens`` and the cell's structured output."""
         from vllm import SamplingParams
 
-        return [SamplingParams(max_tokens=n, **options) for n in self.lengths or [self.max_tokens] * len(self.prompts)]
+        lengths = self.lengths or [self.max_tokens] * len(self.prompts)
+        return [SamplingParams(max_tokens=n, **options, **self.structured_options()) for n in lengths]
 
 
 DEFAULT_PROMPT_KINDS = ("chat", "code", "math")  # the default mix; "edit" prompts are asked for by name
