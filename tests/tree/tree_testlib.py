@@ -296,7 +296,7 @@ def spec_decode_metadata(drafts: list[list[int]], device):
     starts = cu_sampled - sampled
     target = torch.cat([starts[i] + torch.arange(len(d)) for i, d in enumerate(drafts)])
     return SpecDecodeMetadata(
-        draft_token_ids=torch.tensor(sum(drafts, []), dtype=torch.int32, device=device),
+        draft_token_ids=torch.tensor([token for d in drafts for token in d], dtype=torch.int32, device=device),
         num_draft_tokens=[len(d) for d in drafts],
         cu_num_draft_tokens=torch.tensor([len(d) for d in drafts], device=device).cumsum(0).int(),
         cu_num_sampled_tokens=cu_sampled.int().to(device),

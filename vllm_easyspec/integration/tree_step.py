@@ -1,17 +1,6 @@
-"""The tree step's hub: what passes between the drafter, the verify step and the runner.
-
-A tree step is a sequence of values, each made by one party:
-
-1. the drafter (:mod:`~vllm_easyspec.integration.tree_drafting`) hands each request's drafts over as a
-   :class:`PendingTree` (:meth:`TreeVerifier.propose`), already cut to the step's node budget and saying
-   whether it is a chain;
-2. the runner (:mod:`~vllm_easyspec.integration.runner`) turns the scheduled drafts and their pending trees
-   into a :class:`~vllm_easyspec.tree.verify_step.TreeVerifyStep`, held here as :attr:`TreeVerifier.forward`
-   while the target forward runs;
-3. the tree sampler (:mod:`~vllm_easyspec.integration.tree_sampler`) returns a verdict with each request's
-   accepted branch;
-4. the runner commits the branch (target K/V, input ids, positions) and records it here
-   (:meth:`TreeVerifier.record_branch`), where the next drafting step reads it.
+"""The tree step's hub: what passes between the drafter, the verify step and the runner (docs/design.md, "One step
+through the seams"): :class:`PendingTree` from the drafter, :class:`TreeVerifyForward` while the target runs, the
+accepted branch back for the next drafting step.
 
 Invariant: a request with a pending tree gets exactly that tree's nodes as its speculative tokens
 (:meth:`TreeVerifier.trim_drafts`); a request the tree cannot serve exactly gets none.
@@ -20,7 +9,7 @@ Invariant: a request with a pending tree gets exactly that tree's nodes as its s
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,37 +30,27 @@ DRAFT_PARENTS = "easyspec_draft_parents"
 
 
 def tree_fallback_reason(params, processed_logprobs: bool = False) -> str | None:
-    """Why a request with these ``SamplingParams`` cannot be verified as a tree exactly, or None (every other
-    option is applied per node: docs/design.md, "Requests a tree cannot serve exactly"): ``logprobs`` in a
-    processed ``logprobs_mode`` (``processed_logprobs``; the tree sampler returns raw values only),
-    watermarking and a thinking-token budget (their state advances token by token in vLLM's sampler)."""
-    checks = (
-        (params.logprobs is not None and processed_logprobs, "logprobs in a processed logprobs_mode"),
-        (bool(params.watermarking), "watermarking"),
-        (params.thinking_token_budget is not None, "thinking_token_budget"),
-    )
+    """Why a request with these ``SamplingParams`` cannot be verified as a tree exactly, or None (docs/design.md,
+    "Requests a tree cannot serve exactly")."""
+    checks = ((params.logprobs is not None and processed_logprobs, "logprobs in a processed logprobs_mode"),
+              (bool(params.watermarking), "watermarking"),
+              (params.thinking_token_budget is not None, "thinking_token_budget"))
     reasons = [name for present, name in checks if present]
     return ", ".join(reasons) if reasons else None
 
 
 def chain_sampler_serves(params) -> bool:
-    """Whether vLLM's own rejection sampler verifies this request's chain exactly: it applies penalties,
-    ``bad_words``, ``allowed_token_ids`` and ``min_tokens`` per draft position
-    (``RejectionSampler.apply_logits_processors``) and returns top-k logprobs, but applies neither
-    ``logit_bias`` nor ``min_p`` and ignores ``logprob_token_ids``, so a chain step with such a request is verified
-    by the tree sampler instead."""
+    """Whether vLLM's own rejection sampler verifies this request's chain exactly: it applies neither ``logit_bias``
+    nor ``min_p`` and ignores ``logprob_token_ids`` (docs/design.md, "Requests a tree cannot serve exactly")."""
     return params is None or not (params.logit_bias or params.logprob_token_ids
                                   or (params.min_p > 0.0 and params.temperature > SAMPLING_EPS))
 
 
 @dataclass
 class PendingTree:
-    """A request's drafts for its next verify step (target vocabulary), as the drafter hands them over.
-
-    Invariant: at most ``node_limit`` nodes, parents first; ``is_chain`` exactly when the nodes are a path of
-    deterministic drafts (each the only child of the one before), which the runner verifies as vLLM verifies
-    a chain. Build it with :meth:`within` or :meth:`chain`, which keep that invariant.
-    """
+    """A request's drafts for its next verify step (target vocabulary). Invariant: at most ``node_limit`` real
+    nodes, parents first; ``is_chain`` exactly when the nodes are a path of deterministic drafts and no padding (vLLM
+    verifies it as a chain). Built by :meth:`within`, :meth:`chain` and :meth:`padded`, which keep it."""
 
     tokens: list[int]
     parents: list[int]
@@ -81,13 +60,13 @@ class PendingTree:
     draft_probs: torch.Tensor | None = None  # [n + 1, V], i.i.d.-drawn trees only
     from_lookup: tuple[bool, ...] = ()  # per node: merged from a source (prompt lookup); empty: all drafted
     features: list[NodeFeatures] | None = None  # per node, with easyspec.tree.auto: what the controller knew
+    padding: int = 0  # tree.uniform: the last ``padding`` nodes are padding, never accepted (:meth:`padded`)
 
     @classmethod
     def within(cls, node_limit: int, tokens: list[int], parents: list[int], draw_mode: ChildDrawMode,
                draft_probs: torch.Tensor | None = None, from_lookup: tuple[bool, ...] = (),
                features: list[NodeFeatures] | None = None) -> PendingTree:
-        """The first ``node_limit`` nodes of a tree (still a tree: parents come first). This is where a
-        step's node budget (``budget_by_batch``, or the controller's choice) is applied."""
+        """The first ``node_limit`` nodes of a tree (still a tree: parents come first)."""
         tokens, parents = tokens[:node_limit], parents[:node_limit]
         is_chain = (draw_mode is ChildDrawMode.WITHOUT_REPLACEMENT and draft_probs is None
                     and parents == list(range(-1, len(parents) - 1)))
@@ -98,6 +77,20 @@ class PendingTree:
     def chain(cls, tokens: list[int]) -> PendingTree:
         """A chain of deterministic drafts, as a proposer drafts without a tree."""
         return cls.within(len(tokens), tokens, list(range(-1, len(tokens) - 1)), ChildDrawMode.WITHOUT_REPLACEMENT)
+
+    @property
+    def real_nodes(self) -> int:
+        return len(self.tokens) - self.padding
+
+    def padded(self, nodes: int) -> PendingTree:
+        """This tree with padding nodes up to ``nodes``: a chain below its last node (a path stays a path, served
+        by vLLM's kernel), each a copy of that node's token. Never a chain: vLLM's sampler would accept them."""
+        count = nodes - len(self.tokens)
+        if count <= 0:
+            return self
+        last = len(self.tokens) - 1
+        return replace(self, tokens=self.tokens + [self.tokens[-1] if self.tokens else 0] * count,
+                       parents=self.parents + list(range(last, last + count)), is_chain=False, padding=count)
 
 
 @dataclass
@@ -114,6 +107,7 @@ class TreeStats:
     source_nodes: int = 0  # nodes merged in from sources (prompt lookup), scheduled or not
     source_nodes_accepted: int = 0
     off_top_path_branches: int = 0  # accepted branches with a node that is not its parent's first child
+    padding_nodes: int = 0  # tree.uniform: nodes verified only to make the step uniform (not in nodes_verified)
     last_node_limit: int = 0  # nodes per tree that budget_by_batch allowed at the last drafting step
     last_limit_is_chain: bool = False  # ... and whether that was a chain ({"chain": k})
     chain_steps: int = 0  # verify steps whose drafts were all top-1 chains, verified by vLLM's own path
@@ -136,13 +130,8 @@ class VerifyKV:
 
 @dataclass
 class TreeVerifyForward:
-    """The verify forward in progress: its trees, and the K/V each target layer keeps of the rows that need
-    masked attention.
-
-    Invariant: :attr:`masked` holds the step's requests whose nodes are not a path; they alone get tree
-    attention and kept K/V. A path's rows sit at their linear positions, so it goes to vLLM's kernel with the
-    requests without drafts, and its accepted branch is already in place.
-    """
+    """The verify forward in progress. Invariant: :attr:`masked` holds the step's requests whose nodes are not a
+    path; they alone get tree attention and kept K/V (a path's rows sit at their linear positions: vLLM's kernel)."""
 
     step: TreeVerifyStep
     kept_kv: dict[str, VerifyKV] = field(default_factory=dict)  # by layer name, rows of ``masked``
@@ -163,6 +152,7 @@ class TreeVerifier:
     policy: NodePolicy  # the step's budget: learns what verification accepted, forgets finished requests
     unshared_target_tokens: torch.Tensor | None = None  # tree.retokenize: bool [target vocab] the draft lacks
     processed_logprobs: bool = False  # the engine's logprobs_mode is a processed one
+    uniform_nodes: int = 0  # tree.uniform: every request of a tree step verifies this many nodes (0: off)
     pending: dict[str, PendingTree] = field(default_factory=dict)
     no_drafts: set[str] = field(default_factory=set)
     drafted_this_step: bool = False
@@ -191,6 +181,11 @@ class TreeVerifier:
         """The drafter's output of one step at budget ``node_limit`` (a chain of that length if ``chain``):
         trees for ``trees``' requests, no drafts for ``no_drafts``."""
         live = set(self.requests)
+        if self.uniform_nodes and not chain and any(tree.tokens for tree in trees.values()):
+            empty = PendingTree([], [], ChildDrawMode.WITHOUT_REPLACEMENT, 0, False)
+            trees = trees | {req_id: empty for req_id in no_drafts if self.fallback_reason(req_id) is None}
+            trees = {req_id: tree.padded(self.uniform_nodes) for req_id, tree in trees.items()}
+            no_drafts = no_drafts - set(trees)
         self.pending = {req_id: tree for req_id, tree in self.pending.items() if req_id in live} | trees
         self._explained &= live
         self.policy.forget(live)
@@ -207,16 +202,17 @@ class TreeVerifier:
         self.drafted_this_step = False
 
     def trim_drafts(self, drafts) -> None:
-        """``take_draft_token_ids``: requests without speculation (or a step without drafting) get none, and
-        trees smaller than the widest (sources added fewer nodes) get their own node count; structured-output
-        requests' node parents go with their drafts to the scheduler (:data:`DRAFT_PARENTS`)."""
+        """``take_draft_token_ids``: requests without speculation (or a step without drafting) get none, a tree
+        its own nodes, padding included; structured-output requests' node parents go with their drafts to the
+        scheduler (:data:`DRAFT_PARENTS`)."""
         parents: dict[str, list[int]] = {}
         for index, req_id in enumerate(drafts.req_ids):
             if not self.drafted_this_step or req_id in self.no_drafts:
                 drafts.draft_token_ids[index] = []
             elif req_id in self.pending:
                 pending = self.pending[req_id]
-                drafts.draft_token_ids[index] = drafts.draft_token_ids[index][: len(pending.tokens)]
+                real = pending.real_nodes
+                drafts.draft_token_ids[index] = list(drafts.draft_token_ids[index][:real]) + pending.tokens[real:]
                 params = getattr(self.requests.get(req_id), "sampling_params", None)
                 if params is not None and params.structured_outputs is not None:
                     parents[req_id] = pending.parents

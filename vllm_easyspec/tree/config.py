@@ -11,9 +11,8 @@ Two shapes, exactly one per config:
   nodes of each depth, then keep the ``budget`` nodes with the highest cumulative draft log-probability.
   Dynamic trees are deterministic functions of the context, so they always verify as top-k children.
 
-Either shape may take ``sources`` (:mod:`vllm_easyspec.tree.merging`), ``retokenize``
-(:mod:`vllm_easyspec.tree.retokenizing`), ``budget_by_batch`` and ``auto`` (:class:`AutoSpeculation`);
-docs/options.md says what each does.
+Either shape may take ``sources``, ``retokenize``, ``budget_by_batch``, ``auto`` and ``uniform``; docs/options.md
+says what each does.
 
 Invariant: a ``TreeConfig`` that exists describes a tree of 1..:data:`MAX_TREE_NODES` nodes whose
 parents come first; :attr:`TreeConfig.num_nodes` is what ``num_speculative_tokens`` must equal.
@@ -24,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from .building import MAX_TREE_NODES, ChildDrawMode, StaticTreeTemplate
 
@@ -100,6 +99,7 @@ class TreeConfig(BaseModel):
     # running requests -> from that batch size on, most nodes per request (0: no speculation) or a chain
     budget_by_batch: dict[int, int | ChainLimit] | None = None
     auto: AutoSpeculation | None = None
+    uniform: StrictBool = False  # every request of a tree step verifies num_nodes nodes, padded (never accepted)
 
     @field_validator("auto", mode="before")
     @classmethod

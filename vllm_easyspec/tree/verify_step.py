@@ -1,16 +1,10 @@
 """One target forward that verifies the token trees of a batch: the pure bookkeeping around it.
 
-The engine schedules a tree of ``n`` nodes like a chain of ``n`` speculative tokens: request ``b``'s ``1 + n``
-query rows are its root (the last verified token, at position ``P``) followed by the nodes in topological
-order, and row ``j`` writes its K/V to the linear slot of position ``P + j``. This module turns the trees into
-what the forward, the sampler and the cache need:
-
-* :meth:`TreeVerifyStep.row_positions`: RoPE positions ``P + depth`` of every row (slots stay linear);
-* :meth:`TreeVerifyStep.attention_rows` and :attr:`TreeVerifyStep.attention_mask`: per tree request, its query
-  rows padded to ``W = 1 + max n`` and the ancestor-or-self mask ``[R, W, W]`` (the root is column 0); every
-  row also sees the whole prefix (positions ``< P``);
-* :meth:`TreeVerifyStep.accepted_moves`: after sampling, which row's K/V goes to which position so the
-  accepted branch sits at ``P + 1 .. P + a``, and the accepted tokens in that order.
+Request ``b``'s ``1 + n`` query rows are its root (position ``P``) then its nodes in topological order; row ``j``
+writes its K/V to the linear slot ``P + j`` and sits at RoPE position ``P + depth``
+(:meth:`TreeVerifyStep.row_positions`); :attr:`TreeVerifyStep.attention_mask` is the ancestor-or-self mask over
+the rows (every row also sees the prefix); :meth:`TreeVerifyStep.accepted_moves` says which row's K/V goes where
+so that the accepted branch sits at ``P + 1 .. P + a``.
 
 Invariant: a truncated tree (the first ``n`` nodes of a longer one) is still a tree: parents come first.
 """
@@ -44,6 +38,7 @@ class TreeRequest:
     stop_tokens_restored_when_all_banned: bool = False
     req_id: str = ""  # the engine's request id (bookkeeping only)
     from_lookup: tuple[bool, ...] = ()  # per node: merged from a source (prompt lookup); empty: all drafted
+    padding: int = 0  # the last ``padding`` nodes pad the tree to a uniform size: verified rows, never accepted
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.parents):
@@ -52,12 +47,16 @@ class TreeRequest:
             if not -1 <= parent < index:
                 raise ValueError(f"node {index} has parent {parent}; parents must come first")
         if self.draw_mode is ChildDrawMode.IID_FROM_DRAFT:
-            if self.draft_probs is None or self.draft_probs.shape[0] != len(self.tokens) + 1:
-                raise ValueError("an i.i.d.-drawn tree needs draft_probs with one row per node plus the root")
+            if self.draft_probs is None or self.draft_probs.shape[0] != self.real_nodes + 1:
+                raise ValueError("an i.i.d.-drawn tree needs draft_probs with one row per real node plus the root")
 
     @property
     def num_nodes(self) -> int:
         return len(self.tokens)
+
+    @property
+    def real_nodes(self) -> int:
+        return len(self.tokens) - self.padding
 
     @property
     def is_path(self) -> bool:
@@ -148,11 +147,11 @@ class TreeVerifyStep:
     def trees_with_mode(self, mode: ChildDrawMode, device: torch.device | None = None
                         ) -> tuple[list[int], TokenTreeBatch] | None:
         """The requests drawn in ``mode`` (their indices in this step) as one batch on ``device`` (default: the
-        step's), or None."""
+        step's), or None. Their real nodes only: the sampler never sees a padding node, so never accepts one."""
         picked = [i for i, r in enumerate(self.requests) if r.draw_mode is mode]
         if not picked:
             return None
-        return picked, _tree_batch([self.requests[i] for i in picked], mode, device or self.device)
+        return picked, _tree_batch([self.requests[i] for i in picked], mode, device or self.device, real=True)
 
     def accepted_moves(self, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> AcceptedBranch:
         """Where the accepted branch's K/V must go: ``accepted_nodes`` ``[R, D]`` (node indices, root side
@@ -209,19 +208,20 @@ class AcceptedBranch:
                                 for x in (self.request_index, self.source_column, self.destination, self.tokens)))
 
 
-def _tree_batch(requests: list[TreeRequest], mode: ChildDrawMode, device: torch.device) -> TokenTreeBatch:
-    width = max(r.num_nodes for r in requests)
-    tokens = torch.full((len(requests), max(width, 1)), -1, dtype=torch.int64)
+def _tree_batch(requests: list[TreeRequest], mode: ChildDrawMode, device: torch.device,
+                real: bool = False) -> TokenTreeBatch:
+    """The requests' trees, padding nodes included unless ``real`` (they come last, so a tree either way)."""
+    counts = [r.real_nodes if real else r.num_nodes for r in requests]
+    tokens = torch.full((len(requests), max(*counts, 1)), -1, dtype=torch.int64)
     parents = torch.full_like(tokens, -1)
-    for row, request in enumerate(requests):
-        tokens[row, : request.num_nodes] = torch.tensor(request.tokens, dtype=torch.int64)
-        parents[row, : request.num_nodes] = torch.tensor(request.parents, dtype=torch.int64)
+    for row, (request, count) in enumerate(zip(requests, counts, strict=True)):
+        tokens[row, :count] = torch.tensor(request.tokens[:count], dtype=torch.int64)
+        parents[row, :count] = torch.tensor(request.parents[:count], dtype=torch.int64)
     draft_probs = None
     if mode is ChildDrawMode.IID_FROM_DRAFT:
-        vocab = requests[0].draft_probs.shape[1]
-        draft_probs = torch.zeros(len(requests), tokens.shape[1] + 1, vocab)
+        draft_probs = torch.zeros(len(requests), tokens.shape[1] + 1, requests[0].draft_probs.shape[1])
         for row, request in enumerate(requests):
-            draft_probs[row, : request.num_nodes + 1] = request.draft_probs
-    trees = TokenTreeBatch(tokens=tokens, parents=parents, num_nodes=torch.tensor([r.num_nodes for r in requests]),
+            draft_probs[row, : request.real_nodes + 1] = request.draft_probs
+    trees = TokenTreeBatch(tokens=tokens, parents=parents, num_nodes=torch.tensor(counts),
                            draw_mode=mode, draft_probs=draft_probs)  # checked on the host
     return trees.to(device)
