@@ -1,19 +1,9 @@
-"""How likely a drafted node is to be accepted, predicted before verification and calibrated by what
-verification then accepts.
-
-A node is *tested* when its parent was accepted (the root always is); a tested node is accepted or not. The
-model predicts the conditional chance ``P(accepted | tested)`` of a node from what the drafter knows:
-
-* its source: drafted, or merged from prompt lookup;
-* its depth (1, 2, 3 and deeper);
-* for drafted nodes, its own draft log-probability given its parent (binned; a bin of its own when unknown, as
-  for nodes re-encoded across vocabularies);
-* the request's recent acceptance: a moving average of its tested nodes' outcomes (binned; unknown at first).
-
-Each bin keeps Beta-smoothed counts around its pooled bin's rate (the same source, depth and draft
-log-probability bin at every recent acceptance), itself smoothed around a prior (the draft's own probability for
-drafted nodes; for lookup nodes a fixed rate for a path's first node and a higher one after it). A node's chance
-of being accepted is the product of the conditional chances along its path: it never exceeds its parent's.
+"""How likely a drafted node is to be accepted, predicted before verification and calibrated by what verification
+then accepts (docs/design.md, "Self-tuning speculation"). A node is *tested* when its parent was accepted; the
+model predicts ``P(accepted | tested)`` from its source (drafted or prompt lookup), depth, binned draft
+log-probability given its parent (a bin of its own when unknown) and the request's recent acceptance, each bin
+Beta-smoothed around its pooled bin's rate, itself smoothed around a prior. A node's chance of being accepted is
+the product of the conditional chances along its path: it never exceeds its parent's.
 
 Invariant: predictions depend only on the node's features and on earlier verification outcomes, never on the
 verification they are used for, so choosing nodes by them keeps speculation lossless.

@@ -1,16 +1,10 @@
 """The speculation controller of ``easyspec.tree.auto``: every step, how deep to draft and which nodes of each
 request's candidate tree to verify, from a measured cost model and a calibrated acceptance model
-(docs/design.md, "Self-tuning speculation").
-
-One step: :meth:`SpeculationController.plan_depth` before drafting (the depth with the best predicted rate, or
-0: no drafting, the first pass deferred); :meth:`SpeculationController.choose` after drafting (each request's
-nodes best first and how many it verifies); :meth:`SpeculationController.observe` after verification, and
-:meth:`observe_verify` / :meth:`observe_first_pass` / :meth:`observe_draft` with the step's timings. The
-:class:`OutcomeGuard` holds drafting back where it measurably produced less than plain cycles; steps explore
-against the plan (:class:`Exploring`) from a budget of :data:`EXPLORE_SHARE` of the verify time.
-
-Trees of i.i.d. draws (``draw: sample``) keep their template order and are chosen without their draft
-probabilities: such a request verifies a prefix whose length depends on depth and its history only.
+(docs/design.md, "Self-tuning speculation"): :meth:`SpeculationController.plan_depth` before drafting,
+:meth:`SpeculationController.choose` after it, ``observe*`` with the outcomes and timings; an
+:class:`OutcomeGuard` holds drafting back where it produced less than plain cycles, and steps explore
+(:class:`Exploring`) from a budget of :data:`EXPLORE_SHARE` of the verify time. Trees of i.i.d. draws keep their
+template order and are chosen without their draft probabilities.
 
 Invariant: every choice is a function of the draft's output, of earlier verification outcomes and of random
 draws independent of every verification, so speculation stays lossless whatever the controller chooses.

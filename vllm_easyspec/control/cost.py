@@ -1,13 +1,6 @@
 """What a step costs: measured curves of the target's verify forward and of one draft level against the rows
-they run, kept current by the engine's own step timings.
-
-The start-up measurement times bare forwards; a real verify step also pays what they do not show (attention
-over the context, the sampler, masked tree attention, speculative sampling), so the verify prediction is
-``scale * curve(rows)`` plus four extras (per row, per masked row, per masked request, per row of a step that
-verifies any node), all five fitted by least squares over the last decode steps, pulled towards scale 1 and no
-extra. Drafting costs the first pass and one forward per further level, predicted from start-up curves of one
-draft forward (with and without logits), each with its own scale; host work is a moving average per request
-(docs/design.md, "Cost model").
+they run, kept current by the engine's own step timings (docs/design.md, "Cost model": the scale, the four
+extras and the drafting scales fitted there).
 
 Invariants: a :class:`CostCurve` goes through its measured points and extrapolates linearly past its last
 point, and its floor (the lower envelope) is non-decreasing and never above it; the fitted scale is positive

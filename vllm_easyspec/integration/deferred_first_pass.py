@@ -1,11 +1,6 @@
-"""Steps that speculate nothing skip the drafter's first pass; the next step that drafts catches it up.
-
-The drafter's first pass (vLLM's ``set_inputs_first_pass`` and first forward) writes the draft's K/V of every
-row the target verified in the step. A step in which no request will verify a draft node skips that forward and
-keeps its rows per request (token ids, positions, slots and the target's hidden states); the next step that
-drafts puts a request's kept rows in front of its new rows in the first pass's inputs
-(:meth:`DeferredFirstPass.catch_up`), so one forward writes the draft's K/V of the skipped positions and the new
-ones. A request that finishes while its first passes are deferred never pays for them.
+"""Steps that speculate nothing skip the drafter's first pass; the next step that drafts catches it up
+(docs/design.md, "Tree size that follows the batch"): a request's kept rows (token ids, positions, slots, the
+target's hidden states) go in front of its new rows in that step's first pass (:meth:`DeferredFirstPass.catch_up`).
 
 Invariant: a request's kept rows are its positions ``start .. start + n - 1`` with none missing, and are used
 only by a step whose first row for that request is at ``start + n``. Rows that would break this (a preempted

@@ -1,18 +1,10 @@
-"""Fuzzy (layer-parallel) forwards for vLLM draft models (Llama and Qwen2 families).
+"""Fuzzy (layer-parallel) forwards for vLLM draft models (Llama and Qwen2 families; docs/design.md, "EasySpec").
 
-:class:`FuzzyDraftController` takes a loaded vLLM ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` and
-replaces the forward of its inner decoder (``model.model``) with one that, per forward, asks the
-calibration schedule whether to run exact (vLLM's own forward, untouched) or fuzzy (the paper's
-Algorithm 2 through :func:`vllm_easyspec.easyspec.fuzzy_forward.decoder_forward`).
-
-Group attention runs in one of two ways:
-
-- ``fused``: one RMS norm of the group's input and one GEMM over the per-layer QKV weights stacked (norm weights
-  folded in) at load time; each layer's vLLM ``Attention`` writes its own paged KV and attends; one batched
-  matmul applies the N output projections (under tensor parallelism, one all-reduce per group instead of N).
-- ``tensor_parallel`` (the paper's layer parallelism): full (replicated) weights on every rank; in a fuzzy group
-  rank r runs the attention of the group's r-th layer, and one all-gather returns every layer's output with its
-  new K and V, which each rank writes into its own cache, so every rank's draft KV stays identical.
+:class:`FuzzyDraftController` replaces the forward of a loaded model's inner decoder with one that, per forward,
+asks the calibration schedule whether to run exact (vLLM's own forward) or fuzzy (the paper's Algorithm 2 through
+:func:`vllm_easyspec.easyspec.fuzzy_forward.decoder_forward`), its group attention ``fused`` (one GEMM over the
+group's stacked QKV weights, one batched output projection) or ``tensor_parallel`` (rank r runs the group's r-th
+layer; one all-gather returns every layer's output and new K/V, written into every rank's cache).
 
 Invariants: an exact forward is vLLM's forward; a fuzzy forward's plan lists every layer once in order,
 layers 0 and L-1 exact; every rank runs the same sequence of collectives.

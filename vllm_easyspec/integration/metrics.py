@@ -1,5 +1,5 @@
 """vLLM's metrics seam for ``easyspec.tree.auto``: the controller's figures in ``LLM.get_metrics()`` and in the
-server's ``/metrics``, and a summary line in the engine's log.
+server's ``/metrics``, and a summary line in the engine's log (docs/design.md lists the metrics).
 
 The worker of tensor-parallel rank 0 publishes its controller's state after every engine step as a small JSON
 file, replaced atomically (:class:`ControllerPublisher`), under ``/dev/shm/vllm-easyspec-metrics-$UID/`` (else the
@@ -7,16 +7,6 @@ temporary directory), named by vLLM's ``instance_id``; one collector per front-e
 (:class:`ControllerMetricsCollector`) turns the newest engine's file into metrics when the registry is read, and
 the front end removes its engine's file when it exits. With several API server processes vLLM serves
 ``/metrics`` from its multiprocess registry, which does not include these.
-
-Metrics (label ``model_name`` as vLLM's own): counters ``vllm:easyspec_auto_{steps, request_steps,
-nodes_offered, nodes_chosen, requests_without_nodes, exploring_steps, exploring_drafts, steps_without_drafting, steps_held_back,
-lookup_only_steps, lookup_steps_held_back, predicted_accepted, realised_accepted, controller_seconds}_total``; histograms ``vllm:easyspec_auto_nodes_per_request`` (chosen nodes per request per
-step) and ``vllm:easyspec_auto_draft_depth`` (drafted depth per step); gauges
-``vllm:easyspec_auto_realised_over_predicted``, ``vllm:easyspec_auto_verify_seconds{rows}`` and
-``vllm:easyspec_auto_draft_level_seconds{rows}`` (the current cost curves),
-``vllm:easyspec_auto_drafting_host_seconds_per_request`` (a drafting stage's host work beyond its forwards), and
-``vllm:easyspec_auto_calibration_{predicted,observed,nodes}{table,bin}`` (the acceptance model's calibration:
-``conditional`` = P(accepted | parent accepted), ``path`` = P(accepted) of every offered node).
 """
 
 from __future__ import annotations

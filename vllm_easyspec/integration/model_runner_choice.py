@@ -1,10 +1,7 @@
-"""The seam ``VllmConfig.use_v2_model_runner``: an engine whose ``additional_config`` has ``easyspec`` runs
-vLLM's V1 model runner, which the plugin's drafters, tree verifier and runner mixin are written against; every
-other engine keeps vLLM's own choice (on a GPU, vLLM 0.32.0's default is its V2 runner), so installing the
-plugin changes no engine that does not ask for it.
-
-Replaces the property ``vllm.config.vllm.VllmConfig.use_v2_model_runner`` of vLLM 0.32.0 (behind
-``integration.compat.check_vllm_version``); vLLM's property still answers for every engine without ``easyspec``.
+"""The seam ``VllmConfig.use_v2_model_runner``: an engine whose ``additional_config`` has ``easyspec`` runs vLLM's V1
+model runner, which the plugin is written against; every other engine keeps vLLM's own choice. Replaces the
+property ``vllm.config.vllm.VllmConfig.use_v2_model_runner`` of vLLM 0.32.0 (behind
+``integration.compat.check_vllm_version``).
 
 Invariant: an engine with ``easyspec`` options never runs Model Runner V2. Where the user forces V2
 (``VLLM_USE_V2_MODEL_RUNNER=1``) or asks for a feature that only V2 has, the engine is refused with one line

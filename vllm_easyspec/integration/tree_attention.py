@@ -1,19 +1,13 @@
-"""What the CPU and GPU tree attention backends share (``cpu/attention_backend.py``,
-``gpu/attention_backend.py``): how the runner's tree step reaches them, the batch split, the draft-level
-forward, and the start-up checks.
+"""What the CPU and GPU tree attention backends share (``cpu/attention_backend.py``, ``gpu/attention_backend.py``;
+docs/design.md, "One step through the seams").
 
-* **target verify**: while the runner builds attention metadata for a step with token trees
-  (:func:`verifying`), a backend's metadata builder builds tree metadata instead of vLLM's. The requests
-  without a tree, and those whose tree is a path (:attr:`~vllm_easyspec.tree.verify_step.TreeRequest.is_path`:
-  causal attention is its tree attention), go to vLLM's own kernel as a sub-batch (:func:`split_verify_batch`);
-  the other trees' rows attend to their cached prefix and their ancestors
-  (:attr:`~vllm_easyspec.integration.tree_step.TreeVerifyForward.masked`). Each layer keeps those rows' K/V
-  (:class:`~vllm_easyspec.integration.tree_step.VerifyKV`) for the runner's commit. A step whose trees are
-  all paths gets vLLM's metadata for the whole batch.
-* **draft level** (:class:`TreeLevelMetadata`): a drafter forward over one depth of the draft trees. Those
-  rows write nothing to the cache; they attend to the draft prefix (through the root) and to the K/V of
-  their ancestors from earlier levels of the same step, kept in :class:`DraftTreeAttention`. A backend
-  supplies only how its cache layout yields a request's prefix (:meth:`TreeAttentionImplMixin.gather_prefix`).
+* **target verify**: inside :func:`verifying`, a backend's metadata builder builds tree metadata: requests without
+  a tree or whose tree is a path go to vLLM's own kernel as a sub-batch (:func:`split_verify_batch`), the other
+  trees' rows attend to their cached prefix and their ancestors, and each layer keeps those rows' K/V for the
+  runner's commit;
+* **draft level** (:class:`TreeLevelMetadata`): rows that write nothing to the cache attend to the draft prefix
+  and to their ancestors' K/V from earlier levels (:class:`DraftTreeAttention`); a backend supplies how its cache
+  layout yields a request's prefix (:meth:`TreeAttentionImplMixin.gather_prefix`).
 
 Invariant: with no active tree step every builder and impl method is vLLM's.
 """

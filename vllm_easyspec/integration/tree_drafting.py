@@ -1,35 +1,14 @@
 """The drafter drafts the tree: the tree path of the plugin's draft-model proposer and of its EAGLE proposer
-(:mod:`~vllm_easyspec.integration.proposers`; docs/design.md, "Drafting a tree with a draft model" and "EAGLE
-heads draft trees").
+(:mod:`~vllm_easyspec.integration.proposers`; docs/design.md, "Drafting a tree with a draft model", "EAGLE heads
+draft trees", "Merged candidates: prompt lookup", "Trees across vocabularies, bridged by text").
 
-One drafting step is:
-
-1. vLLM's own first pass (``SpecDecodeBaseProposer.set_inputs_first_pass`` and the first forward of
-   ``propose``): one forward over each request's verified tokens and bonus token, which the runner has already
-   rewritten to the accepted branch, so it writes the draft's K/V of the verified tokens linearly and exactly;
-   its last row gives the root's distribution;
-2. one forward per further level of the tree over that level's frontier nodes
-   (:class:`~vllm_easyspec.tree.drafting.LevelwiseTreeDraft`), attending through
-   :class:`~vllm_easyspec.integration.tree_attention.TreeLevelMetadata` to the draft prefix and their
-   ancestors; they write nothing to the cache (fuzzy, EasySpec, with ``layer_parallel_size`` > 1);
-3. with ``sources.prompt_lookup``, the continuation of the context's latest earlier n-gram match is merged
-   into each greedy or top-k tree (:mod:`vllm_easyspec.tree.merging`); a step that drafts nothing (budget 0,
-   or the ``tree.auto`` controller expects no node to pay) skips even the first pass, which the next step that
-   drafts catches up (:mod:`~vllm_easyspec.integration.deferred_first_pass`), and under ``tree.auto`` may
-   still offer each request's prompt-lookup path alone, verified as vLLM verifies a chain;
-4. each request's tree goes to the runner's verifier as a
-   :class:`~vllm_easyspec.integration.tree_step.PendingTree` (cut to the budget there) and its nodes, parents
-   first, to the scheduler as the request's speculative tokens.
-
-Where ``budget_by_batch`` asks for ``{"chain": k}``, the step is the proposer's own chain drafting instead
-(vLLM's ``propose`` with ``k`` tokens), verified as vLLM verifies a chain.
-
-An EAGLE head also reads a hidden state per row: in the first pass the target's, of the accepted branch
-(:meth:`~vllm_easyspec.integration.tree_step.TreeVerifier.branch_hidden_states`); at every level the state the
-head produced for each node's parent. An EAGLE-3 head with a reduced output vocabulary (``d2t``) drafts in it
-(its logits are never spread over the target's); node tokens become target ids before each level forward and
-at hand-over. Across vocabularies, node tokens map to target ids through vLLM's shared ids, or with
-``tree.retokenize`` by text (:class:`~vllm_easyspec.tree.retokenizing.TreeRetokenizer`).
+One step: vLLM's own first pass over the verified tokens (the runner has rewritten them to the accepted branch;
+an EAGLE head reads the target's states of that branch), one forward per further level over the frontier
+(:class:`~vllm_easyspec.tree.drafting.LevelwiseTreeDraft`), masked by structured-output grammars
+(:mod:`~vllm_easyspec.integration.draft_grammar`), prompt-lookup paths merged in, and each request's tree handed
+to the verifier as a :class:`~vllm_easyspec.integration.tree_step.PendingTree`. A step that drafts nothing skips
+even the first pass (:mod:`~vllm_easyspec.integration.deferred_first_pass`); ``{"chain": k}`` is the proposer's
+own chain drafting.
 """
 
 from __future__ import annotations
@@ -44,6 +23,7 @@ from vllm.forward_context import set_forward_context
 
 from vllm_easyspec.integration.compat import plugin_logger
 from vllm_easyspec.integration.deferred_first_pass import DeferredFirstPass
+from vllm_easyspec.integration.draft_grammar import NO_GRAMMAR, DraftGrammars
 from vllm_easyspec.integration.node_policy import CandidateTree, NodePolicy
 from vllm_easyspec.integration.options import EasySpecOptions
 from vllm_easyspec.integration.tree_attention import DraftTreeAttention, TreeLevelMetadata
@@ -78,6 +58,11 @@ class TreeDrafting:
         elif options.across_vocabularies:
             reason = "retokenize is false" if config.retokenize is False else "draw is 'sample'"
             logger.info("easyspec.tree: the vocabularies are bridged by vLLM's shared ids (%s)", reason)
+        # drafts masked by structured-output grammars (not across a text bridge, nor where reasoning comes first)
+        masked = self.retokenizer is None and not proposer.vllm_config.structured_outputs_config.reasoning_parser
+        self.grammars = NO_GRAMMAR if not masked else DraftGrammars(proposer.vllm_config, lambda: (
+            proposer.vocab_mapping.draft_to_target_ids if proposer.use_heterogeneous_vocab else self.output_ids),
+                                                                    rollback=config.num_nodes + 1)
 
     def _bridge_by_text(self) -> None:
         """``tree.retokenize``: the retokenizer, the draft tokens it can use, and the refined target -> draft
@@ -171,13 +156,15 @@ class TreeDrafting:
             path_lengths = None if paths is None else [min(len(path), self._path_nodes) for path in paths]
             depth = policy.plan_depth(req_ids, cad.num_actual_tokens + self.deferred.kept_rows(req_ids),
                                       self.batch.requests, path_lengths)
+        grammar = self.grammars.step(req_ids, self.batch, self.verifier.last_branch, arguments["next_token_ids"]) \
+            if budget.nodes else NO_GRAMMAR
         if depth == 0:  # nothing to draft: the first pass waits
             self.deferred.keep(arguments, req_ids, live)
             if paths is not None and budget.nodes:  # the prompt-lookup paths may still pay on their own (auto)
-                return self._hand_over_paths(paths, batch_size, arguments["next_token_ids"], budget.nodes)
+                return self._hand_over_paths(paths, batch_size, arguments["next_token_ids"], budget.nodes, grammar)
             return self._hand_over(None, batch_size, arguments["next_token_ids"], 0)
         arguments = self.deferred.catch_up(arguments, req_ids, live, self._first_pass_room(cad))
-        return self._propose_trees(budget.nodes, depth, paths, **arguments)
+        return self._propose_trees(budget.nodes, depth, paths, grammar, **arguments)
 
     def _lookup_paths(self, req_ids: list[str], next_token_ids: torch.Tensor) -> list[list[int]] | None:
         """Each request's prompt-lookup path (target vocabulary; as long as a merge into the deepest tree can
@@ -200,11 +187,12 @@ class TreeDrafting:
         extra = getattr(proposer, "net_num_new_slots_per_request", 0) if proposer.needs_extra_input_slots else 0
         return size - cad.num_actual_tokens - extra * cad.batch_size()
 
-    def _propose_trees(self, node_limit: int, depth: int, lookup_paths: list[list[int]] | None, *,
+    def _propose_trees(self, node_limit: int, depth: int, lookup_paths: list[list[int]] | None, grammar, *,
                        target_token_ids, target_positions, target_hidden_states, next_token_ids,
                        token_indices_to_sample, common_attn_metadata, sampling_metadata, mm_embed_inputs=None,
                        num_rejected_tokens_gpu=None, **_unused) -> torch.Tensor:
-        """One tree drafting step at ``node_limit`` nodes, at most ``depth`` deep; ``lookup_paths``: the requests' prompt-lookup paths (:meth:`_lookup_paths`)."""
+        """One tree drafting step at ``node_limit`` nodes, at most ``depth`` deep; ``lookup_paths``: the requests'
+        prompt-lookup paths (:meth:`_lookup_paths`); ``grammar``: the step's grammar masks (:mod:`.draft_grammar`)."""
         proposer = self.proposer
         proposer._last_draft_probs = None
         batch_size = common_attn_metadata.batch_size()
@@ -215,7 +203,7 @@ class TreeDrafting:
         root_hidden, root_feed, root_positions, cad = self._first_pass(
             target_token_ids, target_positions, target_hidden_states, next_token_ids,
             token_indices_to_sample, common_attn_metadata, mm_embed_inputs, num_rejected_tokens_gpu)
-        root_logits = self._logits(root_hidden)
+        root_logits = grammar.mask(self._logits(root_hidden)[:, None])[:, 0]
         policy.first_pass_done(mark, common_attn_metadata.num_actual_tokens, batch_size)  # the roots' logits too
         greedy, temperatures = greedy_rows(sampling_metadata, batch_size)
         drafted = self.config.drafted_within(node_limit).within_depth(depth)
@@ -223,13 +211,13 @@ class TreeDrafting:
         state = DraftTreeAttention(prefix_lens=(root_positions + 1).long().cpu(),  # host metadata
                                    block_table=cad.block_table_tensor[:batch_size])
         mark = policy.start()
-        levels, level_rows = self._draft_levels(draft, state, root_feed, root_positions, batch_size)
+        levels, level_rows = self._draft_levels(draft, state, root_feed, root_positions, batch_size, grammar)
         if levels:
             policy.levels_done(mark, levels, level_rows // levels)
-        return self._hand_over(draft.build(), batch_size, next_token_ids, node_limit, lookup_paths)
+        return self._hand_over(draft.build(), batch_size, next_token_ids, node_limit, lookup_paths, grammar)
 
     def _draft_levels(self, draft: LevelwiseTreeDraft, state: DraftTreeAttention, root_feed: torch.Tensor | None,
-                      root_positions: torch.Tensor, batch_size: int) -> tuple[int, int]:
+                      root_positions: torch.Tensor, batch_size: int, grammar=NO_GRAMMAR) -> tuple[int, int]:
         """One draft forward per tree level over that level's frontier, until ``draft`` is done; returns the
         levels and the rows they forwarded. An EAGLE head's nodes read the state their parent produced."""
         proposer = self.proposer
@@ -255,7 +243,7 @@ class TreeDrafting:
             hidden, feed = output if proposer.model_returns_tuple() else (output, None)
             if feeds_hidden:
                 stash_feed = torch.cat([stash_feed, feed[: batch_size * width].view(batch_size, width, -1)], dim=1)
-            draft.expand(self._logits(hidden[: batch_size * width]).view(batch_size, width, -1))
+            draft.expand(grammar.mask(self._logits(hidden[: batch_size * width]).view(batch_size, width, -1), draft))
             levels, level_rows = levels + 1, level_rows + batch_size * width
         return levels, level_rows
 
@@ -320,7 +308,7 @@ class TreeDrafting:
         return self.config.sources.prompt_lookup.nodes
 
     def _hand_over_paths(self, paths: list[list[int]], batch_size: int, next_token_ids: torch.Tensor,
-                         node_limit: int) -> torch.Tensor:
+                         node_limit: int, grammar=NO_GRAMMAR) -> torch.Tensor:
         """A step that drafts nothing (``easyspec.tree.auto``): each request's prompt-lookup path alone, its first
         :attr:`_path_nodes` tokens, of which the policy picks how many to verify. A path of deterministic nodes
         verifies as vLLM verifies a chain, greedy or sampled."""
@@ -336,12 +324,12 @@ class TreeDrafting:
                 verifier.stats.source_nodes += len(path)
                 candidates.append(CandidateTree(req_id, path, list(range(-1, len(path) - 1)),
                                                 ChildDrawMode.WITHOUT_REPLACEMENT, from_lookup=(True,) * len(path)))
-        pending = self.policy.choose(candidates, node_limit, batch_size, None)
+        pending = self.policy.choose(grammar.prune(candidates, None)[0], node_limit, batch_size, None)
         verifier.propose(pending, no_drafts, node_limit=node_limit, chain=False)
         return _pending_tokens(req_ids, pending, self.config.num_nodes, next_token_ids.device)
 
     def _hand_over(self, trees, batch_size: int, next_token_ids: torch.Tensor, node_limit: int,
-                   lookup_paths: list[list[int]] | None = None) -> torch.Tensor:
+                   lookup_paths: list[list[int]] | None = None, grammar=NO_GRAMMAR) -> torch.Tensor:
         """Map to target ids, merge the sources' candidates in (``lookup_paths``: :meth:`_lookup_paths`), give
         the trees, cut by the policy (none drafted when ``node_limit`` is 0), to the runner's verifier, and
         return ``[B, N]`` node tokens (a tree with fewer than ``N`` nodes is cut to its own size later, in
@@ -369,9 +357,10 @@ class TreeDrafting:
                 tuple(index >= drafted for index in range(len(row_tokens))), row,
                 # i.i.d. children: how many to verify must not depend on what was drawn (that would bias the draws)
                 value_blind=self.retokenizer is not None or mode is ChildDrawMode.IID_FROM_DRAFT))
-        pending = self.policy.choose(candidates, node_limit, batch_size, trees.logprobs)
+        candidates, logprobs = grammar.prune(candidates, trees.logprobs)  # nodes a grammar forbids
+        pending = self.policy.choose(candidates, node_limit, batch_size, logprobs)
         verifier.propose(pending, no_drafts, node_limit=node_limit, chain=False)
-        if lookup_paths is None and self.retokenizer is None and self.policy.keeps_drafted_order:
+        if lookup_paths is None and self.retokenizer is None and self.policy.keeps_drafted_order and grammar.keeps_nodes:
             return tokens  # each request verifies a prefix of its drafted row
         return _pending_tokens(req_ids, pending, self.config.num_nodes, tokens.device, tokens.dtype)
 

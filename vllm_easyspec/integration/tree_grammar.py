@@ -1,29 +1,13 @@
-"""Structured output with token trees: each node's grammar mask from the grammar state along its own path.
+"""Structured output with token trees: each node's grammar mask from the grammar state along its own path
+(docs/design.md, "Requests a tree cannot serve exactly").
 
-In vLLM 0.32 a request's grammar matcher lives in the engine core's scheduler
-(``vllm/v1/structured_output/``). For a chain of drafts it validates the drafts (``Scheduler.update_draft_token_ids``
-keeps their longest grammar-valid prefix) and fills one bitmask row per scheduled position by advancing the matcher
-along the drafts (``StructuredOutputManager.grammar_bitmask``); the worker applies row ``i`` of a request to its
-``i``-th logit row (``apply_grammar_bitmask`` in ``GPUModelRunner.sample_tokens``), before sampling. A tree's nodes
-are not a chain, so for a tree request:
-
-1. the worker hands each structured-output request's node parents to the scheduler with its drafts
-   (:data:`~vllm_easyspec.integration.tree_step.DRAFT_PARENTS` on vLLM's ``DraftTokenIds``, which reaches the engine
-   core pickled, attributes and all; :meth:`~vllm_easyspec.integration.tree_step.TreeVerifier.trim_drafts`);
-2. ``update_draft_token_ids`` (seam) keeps the whole tree rather than a chain prefix. A node the grammar forbids
-   stays: its parent's row masks it, so it is never accepted. A request still in its reasoning section (a
-   reasoning parser constrains it only after the section ends) gets no drafts for the step: exact, unspeculated;
-3. ``grammar_bitmask`` (seam) fills vLLM's rows for every request with the tree requests' drafts left out (so each
-   tree request gets its root row exactly as vLLM fills it), then inserts after each root row one row per scheduled
-   node: the matcher advanced along the node's path (rolled back to the longest prefix it shares with the previous
-   node's), the next-token mask filled, a full mask once the grammar has terminated, the root's row for a node
-   whose path the grammar forbids (never reached);
-4. the tree sampler verifies the masked rows; the scheduler advances the matcher by the accepted tokens
-   (``update_from_output``), as without speculation.
-
-Row ``i`` of a tree request is then the mask of its ``i``-th logit row, which is what vanilla vLLM applies once
-the node's path is the output. Chains (``budget_by_batch`` chains, ``auto``'s lookup paths) carry their parents
-too, and get the masks vLLM gives a chain.
+vLLM 0.32 keeps a request's matcher in the scheduler, which validates a chain of drafts and fills one bitmask row
+per draft position; the worker applies row ``i`` to logit row ``i``. For a tree, the worker hands each
+structured-output request's node parents over with its drafts (:data:`~vllm_easyspec.integration.tree_step.DRAFT_PARENTS`
+on vLLM's ``DraftTokenIds``); ``update_draft_token_ids`` (seam) keeps the whole tree (a request
+still in its reasoning section gets no drafts), and ``grammar_bitmask`` (seam) fills vLLM's rows with the trees
+left out, then after each root row one row per node: the matcher's mask after the node's path (:func:`walk_paths`),
+a full mask after the grammar's end, the root's row for a forbidden node (its parent's row masks it).
 
 Invariant: a request whose drafts come without parents is handled exactly as vLLM handles it.
 """
@@ -119,11 +103,31 @@ def _node_rows(manager, request, tokens: list[int], parents: list[int], root: np
     """One bitmask row per node: the grammar's next-token mask after the node's path (module docstring, step 3)."""
     grammar = request.structured_output_request.grammar
     bitmask = manager.backend.allocate_token_bitmask(len(tokens))
+
+    def fill(index: int, valid: bool) -> None:
+        if not valid:
+            bitmask[index] = bitmask.new_tensor(root)  # never reached: the node's parent row masks its token
+        elif not grammar.is_terminated():  # after the grammar's end, as vLLM: no constraint (the request stops)
+            grammar.fill_bitmask(bitmask, index)
+    walk_paths(grammar, node_paths(tokens, parents), fill)
+    return bitmask.numpy()
+
+
+def node_paths(tokens: list[int], parents: list[int]) -> list[list[int]]:
+    """Each node's tokens from the root's child down to the node (parents come first)."""
     paths: list[list[int]] = []
-    advanced: list[int] = []  # the tokens the matcher is advanced by
-    for index, (token, parent) in enumerate(zip(tokens, parents, strict=True)):
-        path = [*(paths[parent] if parent >= 0 else []), token]
-        paths.append(path)
+    for token, parent in zip(tokens, parents, strict=True):
+        paths.append([*(paths[parent] if parent >= 0 else []), token])
+    return paths
+
+
+def walk_paths(grammar, paths: list[list[int]], visit=lambda index, valid: None) -> list[bool]:
+    """Advance vLLM's ``grammar`` along each path in turn (rolled back to the longest prefix it shares with the
+    previous one) and call ``visit(index, valid)`` there, ``valid`` when the grammar accepts the whole path (a
+    token after its end excluded); returns those flags. The grammar ends where it began."""
+    advanced: list[int] = []
+    flags = []
+    for index, path in enumerate(paths):
         shared = 0
         while shared < min(len(advanced), len(path)) and advanced[shared] == path[shared]:
             shared += 1
@@ -131,18 +135,14 @@ def _node_rows(manager, request, tokens: list[int], parents: list[int], root: np
             grammar.rollback(len(advanced) - shared)
             del advanced[shared:]
         valid = True
-        for next_token in path[shared:]:
-            if grammar.is_terminated() or grammar.validate_tokens([next_token]) != [next_token]:
+        for token in path[shared:]:
+            if grammar.is_terminated() or grammar.validate_tokens([token]) != [token]:
                 valid = False
                 break
-            grammar.accept_tokens(request.request_id, [next_token])
-            advanced.append(next_token)
-        if not valid:
-            bitmask[index] = bitmask.new_tensor(root)  # never reached: the node's parent row masks its token
-        elif grammar.is_terminated():
-            bitmask[index].fill_(-1)  # as vLLM: no constraint after the grammar's end (the request stops there)
-        else:
-            grammar.fill_bitmask(bitmask, index)
+            grammar.accept_tokens("", [token])
+            advanced.append(token)
+        visit(index, valid)
+        flags.append(valid)
     if advanced:
         grammar.rollback(len(advanced))
-    return bitmask.numpy()
+    return flags

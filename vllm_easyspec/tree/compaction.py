@@ -1,17 +1,8 @@
-"""KV compaction after tree verification.
-
-During the verify forward, query ``j`` of a request (``j = 0`` root, ``j = i + 1`` node ``i``) wrote
-its K/V to logical position ``prefix_len + j`` (linear slot accounting). vLLM's scheduler then keeps
-the first ``num_accepted`` speculative positions, so the accepted path must be made linear: the node
-accepted at depth ``k`` moves from ``prefix_len + 1 + node`` to ``prefix_len + k``. The root is
-already in place; the bonus token has no K/V yet.
-
-Because nodes are topologically ordered, ``node >= k - 1`` for the node at depth ``k``, so every move
-goes to a lower (or the same) slot, and a destination can be the old slot of an *earlier* accepted
-node. Both implementations read all sources of a request before writing.
-
-Compute the slot pairs once with :func:`tree_compaction_slots`, then apply them to every layer's key
-and value cache (target and draft) with :func:`compact_kv`.
+"""KV compaction after tree verification: query ``j`` of a request (``j = 0`` root, ``j = i + 1`` node ``i``) wrote
+its K/V to ``prefix_len + j``; the node accepted at depth ``k`` moves from ``prefix_len + 1 + node`` to
+``prefix_len + k``. Nodes are topologically ordered, so every move goes to a lower (or the same) slot, possibly
+an earlier accepted node's old slot: both implementations read all sources of a request before writing.
+:func:`tree_compaction_slots` computes the slot pairs once; :func:`compact_kv` applies them to a layer's cache.
 """
 
 from __future__ import annotations

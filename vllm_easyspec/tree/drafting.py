@@ -1,16 +1,8 @@
-"""Drafting a batch of token trees level by level, independent of the model that scores them.
-
-A draft model proposes a tree with one forward per level over the *frontier* (the nodes of one depth that get
-children; the root's distribution comes from the forward over the verified tokens). :class:`LevelwiseTreeDraft`
-decides the frontier, which earlier frontier nodes each frontier node attends to, and turns distributions into
-children:
-
-* static trees (:class:`~vllm_easyspec.tree.config.TreeConfig` ``choices``): the frontier of depth ``d`` is
-  the template's depth-``d`` nodes that have children; a row drawn ``WITHOUT_REPLACEMENT`` takes the
-  ``r``-th most likely token for child rank ``r``, a row drawn ``IID_FROM_DRAFT`` samples its children
-  independently from ``q = softmax(logits / temperature)`` and keeps every expanded node's ``q``;
-* dynamic trees (EAGLE-2): the frontier is the ``top_k`` best candidates of the last depth by cumulative
-  draft log-probability (:class:`~vllm_easyspec.tree.building.DynamicTopKTreeBuilder`).
+"""Drafting a batch of token trees level by level, independent of the model that scores them: one forward per level
+over the *frontier* (the nodes of one depth that get children). Static trees take the template's nodes of each
+depth that have children, their children the ``r``-th most likely tokens (``WITHOUT_REPLACEMENT``) or i.i.d. draws
+from ``q = softmax(logits / temperature)`` (``IID_FROM_DRAFT``, each expanded node's ``q`` kept); dynamic trees
+(EAGLE-2) take the ``top_k`` best candidates of the last depth (:class:`~.building.DynamicTopKTreeBuilder`).
 
 The *stash* is every node forwarded so far, in forward order; the model keeps their K/V. Invariant: every
 ancestor of a frontier node is in the stash (children are only drawn from forwarded nodes), so
@@ -128,6 +120,26 @@ class LevelwiseTreeDraft:
             return torch.full_like(parents, -1)
         column = (self.stash[:, None, :] == parents[:, :, None]).int().argmax(dim=2)
         return torch.where(parents >= 0, column, -1)
+
+    def frontier_paths(self, rows: list[int]) -> list[list[list[int]]]:
+        """For each of ``rows``, each frontier node's tokens from the root's child down to the node; one read of
+        those rows to the host (a grammar walks the paths there)."""
+        tokens = self.tokens if self.config.is_static else self.dynamic.candidate_tokens
+        frontier = self._frontier_ids()
+        index = torch.tensor(rows, device=self.device)
+        table = torch.cat([tokens, self._parent_table(), frontier], dim=1)[index].tolist()
+        count = tokens.shape[1]
+        paths = []
+        for row in table:
+            row_paths = []
+            for node in row[2 * count:]:
+                path = []
+                while node >= 0:
+                    path.append(row[node])
+                    node = row[count + node]
+                row_paths.append(path[::-1])
+            paths.append(row_paths)
+        return paths
 
     # ------------------------------------------------------------------------------------------ expansion
     def expand(self, logits: torch.Tensor) -> None:

@@ -1,16 +1,11 @@
-"""Merging candidates from other sources into a drafted token tree (SpecInfer's merge-based construction).
-
-A *source* proposes one path of tokens after the root, a deterministic function of the context: today
-prompt lookup (:func:`prompt_lookup`, the n-gram idea of vLLM's ``ngram`` method), which wins where the
-output repeats the prompt (code edits). :func:`merge_path` walks the path down the tree: while the path's
-token is already a child of the current node the walk follows it (shared prefixes become one node), and the
-rest of the path is appended as new nodes, at most ``max_new`` of them.
+"""Merging candidates from other sources into a drafted token tree (SpecInfer's merge-based construction;
+docs/design.md, "Merged candidates: prompt lookup"): :func:`prompt_lookup` proposes the path that followed the
+context's latest earlier n-gram match, and :func:`merge_path` follows the tree while the path's tokens are
+already children (shared prefixes become one node) and appends the rest, at most ``max_new`` nodes.
 
 Invariants: the merged tree keeps every node of the drafted tree at its index, new nodes come after them
-(parents first), and siblings stay distinct tokens. Children that are deterministic functions of the context
-verify exactly as top-k children (recursive rejection sampling with one-hot draft distributions), so merging
-is lossless for trees drawn ``WITHOUT_REPLACEMENT``; a tree whose children were sampled i.i.d. from the draft
-cannot take them (its multi-step speculative sampling rule assumes every sibling came from ``q``).
+(parents first), and siblings stay distinct tokens. Deterministic children verify exactly as top-k children, so
+merging is lossless for trees drawn ``WITHOUT_REPLACEMENT``; a tree of i.i.d. draws cannot take them.
 """
 
 from __future__ import annotations

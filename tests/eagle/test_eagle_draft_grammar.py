@@ -1,0 +1,21 @@
+"""An EAGLE-3 head with a reduced output vocabulary (48 of the tiny Llama's 64 tokens, ``d2t``) drafts only what a
+structured-output request's grammar allows (issue 62): greedy output equals vanilla's and every node verified for
+a structured request is valid after the request's output (tests/tree/test_engine_draft_grammar.py has the
+checks). Marked slow: training the head takes a while; the draft model's tree runs in the default suite."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.option_requests import vanilla_outputs, with_option
+from tests.tree.test_engine_draft_grammar import check_drafts_follow_grammars
+
+
+@pytest.mark.slow
+def test_eagle3_drafts_follow_the_grammar_and_outputs_equal_vanilla(llm_pool, tiny_llama_dir, trained_tiny_heads,
+                                                                    tiny_tokenizer_dir, tmp_path):
+    requests = with_option("structured_output")
+    expected = vanilla_outputs(llm_pool, tiny_llama_dir, "structured_output", requests)
+    llm = llm_pool.get(tiny_llama_dir, speculative_config={"method": "eagle3", "model": str(trained_tiny_heads("eagle3"))},
+                       additional_config={"easyspec": {"tree": {"top_k": 3, "depth": 4, "budget": 10}}})
+    check_drafts_follow_grammars(llm, requests, expected, tiny_tokenizer_dir, tmp_path / "trace.jsonl")

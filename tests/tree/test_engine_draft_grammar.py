@@ -1,0 +1,96 @@
+"""The drafter proposes only what a structured-output request's grammar allows (issue 62), through a real engine on
+the tiny float32 models: with regex, choice and grammar requests beside plain ones, greedy output equals vanilla's,
+and every node verified for a structured request (read from the step trace) is valid after the request's output,
+where unmasked drafting verified forbidden nodes. The default suite runs the draft model's static tree; a dynamic
+tree with prompt-lookup nodes under ``tree.auto`` is marked slow (the EAGLE-3 head with a reduced vocabulary:
+tests/eagle/test_eagle_draft_grammar.py)."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+
+from tests.controller_costs import steps_cost_nothing
+from tests.option_requests import (
+    GRAMMARS,
+    WITH_OPTION,
+    assert_same_outputs,
+    generate_outputs,
+    vanilla_outputs,
+    with_option,
+)
+
+STATIC = {"choices": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]}  # test_engine_tree_options'
+AUTO = {"top_k": 3, "depth": 3, "budget": 8, "sources": {"prompt_lookup": {"nodes": 3}}, "auto": True}
+
+
+def _trace_to(worker, path: str | None) -> None:
+    worker.model_runner._step_trace = path
+
+
+def traced_nodes(llm, requests, trace) -> tuple[list[dict], list[tuple[int, list[int], list[int]]]]:
+    """Run ``requests`` with the step trace on: their outputs, and per traced tree (request index, the request's
+    output through the tree's root, each node's path)."""
+    first = llm.request_counter.counter  # vLLM numbers a call's requests in order: "<n>-<suffix>"
+    llm.collective_rpc(functools.partial(_trace_to, path=str(trace)))
+    try:
+        outputs = generate_outputs(llm, requests)
+    finally:
+        llm.collective_rpc(functools.partial(_trace_to, path=None))
+    trees = []
+    for line in trace.read_text().splitlines():
+        for traced in json.loads(line)["requests"]:
+            index = int(traced["req_id"].split("-")[0]) - first
+            through_root = outputs[index]["tokens"][: traced["prefix_len"] + 1 - len(requests[index][0])]
+            paths = []
+            for token, parent in zip(traced["tokens"], traced["parents"], strict=True):
+                paths.append([*(paths[parent] if parent >= 0 else []), token])
+            trees.append((index, through_root, paths))
+    return outputs, trees
+
+
+def forbidden_nodes(trees, grammar_of: dict[int, dict], tokenizer_dir) -> tuple[int, int]:
+    """(nodes of structured requests checked, nodes their grammar forbids after the output through the root)."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+    from vllm.v1.structured_output.utils import choice_as_grammar
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=64))
+    checked = forbidden = 0
+    for index, through_root, paths in trees:
+        spec = grammar_of.get(index)
+        if spec is None:
+            continue
+        compiled = (compiler.compile_regex(spec["regex"]) if "regex" in spec else
+                    compiler.compile_grammar(choice_as_grammar(spec["choice"]) if "choice" in spec else spec["grammar"]))
+        for path in paths:
+            matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=[tokenizer.eos_token_id])
+            checked += 1
+            # after the grammar's end (an ignore_eos request goes on) nothing is constrained, as in vLLM
+            forbidden += not all(matcher.is_terminated() or matcher.accept_token(token)
+                                 for token in [*through_root, *path])
+    return checked, forbidden
+
+
+def check_drafts_follow_grammars(llm, requests, expected, tokenizer_dir, trace) -> None:
+    generate_outputs(llm, requests)  # the worker compiles the grammars: the traced run masks from its first step
+    outputs, trees = traced_nodes(llm, requests, trace)
+    assert_same_outputs(outputs, expected)
+    grammar_of = {index: GRAMMARS[WITH_OPTION.index(index)] for index in WITH_OPTION}
+    checked, forbidden = forbidden_nodes(trees, grammar_of, tokenizer_dir)
+    assert checked > 20 and forbidden == 0, (checked, forbidden)
+
+
+@pytest.mark.parametrize("tree", ["static", pytest.param("auto", marks=pytest.mark.slow)])
+def test_drafted_nodes_follow_the_grammar_and_outputs_equal_vanilla(llm_pool, tree_llama_dir, tiny_llama_draft_dir,
+                                                                   tiny_tokenizer_dir, tmp_path, tree):
+    requests = with_option("structured_output")
+    expected = vanilla_outputs(llm_pool, tree_llama_dir, "structured_output", requests)
+    llm = llm_pool.get(tree_llama_dir, speculative_config={"method": "draft_model", "model": str(tiny_llama_draft_dir)},
+                       additional_config={"easyspec": {"tree": STATIC if tree == "static" else AUTO}})
+    if tree == "auto":
+        llm.collective_rpc(steps_cost_nothing)  # nodes must be verified to be checked, whatever the timings
+    check_drafts_follow_grammars(llm, requests, expected, tiny_tokenizer_dir, tmp_path / "trace.jsonl")

@@ -1,0 +1,196 @@
+"""Draft proposals masked by structured-output grammars (docs/design.md, "Requests a tree cannot serve exactly").
+
+The worker's own matchers (vLLM's ``XgrammarBackend``, compiled in a background thread) mask each draft level's
+logits by the grammar after the request's output, the bonus token and the node's path, and prune forbidden nodes
+at hand-over. Masks change which nodes are drafted, never what verification accepts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from vllm_easyspec.integration.compat import plugin_logger
+from vllm_easyspec.integration.tree_grammar import node_paths, walk_paths
+from vllm_easyspec.tree.building import ChildDrawMode
+
+logger = plugin_logger(__name__)
+
+
+class _NoGrammar:
+    """No grammar masks the drafts (of this step, or ever: paths bridged by text, or after a reasoning section)."""
+
+    keeps_nodes = True
+
+    def step(self, *arguments) -> _NoGrammar:
+        return self
+
+    def mask(self, logits: torch.Tensor, draft=None) -> torch.Tensor:
+        return logits
+
+    def prune(self, candidates: list, logprobs: torch.Tensor | None) -> tuple[list, torch.Tensor | None]:
+        return candidates, logprobs
+
+
+NO_GRAMMAR = _NoGrammar()
+
+
+@dataclasses.dataclass
+class _Matcher:
+    grammar: Any  # a Future of vLLM's StructuredOutputGrammar, the grammar, or None: drafted unmasked
+    consumed: int = 0  # output tokens the grammar has accepted
+
+
+class DraftGrammars:
+    """The worker's grammar matchers; ``draft_ids()``: each draft logit column's target id on the device (-1:
+    none), or None for the target's vocabulary; ``rollback``: the longest path a matcher walks and rolls back."""
+
+    def __init__(self, vllm_config, draft_ids: Callable[[], torch.Tensor | None], rollback: int) -> None:
+        self.vllm_config, self.draft_ids, self.rollback = vllm_config, draft_ids, rollback
+        self.matchers: dict[str, _Matcher] = {}
+        self.compiled: set[tuple] = set()  # grammar keys compiled once: the compiler's cache has them
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="easyspec-grammar")
+
+    @functools.cached_property
+    def backend(self):
+        """vLLM's xgrammar backend for the target's tokenizer, built on first use (in the compiling thread)."""
+        from vllm.tokenizers import cached_tokenizer_from_config
+        from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
+
+        model = self.vllm_config.model_config
+        backend = XgrammarBackend(self.vllm_config, tokenizer=cached_tokenizer_from_config(model_config=model),
+                                  vocab_size=model.get_vocab_size())
+        backend.num_speculative_tokens = self.rollback  # the matchers' rollback limit
+        return backend
+
+    @functools.cached_property
+    def ids(self) -> tuple[torch.Tensor | None, list[int] | None]:
+        """Each draft logit column's target id on the device and on the host (read once); None: the same ids."""
+        ids = self.draft_ids()
+        return ids, None if ids is None else ids.tolist()
+
+    def step(self, req_ids: list[str], batch, last_branch: dict[str, list[int]], next_token_ids: torch.Tensor):
+        """The step's masks: a :class:`GrammarStep` over the structured requests whose matcher is ready."""
+        for gone in set(self.matchers) - set(batch.requests) if self.matchers else ():
+            del self.matchers[gone]
+        rows = [(row, req_id, params) for row, req_id in enumerate(req_ids)
+                if (params := getattr(batch.requests.get(req_id), "sampling_params", None)) is not None
+                and params.structured_outputs is not None]
+        if not rows:
+            return NO_GRAMMAR
+        bonus = next_token_ids[: len(req_ids)].tolist()
+        ready = {}
+        for row, req_id, params in rows:
+            output = [*batch.history(row)[int(batch.num_prompt_tokens[row]):].tolist(), *last_branch.get(req_id, [])]
+            grammar = self._advanced(req_id, params, output)
+            if grammar is not None:
+                ready[req_id] = (row, grammar, bonus[row])
+        return GrammarStep(ready, *self.ids, self.backend.allocate_token_bitmask) if ready else NO_GRAMMAR
+
+    def _advanced(self, req_id: str, params, output: list[int]):
+        """The request's grammar after ``output``, or None (not compiled yet, or drafted unmasked for good)."""
+        matcher = self.matchers.get(req_id)
+        if matcher is None:
+            matcher = self.matchers[req_id] = _Matcher(self._compile(params))
+        if isinstance(matcher.grammar, Future):
+            if not matcher.grammar.done():
+                return None
+            try:
+                matcher.grammar = matcher.grammar.result()
+            except Exception as error:  # an invalid grammar, a backend that cannot be built: unmasked
+                logger.info("easyspec.tree: request %s's drafts are not masked by its grammar (%s)", req_id, error)
+                matcher.grammar = None
+        if matcher.grammar is not None and len(output) < matcher.consumed:
+            matcher.grammar.reset()
+            matcher.consumed = 0
+        if matcher.grammar is not None and not matcher.grammar.accept_tokens(req_id, output[matcher.consumed:]):
+            matcher.grammar = None
+        matcher.consumed = len(output)
+        return matcher.grammar
+
+    def _compile(self, params):
+        """A Future of the request's grammar, or the grammar itself where its key compiled before."""
+        from vllm.v1.structured_output.request import get_structured_output_key
+
+        key = get_structured_output_key(params.structured_outputs)
+        compile_now = functools.partial(self._compile_now, params.structured_outputs._backend, key,
+                                        params.all_stop_token_ids)
+        return compile_now() if key in self.compiled else self._executor.submit(compile_now)
+
+    def _compile_now(self, backend: str | None, key: tuple, stops) -> Any:
+        if backend != "xgrammar":  # vLLM's default; other backends' matchers are not followed here
+            raise ValueError(f"the {backend} structured-output backend is not matched in the worker")
+        grammar = self.backend.compile_grammar(*key, stop_token_ids=stops)
+        self.compiled.add(key)
+        return grammar
+
+
+class GrammarStep:
+    """One drafting step's grammars: ``requests`` maps a request to (its batch row, its grammar after its output,
+    the step's bonus token); ``allocate(n)``: ``n`` host bitmask rows allowing every token."""
+
+    keeps_nodes = False  # pruned trees are handed over from the host
+
+    def __init__(self, requests: dict[str, tuple[int, Any, int]], ids: torch.Tensor | None,
+                 host_ids: list[int] | None, allocate: Callable[[int], torch.Tensor]) -> None:
+        self.requests, self.ids, self.host_ids, self.allocate = requests, ids, host_ids, allocate
+        self.rows = [row for row, _, _ in requests.values()]
+
+    def mask(self, logits: torch.Tensor, draft=None) -> torch.Tensor:
+        """``logits`` ``[B, F, V]`` of the roots (``draft`` None, F = 1) or of ``draft``'s frontier, masked in place
+        where the grammar allows some draft token after the node's path; reads the frontier's paths to the host."""
+        width = logits.shape[1]
+        paths = [[[]]] * len(self.rows) if draft is None else draft.frontier_paths(self.rows)
+        bitmask = self.allocate(len(self.rows) * width)
+        for index, ((_, grammar, bonus), row_paths) in enumerate(zip(self.requests.values(), paths, strict=True)):
+            def fill(node: int, valid: bool, grammar=grammar, index=index) -> None:
+                if valid and not grammar.is_terminated():
+                    grammar.fill_bitmask(bitmask, index * width + node)
+            walk_paths(grammar, [[bonus, *self._target(path)] for path in row_paths], fill)
+        ids = self.ids if self.ids is not None else torch.arange(logits.shape[-1], device=logits.device)
+        allowed = allowed_ids(bitmask.to(logits.device, non_blocking=True), ids).view(len(self.rows), width, -1)
+        rows = torch.tensor(self.rows).to(logits.device, non_blocking=True)
+        chosen = logits[rows]
+        logits[rows] = torch.where(allowed.any(-1, keepdim=True), chosen.masked_fill(~allowed, float("-inf")), chosen)
+        return logits
+
+    def _target(self, path: list[int]) -> list[int]:
+        return path if self.host_ids is None else [self.host_ids[token] for token in path]
+
+    def prune(self, candidates: list, logprobs: torch.Tensor | None) -> tuple[list, torch.Tensor | None]:
+        """Candidate trees without the nodes the grammar forbids (i.i.d. trees, and trees of which no node is
+        valid, are kept whole), and ``logprobs`` ``[B, N]`` with pruned rows' drafted values at their new nodes."""
+        out, index = [], None
+        for tree in candidates:
+            state = self.requests.get(tree.req_id)
+            valid = [] if state is None or tree.draw_mode is ChildDrawMode.IID_FROM_DRAFT else \
+                walk_paths(state[1], [[state[2], *path] for path in node_paths(tree.tokens, tree.parents)])
+            if not any(valid):  # nothing valid (a prefill chunk's placeholder bonus token): left to the scheduler
+                out.append(tree)
+                continue
+            kept = [node for node, ok in enumerate(valid) if ok]  # a node's path extends its parent's
+            new = {old: position for position, old in enumerate(kept)}
+            out.append(dataclasses.replace(
+                tree, tokens=[tree.tokens[n] for n in kept], parents=[new.get(tree.parents[n], -1) for n in kept],
+                from_lookup=tuple(tree.from_lookup[n] for n in kept) if tree.from_lookup else ()))
+            if logprobs is not None and tree.row is not None and len(kept) < len(valid):
+                drafted = [node for node in kept if node < logprobs.shape[1]]  # drafted nodes come first
+                index = torch.arange(logprobs.shape[1]).repeat(logprobs.shape[0], 1) if index is None else index
+                index[tree.row, : len(drafted)] = torch.tensor(drafted, dtype=torch.long)
+        if index is not None:
+            logprobs = logprobs.gather(1, index.to(logprobs.device, non_blocking=True))
+        return out, logprobs
+
+
+def allowed_ids(bitmask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``[R, V]`` bool: whether each of ``R`` token bitmasks (int32 words over the target's vocabulary) allows
+    the target id ``ids[v]`` of draft token ``v``; an id of -1 (no target token) is left allowed."""
+    limit = 32 * bitmask.shape[1]
+    safe = ids.clamp(0, limit - 1)
+    bits = (bitmask[:, safe >> 5] >> (safe & 31)) & 1
+    return ((bits != 0) & (ids < limit)) | (ids < 0)
