@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from benchmarks.harness.processes import run_matrix
-from benchmarks.harness.report import markdown_table
+from benchmarks.harness.report import fmt, markdown_table
 from benchmarks.harness.setups import RESULTS_DIR, VANILLA, Cell, Setup, Workload, load_prompts
 
 # One schema for the main job's chat, code and math prompts: a short title, a few key points, the answer.
@@ -98,8 +98,8 @@ def goal_table(summary: dict[str, dict[str, Any]]) -> str:
         lines.append(
             f"| {name} | {s['json_speedup']:.2f}x | {s['plain_speedup']:.2f}x | {s['ratio']:.2f} "
             f"({statistics.median(rounds):.2f} [{min(rounds):.2f}–{max(rounds):.2f}]) | "
-            f"{'yes' if s['goal_met'] else 'no'} | {s['json_mean_acceptance_length'] or 0:.2f} / "
-            f"{s['plain_mean_acceptance_length'] or 0:.2f} |")
+            f"{'yes' if s['goal_met'] else 'no'} | {fmt(s['json_mean_acceptance_length'])} / "
+            f"{fmt(s['plain_mean_acceptance_length'])} |")
     return "\n".join(lines)
 
 
