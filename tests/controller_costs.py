@@ -14,13 +14,16 @@ from vllm_easyspec.control.cost import CostCurve, StepCostModel
 
 
 class FreeDrafting(StepCostModel):
-    """Drafting (first pass and levels) nearly free, and it stays so; the verify is still learnt."""
+    """Drafting (first pass, levels and host overhead) nearly free, and it stays so; the verify is still learnt."""
 
     def observe_draft(self, levels: int, rows_per_level: int, seconds: float) -> None:
         pass
 
     def observe_first_pass(self, rows: int, seconds: float, requests: int = 0) -> None:
         pass
+
+    def observe_overhead(self, requests: int, seconds: float) -> None:
+        pass  # a drafting stage's host time: on a loaded machine it alone can make every tree look dear
 
 
 class FreeSteps(FreeDrafting):
@@ -48,7 +51,7 @@ def drafting_costs_nothing(worker) -> bool:
     quiet machine the controller rightly drafts little; tests that need nodes verified and the verify model
     observed pin this."""
     _pin(_controller(worker), FreeDrafting, draft_level=CostCurve.from_measurements([1], [1e-5]),
-         draft_forward=None, draft_scale=1.0, first_pass_scale=1.0)
+         draft_forward=None, draft_scale=1.0, first_pass_scale=1.0, overhead_per_request=0.0)
     return True
 
 
@@ -57,7 +60,7 @@ def steps_cost_nothing(worker) -> bool:
     timings are noise, and these tests need deep trees verified: to see a bias, or nodes accepted at several
     depths)."""
     _pin(_controller(worker), FreeSteps, draft_level=CostCurve.from_measurements([1], [1e-5]),
-         draft_forward=None, draft_scale=1.0, first_pass_scale=1.0,
+         draft_forward=None, draft_scale=1.0, first_pass_scale=1.0, overhead_per_request=0.0,
          verify=CostCurve.from_measurements([1], [0.01]), verify_scale=1.0, extra_per_row=0.0,
          extra_per_masked_row=0.0, extra_per_masked_request=0.0, extra_per_speculating_row=0.0)
     return True
