@@ -63,7 +63,7 @@ def _batch(output: list[int], **structured) -> types.SimpleNamespace:
 
 def _ready_step(grammars: DraftGrammars, batch, branch: list[int] | None = None, bonus: int = BONUS):
     """The step once the request's grammar is compiled (the first step submits the compilation)."""
-    arguments = (["plain", "r"], batch, {"r": branch or []}, torch.tensor([5, bonus]))
+    arguments = (["plain", "r"], batch, {"r": branch or []}, lambda: [5, bonus])
     step = grammars.step(*arguments)
     if step is NO_GRAMMAR:
         grammars.matchers["r"].grammar.result(timeout=60)
@@ -154,7 +154,8 @@ def test_the_matcher_follows_the_output_and_prunes_a_lookup_path(tiny_tokenizer_
 def test_a_batch_without_structured_output_reads_nothing(tiny_tokenizer_dir):
     grammars = DraftGrammars(None, lambda: None, rollback=4)
     batch = types.SimpleNamespace(requests={"a": types.SimpleNamespace(sampling_params=_params())})
-    assert grammars.step(["a"], batch, {}, None) is NO_GRAMMAR  # never reads the bonus tokens
+    unread = lambda: pytest.fail("a batch without structured output read the bonus tokens")  # noqa: E731
+    assert grammars.step(["a"], batch, {}, unread) is NO_GRAMMAR
     assert NO_GRAMMAR.mask(logits := torch.zeros(1, 1, 4)) is logits and NO_GRAMMAR.keeps_nodes
 
 
@@ -166,11 +167,11 @@ def test_a_grammar_the_worker_cannot_follow_leaves_drafting_unmasked(tiny_tokeni
     batch = _batch(output, **structured)
     if case == "another backend":
         batch.requests["r"].sampling_params.structured_outputs._backend = "guidance"
-    grammars.step(["plain", "r"], batch, {}, torch.tensor([5, BONUS]))
+    grammars.step(["plain", "r"], batch, {}, lambda: [5, BONUS])
     future = grammars.matchers["r"].grammar
     if hasattr(future, "exception"):
         future.exception(timeout=60)
-    assert grammars.step(["plain", "r"], batch, {}, torch.tensor([5, BONUS])) is NO_GRAMMAR
+    assert grammars.step(["plain", "r"], batch, {}, lambda: [5, BONUS]) is NO_GRAMMAR
     assert grammars.matchers["r"].grammar is None
 
 

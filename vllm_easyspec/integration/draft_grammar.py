@@ -74,8 +74,10 @@ class DraftGrammars:
         ids = self.draft_ids()
         return ids, None if ids is None else ids.tolist()
 
-    def step(self, req_ids: list[str], batch, last_branch: dict[str, list[int]], next_token_ids: torch.Tensor):
-        """The step's masks: a :class:`GrammarStep` over the structured requests whose matcher is ready."""
+    def step(self, req_ids: list[str], batch, last_branch: dict[str, list[int]],
+             bonus_tokens: Callable[[], list[int]]):
+        """The step's masks: a :class:`GrammarStep` over the structured requests whose matcher is ready;
+        ``bonus_tokens()`` reads the step's bonus tokens to the host (only for a batch with such a request)."""
         for gone in set(self.matchers) - set(batch.requests) if self.matchers else ():
             del self.matchers[gone]
         rows = [(row, req_id, params) for row, req_id in enumerate(req_ids)
@@ -83,7 +85,7 @@ class DraftGrammars:
                 and params.structured_outputs is not None]
         if not rows:
             return NO_GRAMMAR
-        bonus = next_token_ids[: len(req_ids)].tolist()
+        bonus = bonus_tokens()
         ready = {}
         for row, req_id, params in rows:
             output = [*batch.history(row)[int(batch.num_prompt_tokens[row]):].tolist(), *last_branch.get(req_id, [])]

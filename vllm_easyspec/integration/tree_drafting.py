@@ -150,13 +150,15 @@ class TreeDrafting:
             arguments = self.deferred.catch_up(arguments, req_ids, live, self._first_pass_room(cad))
             chains = self.draft_chain(**(arguments | {"num_speculative_tokens": budget.nodes}))
             return self._hand_over_chains(chains, batch_size)
-        paths = self._lookup_paths(req_ids, arguments["next_token_ids"]) if budget.nodes else None
+        # the step's bonus tokens on the host, read once if prompt lookup or a grammar asks for them
+        bonus_tokens = functools.cache(lambda: arguments["next_token_ids"][: len(req_ids)].tolist())
+        paths = self._lookup_paths(req_ids, bonus_tokens) if budget.nodes else None
         depth = 0
         if budget.nodes:
             path_lengths = None if paths is None else [min(len(path), self._path_nodes) for path in paths]
             depth = policy.plan_depth(req_ids, cad.num_actual_tokens + self.deferred.kept_rows(req_ids),
                                       self.batch.requests, path_lengths)
-        grammar = self.grammars.step(req_ids, self.batch, self.verifier.last_branch, arguments["next_token_ids"]) \
+        grammar = self.grammars.step(req_ids, self.batch, self.verifier.last_branch, bonus_tokens) \
             if budget.nodes else NO_GRAMMAR
         if depth == 0:  # nothing to draft: the first pass waits
             self.deferred.keep(arguments, req_ids, live)
@@ -166,13 +168,13 @@ class TreeDrafting:
         arguments = self.deferred.catch_up(arguments, req_ids, live, self._first_pass_room(cad))
         return self._propose_trees(budget.nodes, depth, paths, grammar, **arguments)
 
-    def _lookup_paths(self, req_ids: list[str], next_token_ids: torch.Tensor) -> list[list[int]] | None:
+    def _lookup_paths(self, req_ids: list[str], bonus_tokens: Callable[[], list[int]]) -> list[list[int]] | None:
         """Each request's prompt-lookup path (target vocabulary; as long as a merge into the deepest tree can
         use; empty where it has none or may not speculate), or None without ``sources.prompt_lookup``."""
         lookup = None if self.config.sources is None else self.config.sources.prompt_lookup
         if lookup is None:
             return None
-        next_tokens = next_token_ids[: len(req_ids)].tolist()  # the step's bonus tokens: lookup runs on the host
+        next_tokens = bonus_tokens()  # lookup runs on the host
         return [[] if self.verifier.fallback_reason(req_id) is not None else
                 prompt_lookup(self._history(row, req_id, next_tokens[row]), lookup.min_match, lookup.max_match,
                               self.config.max_depth + lookup.nodes)
