@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "vllm_easyspec"
-MOST_LINES = 9_500  # find vllm_easyspec -name '*.py' | xargs cat | wc -l
+MOST_LINES = 9_650  # find vllm_easyspec -name "*.py" | xargs cat | wc -l; 9,500 until the chain-step masks, i.i.d. pruning and reasoning-section trees of issue 62
 MOST_FUNCTION_LINES = 80  # from the def line to the function's last line
 PURE = ("tree", "control", "easyspec", "kernels")
 # package folder -> the folders it must not import from

@@ -8,14 +8,21 @@ from __future__ import annotations
 import pytest
 
 from tests.option_requests import vanilla_outputs, with_option
-from tests.tree.test_engine_draft_grammar import check_drafts_follow_grammars
+from tests.tree.test_engine_draft_grammar import check_chains_follow_grammars, check_drafts_follow_grammars
+
+TREE = {"top_k": 3, "depth": 4, "budget": 10}
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("steps", ["trees", "chains"])
 def test_eagle3_drafts_follow_the_grammar_and_outputs_equal_vanilla(llm_pool, tiny_llama_dir, trained_tiny_heads,
-                                                                    tiny_tokenizer_dir, tmp_path):
+                                                                    tiny_tokenizer_dir, tmp_path, steps):
     requests = with_option("structured_output")
     expected = vanilla_outputs(llm_pool, tiny_llama_dir, "structured_output", requests)
+    tree = TREE if steps == "trees" else TREE | {"budget_by_batch": {"3": {"chain": 3}}}
     llm = llm_pool.get(tiny_llama_dir, speculative_config={"method": "eagle3", "model": str(trained_tiny_heads("eagle3"))},
-                       additional_config={"easyspec": {"tree": {"top_k": 3, "depth": 4, "budget": 10}}})
-    check_drafts_follow_grammars(llm, requests, expected, tiny_tokenizer_dir, tmp_path / "trace.jsonl")
+                       additional_config={"easyspec": {"tree": tree}})
+    if steps == "trees":
+        check_drafts_follow_grammars(llm, requests, expected, tiny_tokenizer_dir, tmp_path / "trace.jsonl")
+    else:
+        check_chains_follow_grammars(llm, requests, expected, tiny_tokenizer_dir)

@@ -1,11 +1,14 @@
 """The drafter's proposals are masked by a structured-output request's grammar (issue 62), without an engine: each
 draft level's logits of a node allow exactly what a fresh xgrammar matcher allows after the request's output, the
 bonus token and the node's path; a draft vocabulary that is a subset of the target's (EAGLE-3 ``d2t``) gets the
-target mask at its ids; nodes the grammar forbids are pruned at hand-over; a batch without structured output reads
-nothing; a grammar that cannot be compiled or an output the matcher rejects leaves drafting unmasked."""
+target mask at its ids; a chain step's positions are masked along the chain drawn so far; nodes the grammar forbids
+are pruned at hand-over, i.i.d.-drawn sibling groups only whole and only where exact (a chi-square test, and its
+biased case failing); a batch without structured output reads nothing; a grammar that cannot be compiled or an
+output the matcher rejects leaves drafting unmasked."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import numpy as np
@@ -13,9 +16,12 @@ import pytest
 import torch
 
 from tests.tree.test_tree_grammar import REGEX, VOCAB, _mask_after
+from tests.tree.test_tree_uniform import _step, _verify
+from tests.tree.tree_testlib import chi_square
 from vllm_easyspec.integration.draft_grammar import NO_GRAMMAR, DraftGrammars, GrammarStep, allowed_ids
 from vllm_easyspec.integration.node_policy import CandidateTree
 from vllm_easyspec.integration.tree_grammar import node_paths
+from vllm_easyspec.integration.tree_step import PendingTree
 from vllm_easyspec.tree.building import ChildDrawMode
 from vllm_easyspec.tree.config import TreeConfig
 from vllm_easyspec.tree.drafting import LevelwiseTreeDraft
@@ -81,8 +87,7 @@ def _check_row(masked: torch.Tensor, raw: torch.Tensor, allowed: torch.Tensor) -
 
 def _allowed_after(compiled, path: list[int], ids: list[int]) -> torch.Tensor:
     bits = _mask_after(compiled, path)
-    return torch.tensor([token >= 0 and bool((int(bits[token // 32]) >> (token % 32)) & 1) or token < 0
-                         for token in ids])
+    return torch.tensor([token >= 0 and bool((int(bits[token // 32]) >> (token % 32)) & 1) for token in ids])
 
 
 @pytest.mark.parametrize("config", [STATIC, DYNAMIC], ids=["static", "dynamic"])
@@ -121,7 +126,8 @@ def test_each_nodes_draft_logits_are_masked_by_the_grammar_after_its_path(tiny_t
     (pruned,), logprobs = step.prune(candidates, trees.logprobs)
     paths = node_paths(tokens, parents)
     valid = [node for node, path in enumerate(paths) if _accepts(compiled, [*OUTPUT, BONUS, *path])]
-    assert len(valid) < len(tokens)  # more children than the grammar allows: some nodes are forbidden
+    # a static tree has more children than the grammar allows: some nodes are forbidden (a dynamic one may not)
+    assert len(valid) < len(tokens) or config is DYNAMIC
     assert pruned.tokens == [tokens[node] for node in valid]
     assert node_paths(pruned.tokens, pruned.parents) == [paths[node] for node in valid]
     assert logprobs[1, : len(valid)].tolist() == trees.logprobs[1, valid].tolist()
@@ -180,7 +186,97 @@ def test_a_mask_that_allows_no_draft_token_leaves_the_row_unmasked():
     bitmask[1, 0] = 1 << 5  # target token 5
     ids = torch.tensor(D2T)
     allowed = allowed_ids(bitmask, ids)
-    assert allowed[0].tolist() == [token < 0 for token in D2T]
-    assert allowed[1].tolist() == [token in (5, -1) for token in D2T]
+    assert not allowed[0].any()  # a draft token without a target token is never allowed
+    assert allowed[1].tolist() == [token == 5 for token in D2T]
     assert allowed_ids(torch.full((1, 1), -1, dtype=torch.int32), torch.tensor([0, 31, 32])).tolist() == \
         [[True, True, False]]  # an id beyond the mask's vocabulary is not a target token
+
+
+class _ChainModel:
+    """A draft model's ``compute_logits`` as vLLM's chain drafting calls it, one position at a time."""
+
+    def __init__(self, vocab: int) -> None:
+        self.generator, self.vocab, self.raw = torch.Generator().manual_seed(1), vocab, []
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.raw.append(torch.randn(hidden.shape[0], self.vocab, generator=self.generator))
+        return self.raw[-1].clone()
+
+
+@pytest.mark.parametrize("draft_vocab", ["target", "draft ids"])
+def test_a_chain_steps_positions_are_masked_along_the_chain_drawn_so_far(tiny_tokenizer_dir, draft_vocab):
+    """vLLM's ``propose`` asks for one position's logits at a time; a structured request's row at position ``i`` is
+    masked by the grammar after its output, the bonus token and the ``i`` tokens drawn before (target ids, whatever
+    the logits' columns); the plain request's rows and a call over other rows are left alone."""
+    ids = list(range(VOCAB)) if draft_vocab == "target" else D2T
+    compiled = _grammars(tiny_tokenizer_dir).backend.compiler.compile_regex(REGEX)
+    step = _ready_step(_grammars(tiny_tokenizer_dir), _batch(OUTPUT, regex=REGEX))
+    masks = step.chain(None if draft_vocab == "target" else torch.tensor(D2T), rows=2)
+    model = _ChainModel(len(ids))
+    chain: list[int] = []
+    for _ in range(3):
+        with masks.masking(model):
+            logits = model.compute_logits(torch.zeros(2, 8))
+            assert torch.equal(model.compute_logits(torch.zeros(6, 8)), model.raw[-1])  # parallel drafting's rows
+        assert torch.equal(logits[0], model.raw[-2][0])
+        _check_row(logits[1], model.raw[-2][1], _allowed_after(compiled, [*OUTPUT, BONUS, *chain], ids))
+        drawn = logits.argmax(-1)
+        chain.append(ids[int(drawn[1])])
+        masks.drafted(torch.tensor([ids[int(token)] for token in drawn]))
+    assert _accepts(compiled, [*OUTPUT, BONUS, *chain[:2]]) and "compute_logits" not in vars(model)
+    assert NO_GRAMMAR.chain(None, 2) is NO_GRAMMAR
+
+
+IID = ChildDrawMode.IID_FROM_DRAFT
+
+
+def test_drawn_trees_lose_only_sibling_groups_the_grammar_forbids_whole(tiny_tokenizer_dir):
+    """Under the root (open after w41 w33): w15 and w20; under w15 the forbidden w60 and w61 (dropped with their
+    child); under w20 w21 and the forbidden w60 (kept: not the whole group). The draft probabilities follow the kept
+    nodes. A top-k tree, and a tree whose bonus token the grammar forbids (nothing open), are left alone."""
+    step = _ready_step(_grammars(tiny_tokenizer_dir), _batch(OUTPUT, regex=REGEX))
+    tokens, parents = [15, 20, 60, 61, 21, 60, 22, 33], [-1, -1, 0, 0, 1, 1, 4, 2]
+    probs = torch.arange(9.0)[:, None].expand(9, VOCAB)  # row r: after node r - 1
+    pending = {"r": PendingTree(tokens, parents, IID, 8, False, probs, features=list("abcdefgh"))}
+    pruned = step.prune_drawn(pending)["r"]
+    assert pruned.tokens == [15, 20, 21, 60, 22] and pruned.parents == [-1, -1, 1, 1, 2]
+    assert pruned.draft_probs[:, 0].tolist() == [0, 1, 2, 5, 6, 7] and pruned.features == list("abefg")
+    top_k = {"r": dataclasses.replace(pending["r"], draw_mode=ChildDrawMode.WITHOUT_REPLACEMENT)}
+    assert step.prune_drawn(top_k)["r"] is top_k["r"]
+    closed = step.requests["r"][:2] + (60,)
+    step.requests["r"] = closed
+    assert step.prune_drawn({"r": PendingTree([60, 61], [-1, -1], IID, 2, False, probs[:3])})["r"].tokens == [60, 61]
+    assert NO_GRAMMAR.prune_drawn(pending) is pending
+
+
+def _first_token_counts(step: GrammarStep, q: torch.Tensor, count: int, seed: int) -> np.ndarray:
+    """First output tokens of ``count`` steps verifying two root children drawn i.i.d. from ``q`` (target ids),
+    pruned by ``step``; the target: w15 or w20, each 1/2 (its logits masked by the grammar)."""
+    draws = torch.multinomial(q.expand(count, -1), 2, replacement=True, generator=torch.Generator().manual_seed(seed))
+    probs = torch.zeros(3, VOCAB)
+    probs[0] = q
+    grammar, bonus = step.requests["r"][1:]
+    step = GrammarStep({f"r{i}": (i, grammar, bonus) for i in range(count)}, None, None, step.allocate)
+    trees = list(step.prune_drawn({f"r{i}": PendingTree(row, [-1, -1], IID, 2, False, probs)
+                                   for i, row in enumerate(draws.tolist())}).values())
+    root = torch.full((VOCAB,), float("-inf"))
+    root[[15, 20]] = 0.0
+    logits = torch.cat([torch.cat([root[None], torch.zeros(len(tree.tokens), VOCAB)]) for tree in trees])
+    torch.manual_seed(seed)
+    verdict = _verify(_step(trees, [tree.draft_probs for tree in trees]), logits, temperature=1.0)
+    return np.bincount(verdict.sampler_output.sampled_token_ids[:, 0].numpy(), minlength=VOCAB)
+
+
+def test_dropping_a_drawn_group_keeps_the_targets_law_only_where_its_draft_allows_nothing(tiny_tokenizer_dir):
+    """Two i.i.d. children drawn from a draft that puts no mass on w15 or w20 (drafted where the grammar allowed
+    no draft token) are dropped and the first token follows the target (chi-square over 4,000 steps). Drawn from a
+    draft with mass 0.3 on w15 (unmasked drafts), dropping the groups that came out forbidden breaks the law."""
+    step = _ready_step(_grammars(tiny_tokenizer_dir), _batch(OUTPUT, regex=REGEX))
+    law = np.zeros(VOCAB)
+    law[[15, 20]] = 0.5
+    nothing_allowed = torch.zeros(VOCAB)
+    nothing_allowed[[60, 61]] = 0.5
+    assert chi_square(_first_token_counts(step, nothing_allowed, 4000, seed=0), law)[1] > 1e-3
+    unmasked = torch.zeros(VOCAB)
+    unmasked[[15, 60, 61]] = torch.tensor([0.3, 0.35, 0.35])
+    assert chi_square(_first_token_counts(step, unmasked, 4000, seed=0), law)[1] < 1e-6

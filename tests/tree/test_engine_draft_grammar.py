@@ -1,7 +1,10 @@
 """The drafter proposes only what a structured-output request's grammar allows (issue 62), through a real engine on
 the tiny float32 models: with regex, choice and grammar requests beside plain ones, greedy output equals vanilla's,
 and every node verified for a structured request (read from the step trace) is valid after the request's output,
-where unmasked drafting verified forbidden nodes. The default suite runs the draft model's static tree; a dynamic
+where unmasked drafting verified forbidden nodes; so is every chain vLLM's own ``propose`` drafts in a
+``budget_by_batch`` chain step (recorded in the worker), where unmasked chains held forbidden tokens. With a
+reasoning parser, a structured request verifies trees inside its reasoning section (it got none before) and its
+output equals vanilla's under the same parser. The default suite runs the draft model's static tree; a dynamic
 tree with prompt-lookup nodes under ``tree.auto`` is marked slow (the EAGLE-3 head with a reduced vocabulary:
 tests/eagle/test_eagle_draft_grammar.py)."""
 
@@ -24,6 +27,7 @@ from tests.option_requests import (
 
 STATIC = {"choices": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]}  # test_engine_tree_options'
 AUTO = {"top_k": 3, "depth": 3, "budget": 8, "sources": {"prompt_lookup": {"nodes": 3}}, "auto": True}
+CHAINS = STATIC | {"budget_by_batch": {"3": {"chain": 3}}}  # from 3 running requests on, vLLM's chains of 3
 
 
 def _trace_to(worker, path: str | None) -> None:
@@ -94,3 +98,88 @@ def test_drafted_nodes_follow_the_grammar_and_outputs_equal_vanilla(llm_pool, tr
     if tree == "auto":
         llm.collective_rpc(steps_cost_nothing)  # nodes must be verified to be checked, whatever the timings
     check_drafts_follow_grammars(llm, requests, expected, tiny_tokenizer_dir, tmp_path / "trace.jsonl")
+
+
+def _record_chains(worker) -> None:
+    """Wrap the worker's chain drafting to record, per chain step and request, its output through the step's bonus
+    token and the chain drafted after it."""
+    drafting = worker.model_runner.drafter.tree_drafting
+    drafting.recorded_chains = recorded = []
+    draft_chain = drafting.draft_chain
+
+    def recording(**arguments):
+        chains = draft_chain(**arguments)
+        batch = drafting.batch
+        bonus = arguments["next_token_ids"].tolist()
+        for row, (req_id, chain) in enumerate(zip(drafting._request_ids(len(chains)), chains.tolist(), strict=True)):
+            output = drafting._history(row, req_id, bonus[row])[int(batch.num_prompt_tokens[row]):]
+            recorded.append((req_id, output.tolist(), chain))
+        return chains
+
+    drafting.draft_chain = recording
+
+
+def _recorded_chains(worker) -> list:
+    drafting = worker.model_runner.drafter.tree_drafting
+    del drafting.draft_chain
+    return drafting.__dict__.pop("recorded_chains")
+
+
+def check_chains_follow_grammars(llm, requests, expected, tokenizer_dir) -> None:
+    generate_outputs(llm, requests)  # the worker compiles the grammars: the recorded run masks from its first step
+    first = llm.request_counter.counter
+    llm.collective_rpc(_record_chains)
+    try:
+        outputs = generate_outputs(llm, requests)
+    finally:
+        (recorded,) = llm.collective_rpc(_recorded_chains)
+    assert_same_outputs(outputs, expected)
+    chains = [(int(req_id.split("-")[0]) - first, output, [chain[: depth + 1] for depth in range(len(chain))])
+              for req_id, output, chain in recorded]
+    grammar_of = {index: GRAMMARS[WITH_OPTION.index(index)] for index in WITH_OPTION}
+    checked, forbidden = forbidden_nodes(chains, grammar_of, tokenizer_dir)
+    assert checked > 20 and forbidden == 0, (checked, forbidden)
+
+
+def test_chain_steps_draft_what_the_grammar_allows_and_outputs_equal_vanilla(llm_pool, tree_llama_dir,
+                                                                             tiny_llama_draft_dir, tiny_tokenizer_dir):
+    requests = with_option("structured_output")
+    expected = vanilla_outputs(llm_pool, tree_llama_dir, "structured_output", requests)
+    llm = llm_pool.get(tree_llama_dir, speculative_config={"method": "draft_model", "model": str(tiny_llama_draft_dir)},
+                       additional_config={"easyspec": {"tree": CHAINS}})
+    check_chains_follow_grammars(llm, requests, expected, tiny_tokenizer_dir)
+
+
+REASONING_PARSER = "easyspec-tiny-think"  # reasoning from the start, ended by w42 (mid-output in the structured requests)
+
+
+def _register_reasoning_parser() -> None:
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.reasoning.basic_parsers import BaseThinkingReasoningParser
+
+    class TinyThinking(BaseThinkingReasoningParser):
+        start_token = "w62"
+        end_token = "w42"
+
+    ReasoningParserManager.register_module(REASONING_PARSER, force=True, module=TinyThinking)
+
+
+def _in_reasoning(tokens: list[int]) -> bool:
+    """The parser's reading: the section is open unless w42 comes after the last w62."""
+    ends = [index for index, token in enumerate(tokens) if token == 42]
+    return not ends or 62 in tokens[ends[-1]:]
+
+
+def test_a_reasoning_section_verifies_trees_and_outputs_equal_vanilla(llm_pool, tree_llama_dir, tiny_llama_draft_dir,
+                                                                      tmp_path):
+    _register_reasoning_parser()  # the pool's in-process engines see it
+    requests = with_option("structured_output")
+    expected = generate_outputs(llm_pool.get(tree_llama_dir, reasoning_parser=REASONING_PARSER), requests)
+    llm = llm_pool.get(tree_llama_dir, speculative_config={"method": "draft_model", "model": str(tiny_llama_draft_dir)},
+                       additional_config={"easyspec": {"tree": STATIC}}, reasoning_parser=REASONING_PARSER)
+    outputs, trees = traced_nodes(llm, requests, tmp_path / "trace.jsonl")
+    assert_same_outputs(outputs, expected)
+    reasoning = [paths for index, through_root, paths in trees
+                 if index in WITH_OPTION and _in_reasoning([*requests[index][0], *through_root])]
+    assert sum(map(len, reasoning)) > 20, reasoning  # the parser's sections, from vanilla's output
+    assert not any(42 in path for paths in reasoning for path in paths)  # no node ends the section

@@ -47,6 +47,34 @@ def _path(index: int) -> list[int]:
     return path
 
 
+def _manager(reasoning_ends_at: int | None) -> types.SimpleNamespace:
+    """vLLM's StructuredOutputManager as the seams read it: constrained from the start (None), or in a reasoning
+    section that token ``reasoning_ends_at`` ends (vLLM's bounds: constrained from just after it)."""
+    import xgrammar as xgr
+    from vllm.v1.structured_output import ConstraintBounds
+
+    def bounds(request, tokens) -> ConstraintBounds:
+        if reasoning_ends_at is None:
+            return ConstraintBounds(0, 0)
+        end = tokens.index(reasoning_ends_at) + 1 if reasoning_ends_at in tokens else len(tokens) + 1
+        return ConstraintBounds(end, end)
+
+    return types.SimpleNamespace(_get_constraint_bounds=bounds, backend=types.SimpleNamespace(
+        allocate_token_bitmask=lambda rows: xgr.allocate_token_bitmask(rows, VOCAB)))
+
+
+def test_a_reasoning_section_keeps_the_nodes_before_its_end_unconstrained(tiny_tokenizer_dir):
+    from vllm_easyspec.integration.tree_grammar import _kept_nodes, _node_rows
+
+    grammar, _ = _grammar(tiny_tokenizer_dir)
+    request = types.SimpleNamespace(request_id="r", structured_output_request=types.SimpleNamespace(grammar=grammar))
+    assert _kept_nodes(_manager(None), request, TOKENS, PARENTS) == len(TOKENS)
+    assert _kept_nodes(_manager(22), request, TOKENS, PARENTS) == TOKENS.index(22)  # node 8 ends the section
+    assert _kept_nodes(_manager(15), request, TOKENS, PARENTS) == 0
+    rows = _node_rows(_manager(22), request, TOKENS[:8], PARENTS[:8], root=None)
+    assert rows.shape[0] == 8 and bool((rows == -1).all())  # nothing constrained
+
+
 def test_each_nodes_row_is_the_grammars_mask_after_its_path_and_the_matcher_ends_where_it_began(tiny_tokenizer_dir):
     import xgrammar as xgr
 
@@ -54,8 +82,7 @@ def test_each_nodes_row_is_the_grammars_mask_after_its_path_and_the_matcher_ends
 
     grammar, compiled = _grammar(tiny_tokenizer_dir)
     grammar.accept_tokens("r", [41, 33])  # the request's output so far
-    manager = types.SimpleNamespace(backend=types.SimpleNamespace(
-        allocate_token_bitmask=lambda rows: xgr.allocate_token_bitmask(rows, VOCAB)))
+    manager = _manager(reasoning_ends_at=None)
     request = types.SimpleNamespace(request_id="r", structured_output_request=types.SimpleNamespace(grammar=grammar))
     root = _mask_after(compiled, [41, 33]).numpy()
     rows = torch.from_numpy(_node_rows(manager, request, TOKENS, PARENTS, root))

@@ -1,12 +1,14 @@
 """Draft proposals masked by structured-output grammars (docs/design.md, "Requests a tree cannot serve exactly").
 
 The worker's own matchers (vLLM's ``XgrammarBackend``, compiled in a background thread) mask each draft level's
-logits by the grammar after the request's output, the bonus token and the node's path, and prune forbidden nodes
-at hand-over. Masks change which nodes are drafted, never what verification accepts.
+logits by the grammar after the request's output, the bonus token and the node's path (a chain step's positions
+too: :class:`ChainMasks`), and prune forbidden nodes at hand-over. Masks change which nodes are drafted, never what
+verification accepts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -17,6 +19,7 @@ import torch
 
 from vllm_easyspec.integration.compat import plugin_logger
 from vllm_easyspec.integration.tree_grammar import node_paths, walk_paths
+from vllm_easyspec.integration.tree_step import PendingTree
 from vllm_easyspec.tree.building import ChildDrawMode
 
 logger = plugin_logger(__name__)
@@ -35,6 +38,18 @@ class _NoGrammar:
 
     def prune(self, candidates: list, logprobs: torch.Tensor | None) -> tuple[list, torch.Tensor | None]:
         return candidates, logprobs
+
+    def prune_drawn(self, pending: dict) -> dict:
+        return pending
+
+    def chain(self, ids: torch.Tensor | None, rows: int) -> _NoGrammar:
+        return self
+
+    def masking(self, model) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
+
+    def drafted(self, tokens: torch.Tensor) -> None:
+        pass
 
 
 NO_GRAMMAR = _NoGrammar()
@@ -164,6 +179,11 @@ class GrammarStep:
     def _target(self, path: list[int]) -> list[int]:
         return path if self.host_ids is None else [self.host_ids[token] for token in path]
 
+    def chain(self, ids: torch.Tensor | None, rows: int) -> ChainMasks:
+        """The masks of a chain step over ``rows`` requests whose draft logits' columns are the target ids ``ids``
+        (None: the target's vocabulary) and whose drafted tokens are target ids."""
+        return ChainMasks(GrammarStep(self.requests, ids, None, self.allocate), rows)
+
     def prune(self, candidates: list, logprobs: torch.Tensor | None) -> tuple[list, torch.Tensor | None]:
         """Candidate trees without the nodes the grammar forbids (i.i.d. trees, and trees of which no node is
         valid, are kept whole), and ``logprobs`` ``[B, N]`` with pruned rows' drafted values at their new nodes."""
@@ -188,11 +208,79 @@ class GrammarStep:
             logprobs = logprobs.gather(1, index.to(logprobs.device, non_blocking=True))
         return out, logprobs
 
+    def prune_drawn(self, pending: dict[str, PendingTree]) -> dict[str, PendingTree]:
+        """The policy's i.i.d.-drawn trees without each sibling group the grammar forbids whole. Drafts are
+        masked, so a whole group is forbidden only where the grammar allowed no draft token after its parent: the
+        parent's draft distribution has no mass the target may accept, rejecting the group leaves the target's
+        residual as it was, and dropping it is exact. Cut after the policy, whose choice is blind to the draws."""
+        out = dict(pending)
+        for req_id, tree in pending.items():
+            state = self.requests.get(req_id)
+            if state is None or tree.draw_mode is not ChildDrawMode.IID_FROM_DRAFT:
+                continue
+            forbidden = _forbidden_groups(state[1], state[2], tree.tokens, tree.parents)
+            kept: list[int] = []
+            for node, parent in enumerate(tree.parents):
+                if parent not in forbidden and (parent < 0 or parent in kept):
+                    kept.append(node)
+            if len(kept) < len(tree.tokens):
+                out[req_id] = tree.keeping(kept)
+        return out
+
+
+def _forbidden_groups(grammar, bonus: int, tokens: list[int], parents: list[int]) -> set[int]:
+    """The parents (-1: the root) after whose path the grammar is open (valid, not ended) and forbids every child."""
+    open_paths: list[bool] = []  # the root's path, then each node's
+
+    def visit(_: int, valid: bool) -> None:
+        open_paths.append(valid and not grammar.is_terminated())
+
+    valid = walk_paths(grammar, [[bonus], *([bonus, *path] for path in node_paths(tokens, parents))], visit)
+    return {parent for parent in set(parents) if open_paths[parent + 1]
+            and not any(valid[node + 1] for node, up in enumerate(parents) if up == parent)}
+
+
+class ChainMasks:
+    """A chain step's grammar masks: vLLM's ``propose`` computes each position's draft logits for the batch's
+    ``rows`` requests (the model's ``compute_logits``, masked in :meth:`masking`) and hands back the tokens it drew
+    (:meth:`drafted`, target ids); a structured request's row is masked by the grammar after its output, the bonus
+    token and its chain so far."""
+
+    def __init__(self, step: GrammarStep, rows: int) -> None:
+        self.step, self.rows = step, rows
+        self.chain: list[torch.Tensor] = []
+
+    def frontier_paths(self, rows: list[int]) -> list[list[list[int]]]:
+        """Each of ``rows``' chain so far, as :meth:`GrammarStep.mask` reads a draft's frontier (one read)."""
+        if not self.chain:
+            return [[[]] for _ in rows]
+        chain = torch.stack(self.chain, dim=1)
+        return [[path] for path in chain[torch.tensor(rows).to(chain.device, non_blocking=True)].tolist()]
+
+    @contextlib.contextmanager
+    def masking(self, model):
+        """While vLLM samples one position: ``model.compute_logits`` masked (a call over other rows is not)."""
+        compute_logits = model.compute_logits
+
+        def masked(hidden: torch.Tensor) -> torch.Tensor:
+            logits = compute_logits(hidden)
+            return logits if logits.shape[0] != self.rows else self.step.mask(logits[:, None], self)[:, 0]
+
+        model.compute_logits = masked
+        try:
+            yield
+        finally:
+            del model.compute_logits
+
+    def drafted(self, tokens: torch.Tensor) -> None:
+        if tokens.shape[0] == self.rows:
+            self.chain.append(tokens)
+
 
 def allowed_ids(bitmask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``[R, V]`` bool: whether each of ``R`` token bitmasks (int32 words over the target's vocabulary) allows
-    the target id ``ids[v]`` of draft token ``v``; an id of -1 (no target token) is left allowed."""
+    the target id ``ids[v]`` of draft token ``v``; an id of -1 (no target token) is never allowed."""
     limit = 32 * bitmask.shape[1]
     safe = ids.clamp(0, limit - 1)
     bits = (bitmask[:, safe >> 5] >> (safe & 31)) & 1
-    return ((bits != 0) & (ids < limit)) | (ids < 0)
+    return (bits != 0) & (ids >= 0) & (ids < limit)

@@ -28,6 +28,7 @@ from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 from vllm_easyspec.easyspec.calibration import CalibrationSchedule
 from vllm_easyspec.instruments.device_clock import DeviceClock, DraftingStats
 from vllm_easyspec.integration.compat import plugin_logger
+from vllm_easyspec.integration.draft_grammar import NO_GRAMMAR
 from vllm_easyspec.integration.options import EasySpecOptions, easyspec_options
 from vllm_easyspec.integration.tree_drafting import TreeDrafting
 
@@ -96,6 +97,7 @@ class PluginProposerMixin:
     drafting_stats: DraftingStats
     tree_drafting: TreeDrafting | None
     drafting_batch: DraftingBatch | None = None  # this step's, from the runner (begin_step)
+    chain_masks = NO_GRAMMAR  # a chain step's grammar masks (draft_grammar.ChainMasks), set by its tree drafting
 
     def _set_up_plugin(self, options: EasySpecOptions) -> None:
         self.options = options
@@ -122,6 +124,14 @@ class PluginProposerMixin:
             draft_token_ids = super().propose(**arguments)
         self.drafting_stats.count_step(mark, draft_token_ids.shape[0])
         return draft_token_ids
+
+    # Extends vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer._sample_draft_tokens (one position of
+    # vLLM's chain drafting): the draft logits masked by the chain step's grammars, which follow the drawn tokens.
+    def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata) -> tuple[torch.Tensor, Any]:
+        with self.chain_masks.masking(self.model):
+            tokens, probs = super()._sample_draft_tokens(hidden_states, sampling_metadata)
+        self.chain_masks.drafted(tokens)
+        return tokens, probs
 
 
 class EasySpecDraftProposer(PluginProposerMixin, DraftModelProposer):

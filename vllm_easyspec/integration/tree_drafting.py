@@ -120,6 +120,13 @@ class TreeDrafting:
         return torch.arange(d2t.shape[0], device=d2t.device) + d2t.detach().long()
 
     @property
+    def _chain_ids(self) -> torch.Tensor | None:
+        """The target id of each column of vLLM's chain draft logits (an EAGLE-3 head's span the target's
+        vocabulary), None where they are the target's."""
+        proposer = self.proposer
+        return proposer.vocab_mapping.draft_to_target_ids if proposer.use_heterogeneous_vocab else None
+
+    @property
     def policy(self) -> NodePolicy:
         return self.verifier.policy
 
@@ -146,12 +153,17 @@ class TreeDrafting:
         budget = policy.budget(batch_size)
         req_ids = self._request_ids(batch_size)
         live = set(self.verifier.requests)
-        if budget.chain:
-            arguments = self.deferred.catch_up(arguments, req_ids, live, self._first_pass_room(cad))
-            chains = self.draft_chain(**(arguments | {"num_speculative_tokens": budget.nodes}))
-            return self._hand_over_chains(chains, batch_size)
         # the step's bonus tokens on the host, read once if prompt lookup or a grammar asks for them
         bonus_tokens = functools.cache(lambda: arguments["next_token_ids"][: len(req_ids)].tolist())
+        if budget.chain:
+            arguments = self.deferred.catch_up(arguments, req_ids, live, self._first_pass_room(cad))
+            grammar = self.grammars.step(req_ids, self.batch, self.verifier.last_branch, bonus_tokens)
+            proposer.chain_masks = grammar.chain(self._chain_ids, batch_size)
+            try:
+                chains = self.draft_chain(**(arguments | {"num_speculative_tokens": budget.nodes}))
+            finally:
+                proposer.chain_masks = NO_GRAMMAR
+            return self._hand_over_chains(chains, batch_size)
         paths = self._lookup_paths(req_ids, bonus_tokens) if budget.nodes else None
         depth = 0
         if budget.nodes:
@@ -360,7 +372,7 @@ class TreeDrafting:
                 # i.i.d. children: how many to verify must not depend on what was drawn (that would bias the draws)
                 value_blind=self.retokenizer is not None or mode is ChildDrawMode.IID_FROM_DRAFT))
         candidates, logprobs = grammar.prune(candidates, trees.logprobs)  # nodes a grammar forbids
-        pending = self.policy.choose(candidates, node_limit, batch_size, logprobs)
+        pending = grammar.prune_drawn(self.policy.choose(candidates, node_limit, batch_size, logprobs))
         verifier.propose(pending, no_drafts, node_limit=node_limit, chain=False)
         if lookup_paths is None and self.retokenizer is None and self.policy.keeps_drafted_order and grammar.keeps_nodes:
             return tokens  # each request verifies a prefix of its drafted row

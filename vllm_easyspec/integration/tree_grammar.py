@@ -4,8 +4,8 @@
 vLLM 0.32 keeps a request's matcher in the scheduler, which validates a chain of drafts and fills one bitmask row
 per draft position; the worker applies row ``i`` to logit row ``i``. For a tree, the worker hands each
 structured-output request's node parents over with its drafts (:data:`~vllm_easyspec.integration.tree_step.DRAFT_PARENTS`
-on vLLM's ``DraftTokenIds``); ``update_draft_token_ids`` (seam) keeps the whole tree (a request
-still in its reasoning section gets no drafts), and ``grammar_bitmask`` (seam) fills vLLM's rows with the trees
+on vLLM's ``DraftTokenIds``); ``update_draft_token_ids`` (seam) keeps the whole tree (in an open reasoning
+section, the nodes before the first that ends it), and ``grammar_bitmask`` (seam) fills vLLM's rows with the trees
 left out, then after each root row one row per node: the matcher's mask after the node's path (:func:`walk_paths`),
 a full mask after the grammar's end, the root's row for a forbidden node (its parent's row masks it).
 
@@ -57,11 +57,12 @@ def _update_draft_token_ids(original):
                 plain.draft_token_ids.append(tokens)
             elif request.is_finished():
                 continue
-            elif request.is_prefill_chunk or not _constrained_from_start(self.structured_output_manager, request):
-                request.spec_token_ids = []  # a prefill chunk takes no drafts; a reasoning section none of a tree's
+            elif request.is_prefill_chunk:
+                request.spec_token_ids = []  # a prefill chunk takes no drafts
             else:
-                request.spec_token_ids = list(tokens)
-                setattr(request, _REQUEST_PARENTS, list(trees[req_id]))
+                kept = _kept_nodes(self.structured_output_manager, request, list(tokens), list(trees[req_id]))
+                request.spec_token_ids = list(tokens[:kept])
+                setattr(request, _REQUEST_PARENTS, list(trees[req_id][:kept]))
         original(self, plain)
 
     update_draft_token_ids._easyspec_patched = True
@@ -72,6 +73,18 @@ def _constrained_from_start(manager, request) -> bool:
     """The grammar constrains the request's next token (no reasoning section still open before it)."""
     bounds = manager._get_constraint_bounds(request, ())
     return bounds.constraint_start == 0 and bounds.grammar_start == 0
+
+
+def _kept_nodes(manager, request, tokens: list[int], parents: list[int]) -> int:
+    """How many of a tree's first nodes the request verifies: all where the grammar constrains its next token; in
+    an open reasoning section those before the first node whose path ends the section (its row would need the
+    grammar's mask), a prefix as the worker's tree is cut (every kept row unconstrained, as vLLM's in reasoning)."""
+    if _constrained_from_start(manager, request):
+        return len(tokens)
+    for index, path in enumerate(node_paths(tokens, parents)):
+        if manager._get_constraint_bounds(request, path).constraint_start <= len(path):
+            return index
+    return len(tokens)
 
 
 def _grammar_bitmask(original):
@@ -102,7 +115,9 @@ def _grammar_bitmask(original):
 def _node_rows(manager, request, tokens: list[int], parents: list[int], root: np.ndarray) -> np.ndarray:
     """One bitmask row per node: the grammar's next-token mask after the node's path (module docstring, step 3)."""
     grammar = request.structured_output_request.grammar
-    bitmask = manager.backend.allocate_token_bitmask(len(tokens))
+    bitmask = manager.backend.allocate_token_bitmask(len(tokens))  # every token allowed
+    if not _constrained_from_start(manager, request):
+        return bitmask.numpy()  # a reasoning section's tree (_kept_nodes): nothing constrained
 
     def fill(index: int, valid: bool) -> None:
         if not valid:

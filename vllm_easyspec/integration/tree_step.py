@@ -82,6 +82,17 @@ class PendingTree:
     def real_nodes(self) -> int:
         return len(self.tokens) - self.padding
 
+    def keeping(self, kept: list[int]) -> PendingTree:
+        """The tree of nodes ``kept`` (each with its parent, in order); an i.i.d. tree's draft probabilities keep
+        the root's row and those after kept nodes."""
+        new = {old: index for index, old in enumerate(kept)}
+        probs = self.draft_probs
+        if probs is not None:
+            probs = probs[torch.tensor([0, *(node + 1 for node in kept)]).to(probs.device, non_blocking=True)]
+        return replace(self, tokens=[self.tokens[n] for n in kept], parents=[new.get(self.parents[n], -1) for n in kept],
+                       draft_probs=probs, from_lookup=tuple(self.from_lookup[n] for n in kept) if self.from_lookup else (),
+                       features=None if self.features is None else [self.features[n] for n in kept])
+
     def padded(self, nodes: int) -> PendingTree:
         """This tree with padding nodes up to ``nodes``: a chain below its last node (a path stays a path, served
         by vLLM's kernel), each a copy of that node's token. Never a chain: vLLM's sampler would accept them."""
