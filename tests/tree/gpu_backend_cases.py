@@ -57,16 +57,24 @@ def _enable_vllm_triton() -> None:
 
 
 @contextlib.contextmanager
-def _cpu_adjustments(dtype: torch.dtype):
-    """The capability answer and the bf16 stand-in of the module docstring (nothing on a GPU)."""
+def _cpu_adjustments(dtype: torch.dtype, backend: str):
+    """The capability answer and the stand-ins of the module docstring (nothing on a GPU)."""
     if torch.cuda.is_available():
-        yield "vllm-triton"
+        yield "vllm-triton" if backend == "TRITON_ATTN" else "vllm-flash-attn"
         return
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
     from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)))
-        if dtype == torch.bfloat16:
+        if backend == "FLASH_ATTN":  # no FlashAttention on CPU: vLLM's Triton cache write op, a torch kernel
+            from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
+
+            stack.enter_context(mock.patch("vllm.v1.attention.backends.flash_attn.reshape_and_cache_flash",
+                                           triton_reshape_and_cache_flash, create=True))  # imported on GPUs only
+            stack.enter_context(mock.patch.object(FlashAttentionImpl, "forward", _torch_chain_forward))
+            yield "torch-reference (FlashAttention stand-in)"
+        elif dtype == torch.bfloat16:
             stack.enter_context(mock.patch.object(TritonAttentionImpl, "forward", _torch_chain_forward))
             yield "torch-reference (bf16 stand-in)"
         else:
@@ -75,7 +83,8 @@ def _cpu_adjustments(dtype: torch.dtype):
 
 def stub_vllm_config(num_heads: int, num_kv_heads: int, head_size: int, tree: dict | None = None,
                      layers: dict | None = None):
-    """What the Triton builder and the tree builder read from a ``VllmConfig`` (a real one needs a model)."""
+    """What the Triton and FlashAttention builders and the tree builder read from a ``VllmConfig`` (a real one
+    needs a model)."""
     from vllm.config import CUDAGraphMode
 
     model_config = types.SimpleNamespace(
@@ -84,12 +93,18 @@ def stub_vllm_config(num_heads: int, num_kv_heads: int, head_size: int, tree: di
         get_head_size=lambda: head_size,
         rswa_window=None,
         dtype=torch.float32,
+        hf_config=types.SimpleNamespace(model_type="llama"),
+        is_mm_prefix_lm=False,
     )
     return types.SimpleNamespace(
         model_config=model_config,
-        parallel_config=types.SimpleNamespace(),
+        parallel_config=types.SimpleNamespace(cp_kv_cache_interleave_size=1),
+        cache_config=types.SimpleNamespace(cache_dtype="auto"),
+        attention_config=types.SimpleNamespace(flash_attn_max_num_splits_for_cuda_graph=32),
+        kernel_config=types.SimpleNamespace(enable_jit_warmup=False),
         compilation_config=types.SimpleNamespace(
-            cudagraph_mode=CUDAGraphMode.NONE, cudagraph_capture_sizes=[], static_forward_context=layers or {}
+            cudagraph_mode=CUDAGraphMode.NONE, cudagraph_capture_sizes=[], static_forward_context=layers or {},
+            max_cudagraph_capture_size=0,
         ),
         scheduler_config=types.SimpleNamespace(max_num_seqs=16),
         additional_config={} if tree is None else {"easyspec": {"tree": tree}},
@@ -163,24 +178,24 @@ def _error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: tuple[int, int] = (4, 2),
                    head_size: int = 32, trees: tuple = ((7, 4, 37), (9, 9, 21)), plain: tuple = (11, 5),
-                   path: tuple | None = (4, 26), pad_tokens: int = 3, pad_request: bool = True) -> dict:
+                   path: tuple | None = (4, 26), pad_tokens: int = 3, pad_request: bool = True,
+                   backend: str = "TRITON_ATTN") -> dict:
     """One verify forward of a batch [tree A, plain request, tree B, path C] (+ CUDA-graph padding) through the
     GPU tree backend, the way the engine runs it; returns errors and checks for the test to assert on.
 
     ``trees``: per tree request (nodes drafted, nodes scheduled, P); ``scheduled < drafted`` is a truncated
     tree. ``plain``: (computed, scheduled) of the request without a tree (a decode if scheduled is 1).
     ``path``: (nodes, P) of a tree request whose nodes are one path, which vLLM's kernel must serve.
+    ``backend``: the vLLM backend the tree backend subclasses (``TRITON_ATTN`` or ``FLASH_ATTN``).
     """
     _enable_vllm_triton()
     from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadata
     from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vllm_easyspec.integration.gpu.attention_backend import (
-        TreeTritonAttentionImpl,
-        TreeTritonAttentionMetadataBuilder,
-        TreeTritonVerifyMetadata,
-    )
+    from vllm_easyspec.integration.gpu import attention_backend
+    from vllm_easyspec.integration.gpu.attention_backend import TreeGPUVerifyMetadata
     from vllm_easyspec.integration.node_policy import TreeBudget
     from vllm_easyspec.integration.runner import TreeRunnerMixin
     from vllm_easyspec.integration.tree_attention import verifying
@@ -245,12 +260,15 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
     key = torch.randn(num_tokens_padded, num_kv_heads, head_size, generator=gen).to(dt).to(dev)
     value = torch.randn(num_tokens_padded, num_kv_heads, head_size, generator=gen).to(dt).to(dev)
 
-    impl = TreeTritonAttentionImpl(num_heads, head_size, scale, num_kv_heads, alibi_slopes=None,
-                                   sliding_window=None, kv_cache_dtype="auto")
+    tree_backend = attention_backend.TreeFlashAttentionBackend if backend == "FLASH_ATTN" else \
+        attention_backend.TreeTritonAttentionBackend
+    vllm_metadata = FlashAttentionMetadata if backend == "FLASH_ATTN" else TritonAttentionMetadata
+    impl = tree_backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads, alibi_slopes=None,
+                                       sliding_window=None, kv_cache_dtype="auto")
     layer = stub_layer(dev)
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dt)
-    builder = TreeTritonAttentionMetadataBuilder(spec, [LAYER], stub_vllm_config(num_heads, num_kv_heads, head_size),
-                                                 torch.device(dev))
+    builder = tree_backend.get_builder_cls()(spec, [LAYER], stub_vllm_config(num_heads, num_kv_heads, head_size),
+                                             torch.device(dev))
     query_start_loc = torch.full((num_reqs_padded + 1,), num_tokens, dtype=torch.int32)
     query_start_loc[: num_reqs + 1] = starts
     seq_lens_padded = torch.zeros(num_reqs_padded, dtype=torch.int32)
@@ -271,7 +289,7 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
         positions=positions.to(dev),
     )
 
-    with _cpu_adjustments(dt) as chain_kernel:
+    with _cpu_adjustments(dt, backend) as chain_kernel:
         # vLLM writes every row's K/V to its linear slot before attention (unified_kv_cache_update)
         impl.do_kv_cache_update(layer, key, value, kv_cache, cm.slot_mapping)
         written = kv_cache.clone()
@@ -355,9 +373,9 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
     tree_request_rows = masked.batch_rows
     return {
         "chain_kernel": chain_kernel,
-        "plain_metadata_is_vllms": type(plain_metadata) is TritonAttentionMetadata,
-        "tree_metadata": type(meta) is TreeTritonVerifyMetadata,
-        "chain_metadata_is_vllms": type(meta.chain) is TritonAttentionMetadata,
+        "plain_metadata_is_vllms": type(plain_metadata) is vllm_metadata,
+        "tree_metadata": type(meta) is TreeGPUVerifyMetadata,
+        "chain_metadata_is_vllms": type(meta.chain) is vllm_metadata,
         "tree_error": _error(output[tree_rows.to(dev)], tree_ref),
         "chain_error": max(chain_errors),
         "path_agreement": path_agreement,

@@ -55,8 +55,11 @@ def traced_nodes(llm, requests, trace) -> tuple[list[dict], list[tuple[int, list
     return outputs, trees
 
 
-def forbidden_nodes(trees, grammar_of: dict[int, dict], tokenizer_dir) -> tuple[int, int]:
-    """(nodes of structured requests checked, nodes their grammar forbids after the output through the root)."""
+def forbidden_nodes(trees, grammar_of: dict[int, dict], tokenizer_dir,
+                    draftable: set[int] | None = None) -> tuple[int, int]:
+    """(nodes of structured requests checked, nodes their grammar forbids after the output through the root);
+    ``draftable``: the target ids a draft can propose (a forbidden node counts only where the grammar allowed one
+    of them)."""
     import xgrammar as xgr
     from transformers import AutoTokenizer
     from vllm.v1.structured_output.utils import choice_as_grammar
@@ -73,9 +76,15 @@ def forbidden_nodes(trees, grammar_of: dict[int, dict], tokenizer_dir) -> tuple[
         for path in paths:
             matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=[tokenizer.eos_token_id])
             checked += 1
-            # after the grammar's end (an ignore_eos request goes on) nothing is constrained, as in vLLM
-            forbidden += not all(matcher.is_terminated() or matcher.accept_token(token)
-                                 for token in [*through_root, *path])
+            for token in [*through_root, *path]:
+                if matcher.is_terminated():  # after the grammar's end (ignore_eos) nothing is constrained, as in vLLM
+                    break
+                bitmask = xgr.allocate_token_bitmask(1, 64)
+                matcher.fill_next_token_bitmask(bitmask, 0)
+                if not matcher.accept_token(token):
+                    allowed = {t for t in range(64) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1}
+                    forbidden += draftable is None or bool(allowed & draftable)
+                    break
     return checked, forbidden
 
 
@@ -125,7 +134,7 @@ def _recorded_chains(worker) -> list:
     return drafting.__dict__.pop("recorded_chains")
 
 
-def check_chains_follow_grammars(llm, requests, expected, tokenizer_dir) -> None:
+def check_chains_follow_grammars(llm, requests, expected, tokenizer_dir, draftable: set[int] | None = None) -> None:
     generate_outputs(llm, requests)  # the worker compiles the grammars: the recorded run masks from its first step
     first = llm.request_counter.counter
     llm.collective_rpc(_record_chains)
@@ -137,7 +146,7 @@ def check_chains_follow_grammars(llm, requests, expected, tokenizer_dir) -> None
     chains = [(int(req_id.split("-")[0]) - first, output, [chain[: depth + 1] for depth in range(len(chain))])
               for req_id, output, chain in recorded]
     grammar_of = {index: GRAMMARS[WITH_OPTION.index(index)] for index in WITH_OPTION}
-    checked, forbidden = forbidden_nodes(chains, grammar_of, tokenizer_dir)
+    checked, forbidden = forbidden_nodes(chains, grammar_of, tokenizer_dir, draftable)
     assert checked > 20 and forbidden == 0, (checked, forbidden)
 
 

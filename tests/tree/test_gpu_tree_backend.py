@@ -18,6 +18,10 @@ only, ``TritonAttentionImpl.forward`` (the non-tree sub-batch) monkeypatched to 
 attention** driven by the same ``TritonAttentionMetadata``, because the interpreter's bf16 ``tl.dot`` is broken
 (triton-lang/triton#11584) and vLLM's kernel returns garbage there. fp32 and fp16 run vLLM's kernel.
 
+The same batch goes through the ``FLASH_ATTN`` subclass (fp16, bf16): vLLM's FlashAttention builder and its
+cache write run (the write through vLLM's Triton reshape-and-cache op, FlashAttention's CUDA op being absent on
+CPU), and its kernel, for the non-tree sub-batch, is the float64 torch stand-in.
+
 The draft-level path, the batch split, the CUDA-graph limit, the start-up check and ``install()`` need no
 Triton and run in this process.
 """
@@ -71,6 +75,15 @@ def _check_verify(result: dict, dtype: str) -> None:
 )
 def test_verify_forward_matches_reference(kernel_runner, dtype, block_size, layout):
     result = kernel_runner(gpu_backend_cases.verify_forward, dtype, block_size, layout, seed=block_size)
+    _check_verify(result, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])  # FlashAttention has no float32
+def test_flash_attn_verify_forward_serves_other_rows_with_vllms_metadata_and_trees_with_the_kernel(kernel_runner,
+                                                                                               dtype):
+    """``FLASH_ATTN``'s tree backend: vLLM's FlashAttention builder builds the metadata of the plain request and the
+    path, the tree kernel serves the trees (on CPU a torch kernel stands in for FlashAttention's)."""
+    result = kernel_runner(gpu_backend_cases.verify_forward, dtype, 16, "NHD", seed=16, backend="FLASH_ATTN")
     _check_verify(result, dtype)
 
 
@@ -305,7 +318,7 @@ def test_tree_mode_limits_cuda_graphs_and_refuses_what_the_kernel_lacks():
         Builder(spec, [LAYER], stub_vllm_config(4, 2, 32, tree, fp8), device)
 
 
-def test_install_replaces_triton_attn_and_the_gpu_runner_only_on_cuda_alike(monkeypatch):
+def test_install_replaces_triton_attn_flash_attn_and_the_gpu_runner_only_on_cuda_alike(monkeypatch):
     import vllm.v1.worker.gpu_model_runner as gpu_model_runner
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -313,12 +326,14 @@ def test_install_replaces_triton_attn_and_the_gpu_runner_only_on_cuda_alike(monk
     from vllm_easyspec.integration import runner
     from vllm_easyspec.integration.gpu import attention_backend
 
-    backend = AttentionBackendEnum.TRITON_ATTN
-    overridden = backend.get_class() if backend.is_overridden() else None  # on a GPU the plugin's own install
-    backend.clear_override()
+    backends = {AttentionBackendEnum.TRITON_ATTN: attention_backend.TreeTritonAttentionBackend,
+                AttentionBackendEnum.FLASH_ATTN: attention_backend.TreeFlashAttentionBackend}
+    overridden = any(backend.is_overridden() for backend in backends)  # on a GPU the plugin's own install
+    for backend in backends:
+        backend.clear_override()
     monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: False)
     attention_backend.install()  # not CUDA-alike: nothing happens
-    assert not backend.is_overridden()
+    assert not any(backend.is_overridden() for backend in backends)
 
     # vLLM's own runner class, also where the plugin has already replaced it (a GPU machine)
     original = next(cls for cls in gpu_model_runner.GPUModelRunner.__mro__
@@ -327,11 +342,17 @@ def test_install_replaces_triton_attn_and_the_gpu_runner_only_on_cuda_alike(monk
     monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: True)
     try:
         attention_backend.install()
-        assert backend.get_class() is attention_backend.TreeTritonAttentionBackend
-        assert backend.get_class().get_name() == "TRITON_ATTN"
+        for backend, tree_backend in backends.items():
+            assert backend.get_class() is tree_backend and tree_backend.get_name() == backend.name
+            impl, builder = tree_backend.get_impl_cls(), tree_backend.get_builder_cls()
+            vllms = tree_backend.__mro__[1]  # vLLM's backend: its impl and builder, with the tree mixins first
+            assert impl.__mro__[1] is attention_backend.TreeGPUImplMixin and issubclass(impl, vllms.get_impl_cls())
+            assert builder.__mro__[1] is attention_backend.TreeGPUBuilderMixin
+            assert issubclass(builder, vllms.get_builder_cls())
     finally:
-        backend.clear_override()
-        if overridden is not None:
+        for backend in backends:
+            backend.clear_override()
+        if overridden:
             attention_backend.install()
     runner.install()
     runner_class = gpu_model_runner.GPUModelRunner

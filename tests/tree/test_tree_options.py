@@ -108,6 +108,24 @@ def test_num_speculative_tokens_is_set_to_the_node_count(tiny_llama_dir, tiny_ll
     assert args.async_scheduling is False
 
 
+@pytest.mark.parametrize(("given", "chosen"), [(None, "TRITON_ATTN"), ("TRITON_ATTN", "TRITON_ATTN"),
+                                               ("FLASH_ATTN", "FLASH_ATTN"), ("FLASHINFER", None)])
+def test_a_gpu_tree_engine_runs_on_triton_attn_or_flash_attn(tiny_llama_dir, tiny_llama_draft_dir, monkeypatch,
+                                                             given, chosen):
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: True)
+    args = _engine_args(tiny_llama_dir, tiny_llama_draft_dir, {})
+    args.attention_backend = given
+    if chosen is None:
+        with pytest.raises(EasySpecConfigError, match="attention backends .*TRITON_ATTN.*FLASH_ATTN.*got FLASHINFER; "
+                                                      "remove --attention-backend"):
+            prepare_tree_engine_args(args, parse_easyspec_config(args.additional_config))
+        return
+    prepare_tree_engine_args(args, parse_easyspec_config(args.additional_config))
+    assert args.attention_backend == chosen
+
+
 def test_num_speculative_tokens_mismatch_names_both_fields(tiny_llama_dir, tiny_llama_draft_dir):
     args = _engine_args(tiny_llama_dir, tiny_llama_draft_dir, {"num_speculative_tokens": 3})
     with pytest.raises(EasySpecConfigError) as info:

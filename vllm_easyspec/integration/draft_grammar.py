@@ -173,7 +173,8 @@ class GrammarStep:
         allowed = allowed_ids(bitmask.to(logits.device, non_blocking=True), ids).view(len(self.rows), width, -1)
         rows = torch.tensor(self.rows).to(logits.device, non_blocking=True)
         chosen = logits[rows]
-        logits[rows] = torch.where(allowed.any(-1, keepdim=True), chosen.masked_fill(~allowed, float("-inf")), chosen)
+        masked = chosen.masked_fill(~allowed, float("-inf"))  # a row the mask leaves no finite logit stays unmasked
+        logits[rows] = torch.where(masked.isfinite().any(-1, keepdim=True), masked, chosen)
         return logits
 
     def _target(self, path: list[int]) -> list[int]:

@@ -96,13 +96,17 @@ def prepare_tree_engine_args(engine_args, easyspec: EasySpecConfig | None) -> No
     from vllm.platforms import current_platform
 
     if current_platform.is_cuda_alike():
-        # On GPUs the tree rows go through the plugin's TRITON_ATTN backend (integration/gpu/attention_backend).
+        # On GPUs the tree rows go through the plugin's subclass of TRITON_ATTN (the default until FLASH_ATTN's has
+        # run on a GPU) or FLASH_ATTN, which serve every other row with vLLM's kernel (integration/gpu/).
         backend = engine_args.attention_backend
         name = getattr(backend, "name", backend)
-        if name not in (None, "TRITON_ATTN"):
-            raise EasySpecConfigError("easyspec.tree on a GPU needs the TRITON_ATTN attention backend, got "
-                                      f"{name}; remove --attention-backend or set it to TRITON_ATTN")
-        engine_args.attention_backend = "TRITON_ATTN"
+        if name not in (None, *TREE_GPU_BACKENDS):
+            raise EasySpecConfigError(f"easyspec.tree on a GPU needs one of the attention backends {TREE_GPU_BACKENDS}, "
+                                      f"got {name}; remove --attention-backend or set it to one of them")
+        engine_args.attention_backend = name or TREE_GPU_BACKENDS[0]
+
+
+TREE_GPU_BACKENDS = ("TRITON_ATTN", "FLASH_ATTN")  # integration/gpu/attention_backend.py subclasses these
 
 
 def validate_engine_config(vllm_config, options: EasySpecOptions | None) -> None:

@@ -1,19 +1,21 @@
-"""Where the tree reaches vLLM's Triton attention backend (the GPU build of vLLM).
+"""Where the tree reaches vLLM's GPU attention backends: ``TRITON_ATTN`` and ``FLASH_ATTN``.
 
-``TreeTritonAttentionBackend`` replaces ``TRITON_ATTN`` (``vllm.v1.attention.backends.triton_attn.
-TritonAttentionBackend``, overridden through vLLM's ``register_backend`` on CUDA / ROCm only). It is vLLM's
-backend unchanged except for the two kinds of tree forward (:mod:`~vllm_easyspec.integration.tree_attention`):
+``TreeTritonAttentionBackend`` and ``TreeFlashAttentionBackend`` replace vLLM's ``TritonAttentionBackend`` and
+``FlashAttentionBackend`` (``vllm.v1.attention.backends.triton_attn`` / ``flash_attn``, overridden through vLLM's
+``register_backend`` on CUDA / ROCm only). Each is vLLM's backend unchanged except for the two kinds of tree
+forward (:mod:`~vllm_easyspec.integration.tree_attention`); both keep the same logical cache
+(``[num_blocks, Hkv, block_size, 2 * D]``, FlashAttention's layout in memory), so one mixin serves both:
 
-* **target verify** (:class:`TreeTritonVerifyMetadata`): the rows of the trees that are not paths go to
-  :func:`vllm_easyspec.kernels.tree_attention.tree_attention_triton` over the layer's FlashAttention-layout
-  cache, where vLLM's ``do_kv_cache_update`` has already put the rows' own K/V at the linear slots ``P + j``.
-  The rows' K/V are also kept for the runner's commit (the accepted branch, written with
-  ``do_kv_cache_update``).
-* **draft level**: the draft prefix is gathered from the FA layout with the block table.
+* **target verify** (:class:`TreeGPUVerifyMetadata`): the rows of the trees that are not paths go to
+  :func:`vllm_easyspec.kernels.tree_attention.tree_attention_triton` over the layer's cache, where vLLM's
+  ``do_kv_cache_update`` has already put the rows' own K/V at the linear slots ``P + j``; every other row (prefill,
+  requests without a tree, paths) goes to the backend's own kernel (FlashAttention with ``FLASH_ATTN``). The rows'
+  K/V are also kept for the runner's commit (the accepted branch, written with ``do_kv_cache_update``).
+* **draft level**: the draft prefix is gathered from the cache with the block table.
 
-While ``easyspec.tree`` is configured, the builder reports at most ``UNIFORM_SINGLE_TOKEN_DECODE`` CUDA
+While ``easyspec.tree`` is configured, the builders report at most ``UNIFORM_SINGLE_TOKEN_DECODE`` CUDA
 graph support: a full CUDA graph of a uniform ``1 + n``-token batch would replay captured chain metadata
-and never reach :meth:`TreeTritonAttentionMetadataBuilder.build`.
+and never reach the builder's ``build``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ from typing import Any
 
 import torch
 from vllm.v1.attention.backend import AttentionCGSupport
+from vllm.v1.attention.backends.flash_attn import (
+    FlashAttentionBackend,
+    FlashAttentionImpl,
+    FlashAttentionMetadataBuilder,
+)
 from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionBackend,
     TritonAttentionImpl,
@@ -40,7 +47,8 @@ from vllm_easyspec.integration.tree_attention import (
 )
 from vllm_easyspec.integration.tree_step import TreeVerifyForward, VerifyKV
 
-BACKEND_PATH = "vllm_easyspec.integration.gpu.attention_backend.TreeTritonAttentionBackend"
+BACKEND_PATHS = {name: f"vllm_easyspec.integration.gpu.attention_backend.Tree{kind}AttentionBackend"
+                 for name, kind in (("TRITON_ATTN", "Triton"), ("FLASH_ATTN", "Flash"))}
 
 logger = plugin_logger(__name__)
 
@@ -66,12 +74,12 @@ def reduced_fp32_precision_warning(dtype: torch.dtype, device: torch.device | st
 
 
 @dataclass
-class TreeTritonVerifyMetadata:
+class TreeGPUVerifyMetadata:
     """Per-forward metadata of a verify step that contains token trees (shared by all target layers).
     All tensors are on the builder's device; ``T`` is the number of tree rows (roots and nodes)."""
 
     num_actual_tokens: int
-    chain: Any | None  # vLLM's TritonAttentionMetadata for the other requests (paths included), or None
+    chain: Any | None  # the backend's own metadata for the other requests (paths included), or None
     chain_rows: torch.Tensor | None  # their flattened rows
     forward: TreeVerifyForward
     tree_rows: torch.Tensor  # [T] flattened forward row of every tree query, request-major
@@ -83,8 +91,9 @@ class TreeTritonVerifyMetadata:
     query_rows: torch.Tensor  # [R, W] flattened row of each query (padding repeats the root), for kept K/V
 
 
-class TreeTritonAttentionMetadataBuilder(TreeVerifyBuilderMixin, TritonAttentionMetadataBuilder):
-    """vLLM's Triton builder; inside :func:`~vllm_easyspec.integration.tree_attention.verifying` it builds :class:`TreeTritonVerifyMetadata` instead."""
+class TreeGPUBuilderMixin(TreeVerifyBuilderMixin):
+    """A vLLM GPU backend's builder; inside :func:`~vllm_easyspec.integration.tree_attention.verifying` it builds
+    :class:`TreeGPUVerifyMetadata` instead."""
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -118,7 +127,7 @@ class TreeTritonAttentionMetadataBuilder(TreeVerifyBuilderMixin, TritonAttention
                                           f"kv_cache_dtype {layer.impl.kv_cache_dtype!r}")
         refuse_unsupported_layers(vllm_config, layer_names, no_window=(-1, -1))
 
-    def build_verify(self, common_prefix_len, cm, forward: TreeVerifyForward) -> TreeTritonVerifyMetadata:
+    def build_verify(self, common_prefix_len, cm, forward: TreeVerifyForward) -> TreeGPUVerifyMetadata:
         step = forward.masked
         chain, chain_rows = self.build_requests_without_tree(common_prefix_len, cm, step)
         device = self.device
@@ -127,7 +136,7 @@ class TreeTritonAttentionMetadataBuilder(TreeVerifyBuilderMixin, TritonAttention
         cu_query_lens[1:] = step.num_queries.cpu().cumsum(0)
         block_table = cm.block_table_tensor[step.batch_rows.to(cm.block_table_tensor.device, non_blocking=True)]
         forward.block_table = block_table
-        return TreeTritonVerifyMetadata(
+        return TreeGPUVerifyMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             chain=chain,
             chain_rows=None if chain_rows is None else chain_rows.to(device, non_blocking=True),
@@ -143,10 +152,10 @@ class TreeTritonAttentionMetadataBuilder(TreeVerifyBuilderMixin, TritonAttention
         )
 
 
-class TreeTritonAttentionImpl(TreeAttentionImplMixin, TritonAttentionImpl):
-    """vLLM's Triton attention, plus the tree-verify and draft-level forwards (module docstring)."""
+class TreeGPUImplMixin(TreeAttentionImplMixin):
+    """A vLLM GPU backend's attention, plus the tree-verify and draft-level forwards (module docstring)."""
 
-    verify_metadata = TreeTritonVerifyMetadata
+    verify_metadata = TreeGPUVerifyMetadata
 
     def _fa_caches(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[num_blocks, block_size, Hkv, D]`` key and value views of the layer's logical
@@ -154,7 +163,7 @@ class TreeTritonAttentionImpl(TreeAttentionImplMixin, TritonAttentionImpl):
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
         return key_cache, value_cache
 
-    def verify_trees(self, layer, query, key, value, kv_cache, meta: TreeTritonVerifyMetadata, output):
+    def verify_trees(self, layer, query, key, value, kv_cache, meta: TreeGPUVerifyMetadata, output):
         from vllm_easyspec.kernels.tree_attention import tree_attention_triton, triton_default_fp32_precision
 
         key_cache, value_cache = self._fa_caches(kv_cache)
@@ -200,6 +209,22 @@ def gather_fa_prefix(key_cache: torch.Tensor, value_cache: torch.Tensor, block_t
     return gather(key_cache), gather(value_cache)
 
 
+class TreeTritonAttentionMetadataBuilder(TreeGPUBuilderMixin, TritonAttentionMetadataBuilder):
+    pass
+
+
+class TreeTritonAttentionImpl(TreeGPUImplMixin, TritonAttentionImpl):
+    pass
+
+
+class TreeFlashAttentionMetadataBuilder(TreeGPUBuilderMixin, FlashAttentionMetadataBuilder):
+    pass
+
+
+class TreeFlashAttentionImpl(TreeGPUImplMixin, FlashAttentionImpl):
+    pass
+
+
 class TreeTritonAttentionBackend(TritonAttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[TreeTritonAttentionImpl]:
@@ -210,6 +235,16 @@ class TreeTritonAttentionBackend(TritonAttentionBackend):
         return TreeTritonAttentionMetadataBuilder
 
 
+class TreeFlashAttentionBackend(FlashAttentionBackend):
+    @staticmethod
+    def get_impl_cls() -> type[TreeFlashAttentionImpl]:
+        return TreeFlashAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[TreeFlashAttentionMetadataBuilder]:
+        return TreeFlashAttentionMetadataBuilder
+
+
 def install() -> None:
     from vllm.platforms import current_platform
 
@@ -217,6 +252,8 @@ def install() -> None:
         return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    # Replaces the class behind AttentionBackendEnum.TRITON_ATTN
-    # (vllm.v1.attention.backends.triton_attn.TritonAttentionBackend) with the subclass above.
-    register_backend(AttentionBackendEnum.TRITON_ATTN, BACKEND_PATH)
+    # Replaces the classes behind AttentionBackendEnum.TRITON_ATTN and FLASH_ATTN
+    # (vllm.v1.attention.backends.triton_attn.TritonAttentionBackend, vllm.v1.attention.backends.flash_attn.
+    # FlashAttentionBackend) with the subclasses above.
+    for name, path in BACKEND_PATHS.items():
+        register_backend(AttentionBackendEnum[name], path)
