@@ -3,8 +3,8 @@ the tiny float32 models: with regex, choice and grammar requests beside plain on
 and every node verified for a structured request (read from the step trace) is valid after the request's output,
 where unmasked drafting verified forbidden nodes; so is every chain vLLM's own ``propose`` drafts in a
 ``budget_by_batch`` chain step (recorded in the worker), where unmasked chains held forbidden tokens. With a
-reasoning parser, a structured request verifies trees inside its reasoning section (it got none before) and its
-output equals vanilla's under the same parser. The default suite runs the draft model's static tree; a dynamic
+reasoning parser, a structured request verifies trees inside its reasoning section (it got none before), its
+drafts follow the grammar after the section, and its output equals vanilla's under the same parser. The default suite runs the draft model's static tree; a dynamic
 tree with prompt-lookup nodes under ``tree.auto`` is marked slow (the EAGLE-3 head with a reduced vocabulary:
 tests/eagle/test_eagle_draft_grammar.py)."""
 
@@ -65,7 +65,8 @@ def forbidden_nodes(trees, grammar_of: dict[int, dict], tokenizer_dir,
     from vllm.v1.structured_output.utils import choice_as_grammar
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=64))
+    vocab = len(tokenizer)
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab))
     checked = forbidden = 0
     for index, through_root, paths in trees:
         spec = grammar_of.get(index)
@@ -79,10 +80,10 @@ def forbidden_nodes(trees, grammar_of: dict[int, dict], tokenizer_dir,
             for token in [*through_root, *path]:
                 if matcher.is_terminated():  # after the grammar's end (ignore_eos) nothing is constrained, as in vLLM
                     break
-                bitmask = xgr.allocate_token_bitmask(1, 64)
+                bitmask = xgr.allocate_token_bitmask(1, vocab)
                 matcher.fill_next_token_bitmask(bitmask, 0)
                 if not matcher.accept_token(token):
-                    allowed = {t for t in range(64) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1}
+                    allowed = {t for t in range(vocab) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1}
                     forbidden += draftable is None or bool(allowed & draftable)
                     break
     return checked, forbidden
@@ -173,6 +174,11 @@ def _register_reasoning_parser() -> None:
     ReasoningParserManager.register_module(REASONING_PARSER, force=True, module=TinyThinking)
 
 
+def _content(prompt: list[int], output: list[int]) -> list[int]:
+    """The output the grammar constrains: all of it where the prompt ends the section, else what follows w42."""
+    return output if not _in_reasoning(prompt) else output[output.index(42) + 1:]
+
+
 def _in_reasoning(tokens: list[int]) -> bool:
     """The parser's reading: the section is open unless w42 comes after the last w62."""
     ends = [index for index, token in enumerate(tokens) if token == 42]
@@ -180,15 +186,23 @@ def _in_reasoning(tokens: list[int]) -> bool:
 
 
 def test_a_reasoning_section_verifies_trees_and_outputs_equal_vanilla(llm_pool, tree_llama_dir, tiny_llama_draft_dir,
-                                                                      tmp_path):
+                                                                      tiny_tokenizer_dir, tmp_path):
     _register_reasoning_parser()  # the pool's in-process engines see it
     requests = with_option("structured_output")
     expected = generate_outputs(llm_pool.get(tree_llama_dir, reasoning_parser=REASONING_PARSER), requests)
     llm = llm_pool.get(tree_llama_dir, speculative_config={"method": "draft_model", "model": str(tiny_llama_draft_dir)},
                        additional_config={"easyspec": {"tree": STATIC}}, reasoning_parser=REASONING_PARSER)
+    generate_outputs(llm, requests)  # the worker compiles the grammars: the traced run masks from its first step
     outputs, trees = traced_nodes(llm, requests, tmp_path / "trace.jsonl")
     assert_same_outputs(outputs, expected)
     reasoning = [paths for index, through_root, paths in trees
                  if index in WITH_OPTION and _in_reasoning([*requests[index][0], *through_root])]
     assert sum(map(len, reasoning)) > 20, reasoning  # the parser's sections, from vanilla's output
     assert not any(42 in path for paths in reasoning for path in paths)  # no node ends the section
+    # after the section the drafts follow the grammar over the content (the step whose bonus token ends the
+    # section drafts unmasked: the worker's matcher follows the output, not the bonus token)
+    content = [(index, _content(requests[index][0], through_root), paths) for index, through_root, paths in trees
+               if index in WITH_OPTION and not _in_reasoning([*requests[index][0], *through_root[:-1]])]
+    grammar_of = {index: GRAMMARS[WITH_OPTION.index(index)] for index in WITH_OPTION}
+    checked, forbidden = forbidden_nodes(content, grammar_of, tiny_tokenizer_dir)
+    assert checked > 20 and forbidden == 0, (checked, forbidden)

@@ -3,7 +3,8 @@
 target's weights over a vocabulary without the target's last 30 BPE merges. Greedy output equals output
 without speculation while the outputs hold tokens the draft lacks (it reads them through their draft
 encoding). That such tokens get proposed and accepted needs a draft that knows text, so the slow real-pair
-test checks it (``tests/tree/test_real_pair_tree.py``)."""
+test checks it (``tests/tree/test_real_pair_tree.py``). Structured-output requests among them verify only nodes
+their grammar allows (retokenized trees are pruned at hand-over; their draft logits cannot be masked)."""
 
 from __future__ import annotations
 
@@ -58,3 +59,27 @@ def test_retokenize_needs_a_pair_across_vocabularies(llm_pool, byte_level_pair):
     with pytest.raises(EasySpecConfigError, match="retokenize.*use_heterogeneous_vocab.*remove retokenize"):
         llm_pool.get(target, speculative_config={"method": "draft_model", "model": str(target)},
                      additional_config={"easyspec": {"tree": TREES["static"]}})
+
+
+CODE_LINES = r"((def|for|if|class|return) [a-z]+[(): ]*\n)+"  # a grammar over the pair's byte-level text
+
+
+def test_retokenized_trees_of_structured_requests_hold_only_nodes_the_grammar_allows(llm_pool, byte_level_pair,
+                                                                                     tmp_path):
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from tests.option_requests import assert_same_outputs, generate_outputs
+    from tests.tree.test_engine_draft_grammar import forbidden_nodes, traced_nodes
+
+    target, draft = byte_level_pair
+    structured = {"structured_outputs": StructuredOutputsParams(regex=CODE_LINES)}
+    requests = [(prompt, options | (structured if index % 2 == 0 else {})) for index, (prompt, options) in
+                enumerate(MIXED)]
+    expected = generate_outputs(llm_pool.get(target), requests)
+    llm = llm_pool.get(target, speculative_config=_spec(draft), additional_config={"easyspec": {"tree": TREES["static"]}})
+    generate_outputs(llm, requests)  # the worker compiles the grammars: the traced run prunes from its first step
+    outputs, trees = traced_nodes(llm, requests, tmp_path / "trace.jsonl")
+    assert_same_outputs(outputs, expected)
+    checked, forbidden = forbidden_nodes(trees, {index: {"regex": CODE_LINES} for index in range(0, 8, 2)},
+                                         target / "tokenizer")
+    assert checked > 0 and forbidden == 0, (checked, forbidden)  # unpruned, 374 of 379 nodes were forbidden

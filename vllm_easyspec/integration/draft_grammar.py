@@ -26,12 +26,9 @@ logger = plugin_logger(__name__)
 
 
 class _NoGrammar:
-    """No grammar masks the drafts (of this step, or ever: paths bridged by text, or after a reasoning section)."""
+    """No grammar masks or prunes this step's drafts (no structured request is ready in its batch)."""
 
     keeps_nodes = True
-
-    def step(self, *arguments) -> _NoGrammar:
-        return self
 
     def mask(self, logits: torch.Tensor, draft=None) -> torch.Tensor:
         return logits
@@ -65,9 +62,14 @@ class DraftGrammars:
     """The worker's grammar matchers; ``draft_ids()``: each draft logit column's target id on the device (-1:
     none), or None for the target's vocabulary; ``rollback``: the longest path a matcher walks and rolls back."""
 
-    def __init__(self, vllm_config, draft_ids: Callable[[], torch.Tensor | None], rollback: int) -> None:
+    def __init__(self, vllm_config, draft_ids: Callable[[], torch.Tensor | None], rollback: int,
+                 masks_drafts: bool = True) -> None:
+        """``masks_drafts`` False: drafts bridged by text, whose logits the target's grammar cannot mask; their
+        trees are pruned only."""
         self.vllm_config, self.draft_ids, self.rollback = vllm_config, draft_ids, rollback
+        self.masks_drafts = masks_drafts
         self.matchers: dict[str, _Matcher] = {}
+        self.prompt_ends_reasoning: dict[str, bool] = {}  # with a reasoning parser: the prompt closes the section
         self.compiled: set[tuple] = set()  # grammar keys compiled once: the compiler's cache has them
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="easyspec-grammar")
 
@@ -84,6 +86,21 @@ class DraftGrammars:
         return backend
 
     @functools.cached_property
+    def reasoner(self):
+        """vLLM's reasoning parser, built as the scheduler builds it (without a request's template kwargs), or
+        None: the grammar constrains the output from its first token."""
+        config = self.vllm_config.structured_outputs_config
+        if not config.reasoning_parser or getattr(config, "enable_in_reasoning", False):
+            return None
+        from vllm.reasoning import ReasoningParserManager
+        from vllm.tokenizers import cached_tokenizer_from_config
+
+        if config.reasoning_parser_plugin:
+            ReasoningParserManager.import_reasoning_parser(config.reasoning_parser_plugin)
+        parser = ReasoningParserManager.get_reasoning_parser(config.reasoning_parser)
+        return parser(tokenizer=cached_tokenizer_from_config(model_config=self.vllm_config.model_config))
+
+    @functools.cached_property
     def ids(self) -> tuple[torch.Tensor | None, list[int] | None]:
         """Each draft logit column's target id on the device and on the host (read once); None: the same ids."""
         ids = self.draft_ids()
@@ -93,8 +110,9 @@ class DraftGrammars:
              bonus_tokens: Callable[[], list[int]]):
         """The step's masks: a :class:`GrammarStep` over the structured requests whose matcher is ready;
         ``bonus_tokens()`` reads the step's bonus tokens to the host (only for a batch with such a request)."""
-        for gone in set(self.matchers) - set(batch.requests) if self.matchers else ():
-            del self.matchers[gone]
+        for gone in {*self.matchers, *self.prompt_ends_reasoning} - set(batch.requests):
+            self.matchers.pop(gone, None)
+            self.prompt_ends_reasoning.pop(gone, None)
         rows = [(row, req_id, params) for row, req_id in enumerate(req_ids)
                 if (params := getattr(batch.requests.get(req_id), "sampling_params", None)) is not None
                 and params.structured_outputs is not None]
@@ -103,11 +121,26 @@ class DraftGrammars:
         bonus = bonus_tokens()
         ready = {}
         for row, req_id, params in rows:
-            output = [*batch.history(row)[int(batch.num_prompt_tokens[row]):].tolist(), *last_branch.get(req_id, [])]
-            grammar = self._advanced(req_id, params, output)
+            prompt = int(batch.num_prompt_tokens[row])
+            output = [*batch.history(row)[prompt:].tolist(), *last_branch.get(req_id, [])]
+            constrained = self._constrained(req_id, batch.history(row)[:prompt], output)
+            grammar = None if constrained is None else self._advanced(req_id, params, constrained)
             if grammar is not None:
                 ready[req_id] = (row, grammar, bonus[row])
-        return GrammarStep(ready, *self.ids, self.backend.allocate_token_bitmask) if ready else NO_GRAMMAR
+        return GrammarStep(ready, *self.ids, self.backend.allocate_token_bitmask, self.masks_drafts) if ready \
+            else NO_GRAMMAR
+
+    def _constrained(self, req_id: str, prompt, output: list[int]) -> list[int] | None:
+        """The output tokens the grammar constrains: all, or (a reasoning parser) those after the reasoning
+        section's end, None while it is open (drafted unmasked; the scheduler cuts nodes at its end)."""
+        reasoner = self.reasoner
+        if reasoner is None:
+            return output
+        if req_id not in self.prompt_ends_reasoning:
+            self.prompt_ends_reasoning[req_id] = reasoner.is_reasoning_end(prompt.tolist())
+        if self.prompt_ends_reasoning[req_id]:
+            return output
+        return list(reasoner.extract_content_ids(output)) if reasoner.is_reasoning_end(output) else None
 
     def _advanced(self, req_id: str, params, output: list[int]):
         """The request's grammar after ``output``, or None (not compiled yet, or drafted unmasked for good)."""
@@ -154,13 +187,15 @@ class GrammarStep:
     keeps_nodes = False  # pruned trees are handed over from the host
 
     def __init__(self, requests: dict[str, tuple[int, Any, int]], ids: torch.Tensor | None,
-                 host_ids: list[int] | None, allocate: Callable[[int], torch.Tensor]) -> None:
-        self.requests, self.ids, self.host_ids, self.allocate = requests, ids, host_ids, allocate
+                 host_ids: list[int] | None, allocate: Callable[[int], torch.Tensor], masks: bool = True) -> None:
+        self.requests, self.ids, self.host_ids, self.allocate, self.masks = requests, ids, host_ids, allocate, masks
         self.rows = [row for row, _, _ in requests.values()]
 
     def mask(self, logits: torch.Tensor, draft=None) -> torch.Tensor:
         """``logits`` ``[B, F, V]`` of the roots (``draft`` None, F = 1) or of ``draft``'s frontier, masked in place
         where the grammar allows some draft token after the node's path; reads the frontier's paths to the host."""
+        if not self.masks:
+            return logits
         width = logits.shape[1]
         paths = [[[]]] * len(self.rows) if draft is None else draft.frontier_paths(self.rows)
         bitmask = self.allocate(len(self.rows) * width)
@@ -186,14 +221,15 @@ class GrammarStep:
         return ChainMasks(GrammarStep(self.requests, ids, None, self.allocate), rows)
 
     def prune(self, candidates: list, logprobs: torch.Tensor | None) -> tuple[list, torch.Tensor | None]:
-        """Candidate trees without the nodes the grammar forbids (i.i.d. trees, and trees of which no node is
-        valid, are kept whole), and ``logprobs`` ``[B, N]`` with pruned rows' drafted values at their new nodes."""
+        """Candidate trees without the nodes the grammar forbids (i.i.d. trees, and trees after a bonus token the
+        grammar forbids, are kept whole), and ``logprobs`` ``[B, N]`` with pruned rows' drafted values at their new
+        nodes."""
         out, index = [], None
         for tree in candidates:
             state = self.requests.get(tree.req_id)
-            valid = [] if state is None or tree.draw_mode is ChildDrawMode.IID_FROM_DRAFT else \
-                walk_paths(state[1], [[state[2], *path] for path in node_paths(tree.tokens, tree.parents)])
-            if not any(valid):  # nothing valid (a prefill chunk's placeholder bonus token): left to the scheduler
+            root, *valid = [False] if state is None or tree.draw_mode is ChildDrawMode.IID_FROM_DRAFT else walk_paths(
+                state[1], [[state[2]], *([state[2], *path] for path in node_paths(tree.tokens, tree.parents))])
+            if not root:  # a prefill chunk's placeholder bonus token: left to the scheduler
                 out.append(tree)
                 continue
             kept = [node for node, ok in enumerate(valid) if ok]  # a node's path extends its parent's

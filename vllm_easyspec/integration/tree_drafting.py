@@ -58,11 +58,11 @@ class TreeDrafting:
         elif options.across_vocabularies:
             reason = "retokenize is false" if config.retokenize is False else "draw is 'sample'"
             logger.info("easyspec.tree: the vocabularies are bridged by vLLM's shared ids (%s)", reason)
-        # drafts masked by structured-output grammars (not across a text bridge, nor where reasoning comes first)
-        masked = self.retokenizer is None and not proposer.vllm_config.structured_outputs_config.reasoning_parser
-        self.grammars = NO_GRAMMAR if not masked else DraftGrammars(proposer.vllm_config, lambda: (
+        # drafts masked by structured-output grammars (across a text bridge only pruned: the draft's ids are not
+        # the target's)
+        self.grammars = DraftGrammars(proposer.vllm_config, lambda: (
             proposer.vocab_mapping.draft_to_target_ids if proposer.use_heterogeneous_vocab else self.output_ids),
-                                                                    rollback=config.num_nodes + 1)
+                                      rollback=config.num_nodes + 1, masks_drafts=self.retokenizer is None)
 
     def _bridge_by_text(self) -> None:
         """``tree.retokenize``: the retokenizer, the draft tokens it can use, and the refined target -> draft
