@@ -179,7 +179,7 @@ def _error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: tuple[int, int] = (4, 2),
                    head_size: int = 32, trees: tuple = ((7, 4, 37), (9, 9, 21)), plain: tuple = (11, 5),
                    path: tuple | None = (4, 26), pad_tokens: int = 3, pad_request: bool = True,
-                   backend: str = "TRITON_ATTN") -> dict:
+                   backend: str = "TRITON_ATTN", uniform: bool = False) -> dict:
     """One verify forward of a batch [tree A, plain request, tree B, path C] (+ CUDA-graph padding) through the
     GPU tree backend, the way the engine runs it; returns errors and checks for the test to assert on.
 
@@ -187,6 +187,8 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
     tree. ``plain``: (computed, scheduled) of the request without a tree (a decode if scheduled is 1).
     ``path``: (nodes, P) of a tree request whose nodes are one path, which vLLM's kernel must serve.
     ``backend``: the vLLM backend the tree backend subclasses (``TRITON_ATTN`` or ``FLASH_ATTN``).
+    ``uniform``: the engine has ``tree.uniform`` (the batch must then give every request the same row count):
+    every row goes through the tree kernel from persistent buffers (a build repeated reuses them).
     """
     _enable_vllm_triton()
     from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -267,8 +269,10 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
                                        sliding_window=None, kv_cache_dtype="auto")
     layer = stub_layer(dev)
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dt)
-    builder = tree_backend.get_builder_cls()(spec, [LAYER], stub_vllm_config(num_heads, num_kv_heads, head_size),
-                                             torch.device(dev))
+    tree_config = {"choices": [[0] * depth for depth in range(1, int(scheduled.max()))], "uniform": True} \
+        if uniform else None
+    builder = tree_backend.get_builder_cls()(spec, [LAYER], stub_vllm_config(num_heads, num_kv_heads, head_size,
+                                                                             tree_config), torch.device(dev))
     query_start_loc = torch.full((num_reqs_padded + 1,), num_tokens, dtype=torch.int32)
     query_start_loc[: num_reqs + 1] = starts
     seq_lens_padded = torch.zeros(num_reqs_padded, dtype=torch.int32)
@@ -300,6 +304,10 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
         output = torch.full((num_tokens_padded, num_heads, head_size), float("nan"), dtype=dt, device=dev)
         impl.forward(layer, query, key, value, kv_cache, meta, output)
         forward_wrote_nothing = torch.equal(kv_cache, written)
+        with verifying(TreeVerifyForward(step)):
+            again = builder.build(0, cm)  # the next step's build: the same tensors (what a graph would replay)
+        buffers_reused = all(getattr(again, name).data_ptr() == getattr(meta, name).data_ptr() for name in
+                             ("tree_rows", "cu_query_lens", "tree_mask", "prefix_lens", "block_table"))
 
         # ---- the sampler accepts a branch per tree; the runner's commit moves it through VerifyKV.write -
         accepted, moves = [], []
@@ -371,11 +379,16 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
     masked = TreeVerifyStep(masked_requests)
     query_rows = masked.attention_rows()
     tree_request_rows = masked.batch_rows
+    if uniform:  # every request's rows, by batch row
+        query_rows = torch.arange(num_tokens).view(num_reqs, -1)
+        tree_request_rows = torch.arange(num_reqs)
     return {
         "chain_kernel": chain_kernel,
         "plain_metadata_is_vllms": type(plain_metadata) is vllm_metadata,
         "tree_metadata": type(meta) is TreeGPUVerifyMetadata,
         "chain_metadata_is_vllms": type(meta.chain) is vllm_metadata,
+        "uniform": meta.uniform is not None and meta.chain is None and meta.tree_rows.numel() == num_tokens,
+        "buffers_reused": buffers_reused,
         "tree_error": _error(output[tree_rows.to(dev)], tree_ref),
         "chain_error": max(chain_errors),
         "path_agreement": path_agreement,
@@ -393,7 +406,7 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
         "num_moves": len(moves),
         "write_matches": bool(torch.equal(kv_cache.cpu(), expected.cpu())),
         "write_changed_cache": not torch.equal(kv_cache.cpu(), written.cpu()),
-        "expected_shape": (len(masked_requests), num_kv_heads, masked.width, head_size),
+        "expected_shape": (num_reqs if uniform else len(masked_requests), num_kv_heads, masked.width, head_size),
     }
 
 

@@ -87,6 +87,26 @@ def test_flash_attn_verify_forward_serves_other_rows_with_vllms_metadata_and_tre
     _check_verify(result, dtype)
 
 
+@pytest.mark.parametrize("backend", ["TRITON_ATTN", "FLASH_ATTN"])
+def test_a_uniform_step_runs_every_row_through_the_tree_kernel_from_persistent_buffers(kernel_runner, backend):
+    """``tree.uniform``: a batch of 1 + 6 rows per request (trees A and B, a prefill chunk of 7 tokens, path C) is
+    served whole by the tree kernel (the chunk and the path under causal masks) from buffers a second build reuses,
+    every row as its reference, and the commit reads the K/V kept by batch row."""
+    result = kernel_runner(gpu_backend_cases.verify_forward, "float16", 16, "NHD", seed=3,
+                           trees=((6, 6, 37), (9, 6, 21)), plain=(11, 7), path=(6, 26), pad_tokens=0,
+                           pad_request=False, backend=backend, uniform=True)
+    assert result["uniform"] and result["buffers_reused"] and result["tree_metadata"]
+    assert result["tree_error"] < TOLERANCE["float16"] and result["chain_error"] < TOLERANCE["float16"]
+    assert result["padding_untouched"] and result["forward_wrote_nothing"]
+    assert result["kept_kv_shape"] == result["expected_shape"] and result["kept_kv_matches"]
+    assert result["block_table_matches"]
+    assert result["num_moves"] > 0 and result["write_changed_cache"] and result["write_matches"]
+    eager = kernel_runner(gpu_backend_cases.verify_forward, "float16", 16, "NHD", seed=3,
+                          trees=((6, 6, 37), (9, 6, 21)), plain=(11, 7), path=(6, 26), pad_tokens=0,
+                          pad_request=False, backend=backend)
+    assert not eager["uniform"] and eager["path_served_by_vllm"]
+
+
 def test_verify_forward_with_a_plain_decode_and_no_padding(kernel_runner):
     result = kernel_runner(gpu_backend_cases.verify_forward, "float32", 16, "NHD", seed=5,
                            trees=((3, 3, 16), (12, 6, 47)), plain=(30, 1), pad_tokens=0, pad_request=False)
@@ -172,7 +192,7 @@ def test_tree_rows_attend_with_the_fp32_precision_of_vllms_attention(monkeypatch
     impl.head_size, impl.scale = 8, 0.3
     meta = types.SimpleNamespace(tree_rows=torch.arange(3), block_table=None, prefix_lens=None, cu_query_lens=None,
                                  tree_mask=None, max_query_len=3, query_rows=torch.arange(3)[None],
-                                 forward=types.SimpleNamespace(kept_kv={}))
+                                 forward=types.SimpleNamespace(kept_kv={}), uniform=None)
     key = torch.zeros(3, 2, 8)
 
     def verify() -> str:

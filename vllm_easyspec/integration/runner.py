@@ -254,7 +254,8 @@ class TreeRunnerMixin:
         if len(moves):
             block_table = forward.block_table.long()
             moved = moves.to(block_table.device)  # the host's moves go to the cache's device once
-            masked_request = _onto(forward.masked_index, block_table)[moved.request_index]
+            kept_rows = step.batch_rows if forward.kept_by_batch_row else forward.masked_index
+            masked_request = _onto(kept_rows, block_table)[moved.request_index]
             for kept in forward.kept_kv.values():
                 blocks = block_table[masked_request, moved.destination // kept.block_size]
                 slots = blocks * kept.block_size + moved.destination % kept.block_size

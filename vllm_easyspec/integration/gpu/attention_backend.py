@@ -89,6 +89,56 @@ class TreeGPUVerifyMetadata:
     block_table: torch.Tensor  # [R, max_blocks] int32 of the masked tree requests
     max_query_len: int  # 1 + the largest n
     query_rows: torch.Tensor  # [R, W] flattened row of each query (padding repeats the root), for kept K/V
+    uniform: UniformTreeRows | None = None  # a uniform step: R is the batch, its K/V kept in these buffers
+
+
+class UniformTreeRows:
+    """Step 2 of docs/design.md, "Tree steps under CUDA graphs": the metadata of a uniform verify step (every request
+    ``width`` rows, ``tree.uniform``; all of them through the tree kernel, a request without a branching tree under
+    a causal mask) in device buffers for ``max_requests`` requests, refilled in place by each build, and each
+    layer's kept K/V copied into buffers of its own by the forward, indexed by batch row: the tensors a captured
+    graph reads and writes stay the same from step to step."""
+
+    def __init__(self, max_requests: int, width: int, device: torch.device) -> None:
+        self.max_requests, self.width = max_requests, width
+        self.rows = torch.arange(max_requests * width, device=device)
+        self.cu_query_lens = torch.arange(0, (max_requests + 1) * width, width, dtype=torch.int32, device=device)
+        self.tree_mask = torch.zeros(max_requests * width, width, dtype=torch.bool, device=device)
+        self.prefix_lens = torch.zeros(max_requests, dtype=torch.int32, device=device)
+        self.kept: dict[str, tuple[torch.Tensor, torch.Tensor, int, Any]] = {}  # layer -> (keys, values, block, write)
+        self._causal = torch.ones(width, width, dtype=torch.bool).tril()
+
+    def serves(self, cm, step) -> bool:
+        """Whether ``cm``'s batch is uniform (and ``step``'s trees, if any, ``width`` rows wide)."""
+        return (cm.max_query_len == self.width and cm.num_actual_tokens == cm.num_reqs * self.width
+                and cm.num_reqs <= self.max_requests and (step is None or step.width == self.width))
+
+    def fill(self, cm, step) -> int:
+        """Refill the buffers for ``cm``'s requests (``step``'s trees under their ancestor masks); returns how many."""
+        count, rows = cm.num_reqs, cm.num_reqs * self.width
+        mask = self._causal.repeat(count, 1)
+        if step is not None:
+            mask[step.attention_rows()[step.valid_rows]] = step.attention_mask[step.valid_rows]
+        self.tree_mask[:rows].copy_(mask, non_blocking=True)
+        self.prefix_lens[:count].copy_((cm.seq_lens[:count] - self.width).clamp(min=0))
+        return count
+
+    def keep(self, layer_name: str, key: torch.Tensor, value: torch.Tensor, count: int, block_size: int,
+             write) -> VerifyKV:
+        """Copy a layer's rows ``[count * width, Hkv, D]`` into its buffers (allocated on first use)."""
+        if layer_name not in self.kept:
+            shape = (self.max_requests, key.shape[1], self.width, key.shape[2])
+            self.kept[layer_name] = (key.new_empty(shape), value.new_empty(shape), block_size, write)
+        keys, values, _, _ = self.kept[layer_name]
+        rows = count * self.width
+        keys[:count].copy_(key[:rows].view(count, self.width, *key.shape[1:]).transpose(1, 2))
+        values[:count].copy_(value[:rows].view(count, self.width, *value.shape[1:]).transpose(1, 2))
+        return self.kept_kv(count)[layer_name]
+
+    def kept_kv(self, count: int) -> dict[str, VerifyKV]:
+        """The layers' kept K/V of a step's ``count`` requests, as the runner's commit reads them."""
+        return {name: VerifyKV(keys[:count], values[:count], block_size, write)
+                for name, (keys, values, block_size, write) in self.kept.items()}
 
 
 class TreeGPUBuilderMixin(TreeVerifyBuilderMixin):
@@ -97,7 +147,10 @@ class TreeGPUBuilderMixin(TreeVerifyBuilderMixin):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        if tree_options(vllm_config) is not None:
+        tree = tree_options(vllm_config)
+        self.uniform_rows = None if tree is None or not tree.uniform else UniformTreeRows(
+            vllm_config.scheduler_config.max_num_seqs, 1 + tree.num_nodes, torch.device(device))
+        if tree is not None:
             self._check_tree_support(layer_names, vllm_config)
             warning = reduced_fp32_precision_warning(vllm_config.model_config.dtype, device)
             if warning is not None:
@@ -128,6 +181,9 @@ class TreeGPUBuilderMixin(TreeVerifyBuilderMixin):
         refuse_unsupported_layers(vllm_config, layer_names, no_window=(-1, -1))
 
     def build_verify(self, common_prefix_len, cm, forward: TreeVerifyForward) -> TreeGPUVerifyMetadata:
+        uniform = self.uniform_rows
+        if uniform is not None and uniform.serves(cm, forward.step):
+            return self.build_uniform(cm, forward)
         step = forward.masked
         chain, chain_rows = self.build_requests_without_tree(common_prefix_len, cm, step)
         device = self.device
@@ -150,6 +206,23 @@ class TreeGPUBuilderMixin(TreeVerifyBuilderMixin):
             max_query_len=step.width,
             query_rows=rows.to(device, non_blocking=True),
         )
+
+
+    def build_uniform(self, cm, forward: TreeVerifyForward | None) -> TreeGPUVerifyMetadata:
+        """A uniform step's metadata in :class:`UniformTreeRows`' buffers (``forward`` None: every request a
+        chain). The forward's kept K/V are the buffers', by batch row."""
+        uniform = self.uniform_rows
+        count = uniform.fill(cm, None if forward is None else forward.step)
+        rows = uniform.rows[: count * uniform.width]
+        block_table = cm.block_table_tensor[:count]
+        if forward is not None:
+            forward.block_table, forward.kept_by_batch_row = block_table, True
+            forward.kept_kv = uniform.kept_kv(count)  # filled by the forward (or a graph it replays)
+        return TreeGPUVerifyMetadata(
+            num_actual_tokens=cm.num_actual_tokens, chain=None, chain_rows=None, forward=forward, tree_rows=rows,
+            cu_query_lens=uniform.cu_query_lens[: count + 1], tree_mask=uniform.tree_mask[: count * uniform.width],
+            prefix_lens=uniform.prefix_lens[:count], block_table=block_table, max_query_len=uniform.width,
+            query_rows=rows.view(count, uniform.width), uniform=uniform)
 
 
 class TreeGPUImplMixin(TreeAttentionImplMixin):
@@ -176,12 +249,14 @@ class TreeGPUImplMixin(TreeAttentionImplMixin):
             fp32_precision=triton_default_fp32_precision(query.device),
         )
         output[rows] = out.to(output.dtype)
-        meta.forward.kept_kv[layer.layer_name] = VerifyKV(
-            key[meta.query_rows].transpose(1, 2),  # [R, Hkv, W, D]
-            value[meta.query_rows].transpose(1, 2),
-            key_cache.shape[1],
-            functools.partial(self._write_rows, layer, kv_cache),
-        )
+        write = functools.partial(self._write_rows, layer, kv_cache)
+        if meta.uniform is not None:
+            kept = meta.uniform.keep(layer.layer_name, key, value, meta.query_rows.shape[0], key_cache.shape[1], write)
+        else:
+            kept = VerifyKV(key[meta.query_rows].transpose(1, 2), value[meta.query_rows].transpose(1, 2),  # [R, Hkv, W, D]
+                            key_cache.shape[1], write)
+        if meta.forward is not None:
+            meta.forward.kept_kv[layer.layer_name] = kept
         return output
 
     def _write_rows(self, layer, kv_cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
