@@ -104,7 +104,7 @@ def stub_vllm_config(num_heads: int, num_kv_heads: int, head_size: int, tree: di
         kernel_config=types.SimpleNamespace(enable_jit_warmup=False),
         compilation_config=types.SimpleNamespace(
             cudagraph_mode=CUDAGraphMode.NONE, cudagraph_capture_sizes=[], static_forward_context=layers or {},
-            max_cudagraph_capture_size=0,
+            max_cudagraph_capture_size=64,
         ),
         scheduler_config=types.SimpleNamespace(max_num_seqs=16),
         additional_config={} if tree is None else {"easyspec": {"tree": tree}},
@@ -273,6 +273,7 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
         if uniform else None
     builder = tree_backend.get_builder_cls()(spec, [LAYER], stub_vllm_config(num_heads, num_kv_heads, head_size,
                                                                              tree_config), torch.device(dev))
+    builder.serves_target = True  # as the runner marks the target's builders
     query_start_loc = torch.full((num_reqs_padded + 1,), num_tokens, dtype=torch.int32)
     query_start_loc[: num_reqs + 1] = starts
     seq_lens_padded = torch.zeros(num_reqs_padded, dtype=torch.int32)
@@ -308,6 +309,14 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
             again = builder.build(0, cm)  # the next step's build: the same tensors (what a graph would replay)
         buffers_reused = all(getattr(again, name).data_ptr() == getattr(meta, name).data_ptr() for name in
                              ("tree_rows", "cu_query_lens", "tree_mask", "prefix_lens", "block_table"))
+        capture = builder.build_for_cudagraph_capture(cm)  # no tree forward: every request a chain
+        captured_in_buffers = (getattr(capture, "uniform", None) is not None and capture.forward is None
+                               and capture.tree_mask.data_ptr() == meta.tree_mask.data_ptr()
+                               and not capture.prefix_lens.any()
+                               and torch.equal(capture.tree_mask.cpu(), torch.ones(
+                                   num_reqs, meta.max_query_len, meta.max_query_len, dtype=torch.bool).tril().flatten(0, 1)))
+        builder.serves_target = False  # a drafter's builder: vLLM's metadata outside a verify step
+        drafter_metadata_is_vllms = type(builder.build(0, cm)) is vllm_metadata
 
         # ---- the sampler accepts a branch per tree; the runner's commit moves it through VerifyKV.write -
         accepted, moves = [], []
@@ -389,6 +398,8 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
         "chain_metadata_is_vllms": type(meta.chain) is vllm_metadata,
         "uniform": meta.uniform is not None and meta.chain is None and meta.tree_rows.numel() == num_tokens,
         "buffers_reused": buffers_reused,
+        "captured_in_buffers": captured_in_buffers,
+        "drafter_metadata_is_vllms": drafter_metadata_is_vllms,
         "tree_error": _error(output[tree_rows.to(dev)], tree_ref),
         "chain_error": max(chain_errors),
         "path_agreement": path_agreement,

@@ -90,12 +90,16 @@ def test_flash_attn_verify_forward_serves_other_rows_with_vllms_metadata_and_tre
 @pytest.mark.parametrize("backend", ["TRITON_ATTN", "FLASH_ATTN"])
 def test_a_uniform_step_runs_every_row_through_the_tree_kernel_from_persistent_buffers(kernel_runner, backend):
     """``tree.uniform``: a batch of 1 + 6 rows per request (trees A and B, a prefill chunk of 7 tokens, path C) is
-    served whole by the tree kernel (the chunk and the path under causal masks) from buffers a second build reuses,
-    every row as its reference, and the commit reads the K/V kept by batch row."""
+    served whole by the tree kernel (the chunk and the path under causal masks) from buffers a second build and a
+    CUDA-graph capture reuse, every row as its reference, and the commit reads the K/V kept by batch row."""
     result = kernel_runner(gpu_backend_cases.verify_forward, "float16", 16, "NHD", seed=3,
                            trees=((6, 6, 37), (9, 6, 21)), plain=(11, 7), path=(6, 26), pad_tokens=0,
                            pad_request=False, backend=backend, uniform=True)
     assert result["uniform"] and result["buffers_reused"] and result["tree_metadata"]
+    # a capture (or a uniform step without trees, a {"chain": N} step) fills the same buffers with chains; a
+    # drafter's builder keeps vLLM's metadata
+    assert result["captured_in_buffers"], result
+    assert result["drafter_metadata_is_vllms"]
     assert result["tree_error"] < TOLERANCE["float16"] and result["chain_error"] < TOLERANCE["float16"]
     assert result["padding_untouched"] and result["forward_wrote_nothing"]
     assert result["kept_kv_shape"] == result["expected_shape"] and result["kept_kv_matches"]
@@ -312,6 +316,20 @@ def _attention_layers(**impl_options):
     return {LAYER: layer}
 
 
+def test_the_runner_marks_the_targets_tree_builders_not_the_drafters():
+    from vllm_easyspec.integration.gpu.attention_backend import TreeGPUBuilderMixin
+    from vllm_easyspec.integration.tree_attention import mark_target_builders
+
+    def builder(tree: bool):
+        return TreeGPUBuilderMixin.__new__(TreeGPUBuilderMixin) if tree else types.SimpleNamespace()
+
+    target, draft, other = builder(True), builder(True), builder(False)
+    groups = [[types.SimpleNamespace(layer_names=["model.layers.0.attn"], metadata_builders=[target, other]),
+               types.SimpleNamespace(layer_names=["model.layers.32.attn"], metadata_builders=[draft])]]
+    mark_target_builders(groups, {"model.layers.32.attn"})
+    assert target.serves_target and not draft.serves_target and not hasattr(other, "serves_target")
+
+
 def test_tree_mode_limits_cuda_graphs_and_refuses_what_the_kernel_lacks():
     from vllm.v1.attention.backend import AttentionCGSupport
     from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -327,6 +345,8 @@ def test_tree_mode_limits_cuda_graphs_and_refuses_what_the_kernel_lacks():
     assert Builder.get_cudagraph_support(stub_vllm_config(4, 2, 32), spec) is AttentionCGSupport.ALWAYS
     assert (Builder.get_cudagraph_support(stub_vllm_config(4, 2, 32, tree), spec)
             is AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE)
+    assert (Builder.get_cudagraph_support(stub_vllm_config(4, 2, 32, tree | {"uniform": True}), spec)
+            is AttentionCGSupport.UNIFORM_BATCH)  # uniform batches replay graphs over the tree buffers
     plain = _attention_layers(sliding_window=None, kv_cache_dtype="auto")
     Builder(spec, [LAYER], stub_vllm_config(4, 2, 32, tree, plain), device)
     windowed = _attention_layers(sliding_window=64, kv_cache_dtype="auto")

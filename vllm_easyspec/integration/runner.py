@@ -14,7 +14,7 @@ from vllm_easyspec.integration.compat import plugin_logger
 from vllm_easyspec.integration.node_policy import TreeBudget, VerifyShape
 from vllm_easyspec.integration.options import easyspec_options
 from vllm_easyspec.integration.proposers import DraftingBatch, PluginProposerMixin, plugin_proposers
-from vllm_easyspec.integration.tree_attention import verifying
+from vllm_easyspec.integration.tree_attention import mark_target_builders, verifying
 from vllm_easyspec.integration.tree_sampler import TreeRejectionSampler, TreeVerdict
 from vllm_easyspec.integration.tree_step import TreeVerifier, TreeVerifyForward, chain_sampler_serves
 from vllm_easyspec.tree.building import ChildDrawMode
@@ -55,10 +55,13 @@ class TreeRunnerMixin:
         drafting.verifier = self.tree_verifier
         self._step_trace = step_trace_path()
 
-    # Extends GPUModelRunner.initialize_kv_cache (CPUModelRunner's too): with easyspec.tree.auto, the step's
-    # cost is measured once the caches exist, and the auto policy takes over the step's budget.
+    # Extends GPUModelRunner.initialize_kv_cache (CPUModelRunner's too): the target's GPU tree builders are marked
+    # (uniform batches through their buffers); with easyspec.tree.auto, the step's cost is measured once the
+    # caches exist, and the auto policy takes over the step's budget.
     def initialize_kv_cache(self, *args, **kwargs):
         result = super().initialize_kv_cache(*args, **kwargs)
+        mark_target_builders(getattr(self, "attn_groups", ()),
+                             getattr(getattr(self, "drafter", None), "_draft_attn_layer_names", None) or ())
         tree = None if self.tree_verifier is None else easyspec_options(self.vllm_config).tree
         if tree is not None and tree.auto is not None:
             self.tree_verifier.policy = start_auto_budget(self, tree)

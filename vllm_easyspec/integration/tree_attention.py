@@ -44,6 +44,20 @@ def verifying(forward: TreeVerifyForward) -> Iterator[None]:
         _ACTIVE_VERIFY.reset(token)
 
 
+def active_forward() -> TreeVerifyForward | None:
+    """The tree verify forward whose metadata is being built (:func:`verifying`), or None."""
+    return _ACTIVE_VERIFY.get()
+
+
+def mark_target_builders(attn_groups, draft_layer_names) -> None:
+    """Mark the target model's GPU tree builders (``serves_target``) among vLLM's ``attn_groups``: the groups that
+    hold none of the drafter's layers."""
+    for group in (group for groups in attn_groups for group in groups):
+        for builder in group.metadata_builders if not set(draft_layer_names) & set(group.layer_names) else ():
+            if hasattr(builder, "serves_target"):  # a GPU tree builder (gpu/attention_backend.py)
+                builder.serves_target = True
+
+
 # ------------------------------------------------------------------------------------------ batch split
 class SubBatchField(enum.Enum):
     """How :func:`split_verify_batch` carries one field of vLLM's ``CommonAttentionMetadata``."""

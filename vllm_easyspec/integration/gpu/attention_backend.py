@@ -14,8 +14,9 @@ forward (:mod:`~vllm_easyspec.integration.tree_attention`); both keep the same l
 * **draft level**: the draft prefix is gathered from the cache with the block table.
 
 While ``easyspec.tree`` is configured, the builders report at most ``UNIFORM_SINGLE_TOKEN_DECODE`` CUDA
-graph support: a full CUDA graph of a uniform ``1 + n``-token batch would replay captured chain metadata
-and never reach the builder's ``build``.
+graph support (a full graph of a uniform ``1 + n``-token batch would replay captured chain metadata), and with
+``tree.uniform`` at most ``UNIFORM_BATCH``: the target's builders then serve every uniform batch, tree or not,
+through the tree kernel from persistent buffers (:class:`UniformTreeRows`), at capture as at replay.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from vllm_easyspec.integration.options import tree_options
 from vllm_easyspec.integration.tree_attention import (
     TreeAttentionImplMixin,
     TreeVerifyBuilderMixin,
+    active_forward,
     refuse_unsupported_layers,
 )
 from vllm_easyspec.integration.tree_step import TreeVerifyForward, VerifyKV
@@ -99,12 +101,16 @@ class UniformTreeRows:
     layer's kept K/V copied into buffers of its own by the forward, indexed by batch row: the tensors a captured
     graph reads and writes stay the same from step to step."""
 
-    def __init__(self, max_requests: int, width: int, device: torch.device) -> None:
+    def __init__(self, max_requests: int, width: int, device: torch.device, kv_cache_spec,
+                 layer_names: list[str]) -> None:
         self.max_requests, self.width = max_requests, width
         self.rows = torch.arange(max_requests * width, device=device)
         self.cu_query_lens = torch.arange(0, (max_requests + 1) * width, width, dtype=torch.int32, device=device)
         self.tree_mask = torch.zeros(max_requests * width, width, dtype=torch.bool, device=device)
         self.prefix_lens = torch.zeros(max_requests, dtype=torch.int32, device=device)
+        shape = (max_requests, kv_cache_spec.num_kv_heads, width, kv_cache_spec.head_size)
+        self.kept_rows = {name: (torch.empty(shape, dtype=kv_cache_spec.dtype, device=device),
+                                 torch.empty(shape, dtype=kv_cache_spec.dtype, device=device)) for name in layer_names}
         self.kept: dict[str, tuple[torch.Tensor, torch.Tensor, int, Any]] = {}  # layer -> (keys, values, block, write)
         self._causal = torch.ones(width, width, dtype=torch.bool).tril()
 
@@ -125,11 +131,10 @@ class UniformTreeRows:
 
     def keep(self, layer_name: str, key: torch.Tensor, value: torch.Tensor, count: int, block_size: int,
              write) -> VerifyKV:
-        """Copy a layer's rows ``[count * width, Hkv, D]`` into its buffers (allocated on first use)."""
-        if layer_name not in self.kept:
-            shape = (self.max_requests, key.shape[1], self.width, key.shape[2])
-            self.kept[layer_name] = (key.new_empty(shape), value.new_empty(shape), block_size, write)
-        keys, values, _, _ = self.kept[layer_name]
+        """Copy a layer's rows ``[count * width, Hkv, D]`` into its buffers (allocated with the builder, before any
+        capture), and remember how the layer writes its cache."""
+        keys, values = self.kept_rows[layer_name]
+        self.kept.setdefault(layer_name, (keys, values, block_size, write))
         rows = count * self.width
         keys[:count].copy_(key[:rows].view(count, self.width, *key.shape[1:]).transpose(1, 2))
         values[:count].copy_(value[:rows].view(count, self.width, *value.shape[1:]).transpose(1, 2))
@@ -148,21 +153,45 @@ class TreeGPUBuilderMixin(TreeVerifyBuilderMixin):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         tree = tree_options(vllm_config)
-        self.uniform_rows = None if tree is None or not tree.uniform else UniformTreeRows(
-            vllm_config.scheduler_config.max_num_seqs, 1 + tree.num_nodes, torch.device(device))
+        # as many requests as the largest captured batch holds (none without graphs: eager steps need no buffers)
+        requests = 0 if tree is None or not tree.uniform else min(
+            vllm_config.scheduler_config.max_num_seqs,
+            (vllm_config.compilation_config.max_cudagraph_capture_size or 0) // (1 + tree.num_nodes))
+        self.uniform_rows = UniformTreeRows(requests, 1 + tree.num_nodes, torch.device(device), kv_cache_spec,
+                                            layer_names) if requests else None
         if tree is not None:
             self._check_tree_support(layer_names, vllm_config)
             warning = reduced_fp32_precision_warning(vllm_config.model_config.dtype, device)
             if warning is not None:
                 logger.warning_once(warning)
 
+    serves_target = False  # the target model's builder (set by the runner): its uniform batches use the buffers
+
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        support = super().get_cudagraph_support(vllm_config, kv_cache_spec)
-        limit = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-        if tree_options(vllm_config) is not None and support.value > limit.value:
-            return limit  # verify steps (1 + n rows per request) must run eagerly through build()
-        return support
+        support, tree = super().get_cudagraph_support(vllm_config, kv_cache_spec), tree_options(vllm_config)
+        if tree is None:
+            return support
+        limit = AttentionCGSupport.UNIFORM_BATCH if tree.uniform else AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return limit if support.value > limit.value else support  # else verify steps run eagerly through build()
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        forward = active_forward()
+        if self._serves_uniform(common_attn_metadata, forward):
+            return self.build_uniform(common_attn_metadata, forward)
+        return super().build(common_prefix_len, common_attn_metadata, fast_build)
+
+    def build_for_cudagraph_capture(self, common_attn_metadata):
+        if not self._serves_uniform(common_attn_metadata, None):
+            return super().build_for_cudagraph_capture(common_attn_metadata)
+        meta = self.build_uniform(common_attn_metadata, None)
+        meta.prefix_lens.zero_()  # a short capture (vLLM's Triton builder captures seq_lens 1); replays read lengths
+        return meta
+
+    def _serves_uniform(self, cm, forward: TreeVerifyForward | None) -> bool:
+        uniform = self.uniform_rows
+        return uniform is not None and self.serves_target and uniform.serves(cm, None if forward is None else
+                                                                             forward.step)
 
     def _check_tree_support(self, layer_names, vllm_config) -> None:
         """Start-up self-check: refuse tree mode where the tree kernel would not be exact."""
@@ -181,9 +210,6 @@ class TreeGPUBuilderMixin(TreeVerifyBuilderMixin):
         refuse_unsupported_layers(vllm_config, layer_names, no_window=(-1, -1))
 
     def build_verify(self, common_prefix_len, cm, forward: TreeVerifyForward) -> TreeGPUVerifyMetadata:
-        uniform = self.uniform_rows
-        if uniform is not None and uniform.serves(cm, forward.step):
-            return self.build_uniform(cm, forward)
         step = forward.masked
         chain, chain_rows = self.build_requests_without_tree(common_prefix_len, cm, step)
         device = self.device
