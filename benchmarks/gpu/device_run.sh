@@ -3,7 +3,8 @@
 # kit's part calls; see benchmarks/gpu/README.md):
 #   1. the kit's engine check: vanilla, static and dynamic trees (greedy, T = 0.8), budget_by_batch chain steps,
 #      auto, and the dynamic tree under CUDA graphs, with step traces of every tree verify step;
-#   2. tree attention on Llama-3-8B shapes against the bandwidth floor and vLLM's causal Triton attention;
+#   2. tree attention on Llama-3-8B shapes against the bandwidth floor, FlashAttention over a chain of the same
+#      rows and vLLM's causal Triton attention (issue 61 item 4's protocol: benchmarks/kernels/gpu.py);
 #   3. the GPU backend and kernel tests in-process with vLLM's GPU build.
 # Outputs (at most 8 files under $OUT): run.log, engine.json, engine_logs.tgz, traces.tgz, tree_attention_gpu.jsonl,
 # bench.log, pytest.log. Time limits (seconds) by stage: ENGINE_LIMIT, BENCH_LIMIT, TESTS_LIMIT.
@@ -23,7 +24,7 @@ tar czf "$OUT/traces.tgz" -C /tmp tr
 
 echo "======== bench (t=${SECONDS}s)"
 ( source $KIT/env.sh && timeout "${BENCH_LIMIT:-120}" python3 -P benchmarks/kernels/gpu.py \
-    --out "$OUT/tree_attention_gpu.jsonl" --batches 1,8,64 --prefixes 2048,8192 --trees 16,64 ) > "$OUT/bench.log" 2>&1
+    --out "$OUT/tree_attention_gpu.jsonl" --batches 1,8,32 --prefixes 2048,8192 --trees 8,16,32,64 ) > "$OUT/bench.log" 2>&1
 tail -16 "$OUT/bench.log"
 
 echo "======== tests (t=${SECONDS}s)"

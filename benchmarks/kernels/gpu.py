@@ -1,4 +1,5 @@
-"""GPU timing of ``tree_attention_triton`` against the bandwidth floor and vLLM's own Triton attention.
+"""GPU timing of ``tree_attention_triton`` against the bandwidth floor, FlashAttention over a chain of the same rows
+and vLLM's own Triton attention, measured the same way every time (issue 61, item 4).
 
 Usage (on a GPU machine with vLLM's CUDA build and this package installed)::
 
@@ -9,34 +10,41 @@ The GPU kit runs it as a file against the installed wheel, ``python3 -P benchmar
 imports nothing from ``benchmarks``.
 
 Shapes: Llama-3-8B attention (32 query heads, 8 KV heads, head size 128), bf16, block size 16; batch
-{1, 4, 8, 16, 64} x prefix {512, 2048, 8192} x tree {8, 16, 32, 64} query tokens per request (a random
-tree: the root plus ``tree - 1`` draft nodes, shaped uniform / deep / wide at random), blocks shuffled over
-the cache. Per shape:
+{1, 8, 32} x prefix {2048, 8192} x tree {8, 16, 32, 64} query tokens per request (a random tree: the root plus
+``tree - 1`` draft nodes, shaped uniform / deep / wide at random), blocks shuffled over the cache. Every timing
+is the same protocol (:func:`timed`): 20 warm-up launches, then 50 launches each after an L2 flush, timed by CUDA
+events around the launch alone, read once at the end; the median and the 10th and 90th percentiles. The GPU's
+clocks (``nvidia-smi``) are read before and after the run. Per shape:
 
-* ``tree_us``: ``tree_attention_triton`` (``triton.testing.do_bench`` median; it clears the L2 before each
-  repetition), with ``max_query_len`` given as vLLM's backend gives it;
+* ``tree_us``: ``tree_attention_triton`` with ``max_query_len`` given as vLLM's backend gives it;
 * ``floor_us``: the bytes that must move (every request's prefix + tree K/V read once, Q read, O written)
   at the device's measured copy bandwidth (``copy_`` of 1 GiB: bytes read + written per second), and
   ``pct_floor = 100 * floor_us / tree_us``;
-* ``causal_us``: vLLM's ``unified_attention`` (what ``TritonAttentionImpl.forward`` calls) over the same
-  number of query tokens per request with a causal mask, i.e. a chain's verify of the same size, and
-  ``tree_over_causal = tree_us / causal_us``;
+* ``fa_us``: FlashAttention over a chain of the same number of query rows per request (what a chain's verify
+  costs): vLLM's ``flash_attn_varlen_func`` on the same paged cache (``fa`` says which version), or, where vLLM's
+  FlashAttention cannot run, torch SDPA over the gathered K/V without a mask (``fa`` = ``sdpa stand-in``), and
+  ``tree_over_fa = tree_us / fa_us``;
+* ``causal_us``: vLLM's ``unified_attention`` (what ``TritonAttentionImpl.forward`` calls) causal over the same
+  rows, and ``tree_over_causal``;
 * ``rel_err``: ``||out - ref|| / ||ref||`` of the timed output against a float64 reference on the first
   requests, and ``chain_rel_diff``: the tree kernel on a chain mask against vLLM's causal output;
 * the launch ``choose_launch`` picked (``block_m``, ``block_n``, ``num_splits``, warps, stages).
 
-Writes one JSON line per shape (after a header line with the device and the copy bandwidth) to ``--out``
-(default ``$OUT/tree_attention_gpu.jsonl`` where ``OUT`` is set, else under ``benchmarks/results/``) and prints a markdown table at the end. ``--small`` runs everything on CPU under Triton's interpreter with
-tiny shapes and fp16 (the interpreter's ``tl.dot`` misreads bf16 operands, and vLLM's kernel does not
-upcast them): its times are meaningless, it only checks that every path runs.
+The header line names the kernel source's hash (an unchanged kernel is not re-timed) and the clocks; the last
+line the clocks after. ``--small`` runs everything on CPU under Triton's interpreter with tiny shapes and fp16
+(the interpreter's ``tl.dot`` misreads bf16 operands, and vLLM's kernel does not upcast them): its times are
+meaningless, it only checks that every path runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
 import os
+import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -174,15 +182,94 @@ def vllm_causal_attention(on_gpu: bool) -> CausalAttention:
     return prepare
 
 
+WARMUPS, REPETITIONS = 20, 50
+
+
+def timed(fn: Callable[[], object], on_gpu: bool) -> dict:
+    """Milliseconds of ``fn``: on a GPU :data:`WARMUPS` launches, then :data:`REPETITIONS` launches each after an
+    L2 flush, CUDA events around the launch alone, read at the end (median, 10th and 90th percentiles); on CPU
+    one timed call after a warm-up."""
+    fn()
+    if not on_gpu:
+        start = time.perf_counter()
+        fn()
+        elapsed = (time.perf_counter() - start) * 1e3
+        return dict(median=elapsed, p10=elapsed, p90=elapsed)
+    flush = torch.empty(64 << 20, dtype=torch.int32, device="cuda")  # 256 MiB, past any L2
+    for _ in range(WARMUPS):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(REPETITIONS)]
+    for start, end in events:
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    times = sorted(start.elapsed_time(end) for start, end in events)
+    return dict(median=statistics.median(times), p10=times[len(times) // 10], p90=times[-1 - len(times) // 10])
+
+
 def time_ms(fn: Callable[[], object], on_gpu: bool) -> float:
-    """Median milliseconds of ``fn``: ``do_bench`` on a GPU; one timed call after a warm-up on CPU."""
-    fn()
-    if on_gpu:
-        torch.cuda.synchronize()
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
+    return timed(fn, on_gpu)["median"]
+
+
+def gpu_clocks(on_gpu: bool) -> dict | None:
+    """The GPU's SM and memory clocks (MHz), temperature and power, from ``nvidia-smi``; None off-GPU."""
+    if not on_gpu:
+        return None
+    fields = "clocks.sm,clocks.mem,clocks.max.sm,temperature.gpu,power.draw"
+    try:
+        line = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-i",
+                               str(torch.cuda.current_device())], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        return dict(error=repr(exc)[:200])
+    return dict(zip(fields.split(","), (value.strip() for value in line.split(",")), strict=False))
+
+
+def flash_chain(on_gpu: bool) -> tuple[str, CausalAttention]:
+    """``(label, prepare)``: FlashAttention causal over each request's ``prefix + n`` positions as vLLM's
+    ``FlashAttentionImpl`` calls it on the paged cache, or the SDPA stand-in of the module docstring."""
+    try:
+        from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+        version = get_flash_attn_version(head_size=128) if on_gpu else None
+    except Exception:  # noqa: BLE001 -- no vLLM FlashAttention here: the stand-in
+        version = None
+
+    def flash(args: dict, scale: float, out: torch.Tensor) -> Callable[[], None]:
+        query_lens = args["cu_query_lens"][1:] - args["cu_query_lens"][:-1]
+        seq_lens = (args["prefix_lens"] + query_lens).int()
+        max_query_len, max_seq_len = int(query_lens.max()), int(seq_lens.max())
+        return lambda: flash_attn_varlen_func(
+            q=args["query"], k=args["key_cache"], v=args["value_cache"], out=out, cu_seqlens_q=args["cu_query_lens"],
+            max_seqlen_q=max_query_len, seqused_k=seq_lens, max_seqlen_k=max_seq_len, softmax_scale=scale,
+            causal=True, block_table=args["block_table"], fa_version=version)
+
+    def stand_in(args: dict, scale: float, out: torch.Tensor) -> Callable[[], None]:
+        batch = len(args["prefix_lens"])
+        rows = args["query"].shape[0] // batch
+        length = int(args["prefix_lens"][0]) + rows
+        block_size = args["key_cache"].shape[1]
+        blocks = args["block_table"][:, : -(-length // block_size)].long()
+
+        def gathered(cache: torch.Tensor) -> torch.Tensor:
+            return cache[blocks].flatten(1, 2)[:, :length].transpose(1, 2).contiguous()  # [B, Hkv, L, D]
+
+        key, value = gathered(args["key_cache"]), gathered(args["value_cache"])
+        query = args["query"].view(batch, rows, *args["query"].shape[1:]).transpose(1, 2)
+        return lambda: torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=scale,
+                                                                        enable_gqa=True)
+
+    return (f"vllm_flash_attn v{version}", flash) if version else ("sdpa stand-in", stand_in)
+
+
+def kernel_hash() -> str:
+    """The first 12 hex digits of the tree kernel's source's SHA-256."""
+    import vllm_easyspec.kernels.tree_attention as kernel
+
+    with open(kernel.__file__, "rb") as source:
+        return hashlib.sha256(source.read()).hexdigest()[:12]
 
 
 def copy_bandwidth(device: str, on_gpu: bool) -> float:
@@ -194,17 +281,26 @@ def copy_bandwidth(device: str, on_gpu: bool) -> float:
 
 
 def measure(model: Model, batch: int, prefix: int, tree: int, bandwidth: float, device: str,
-            causal: CausalAttention | None) -> dict:
+            causal: CausalAttention | None, flash: tuple[str, CausalAttention]) -> dict:
     """One shape's record (module docstring)."""
     on_gpu = device == "cuda"
     args = make_batch(model, batch, prefix, tree, device, seed=batch * 100_003 + prefix * 101 + tree)
     scale = model.head_dim ** -0.5
     out = torch.empty_like(args["query"])
-    tree_ms = time_ms(lambda: tree_attention_triton(**args, softmax_scale=scale, out=out, max_query_len=tree),
-                      on_gpu)
+    tree_times = timed(lambda: tree_attention_triton(**args, softmax_scale=scale, out=out, max_query_len=tree),
+                       on_gpu)
+    tree_ms = tree_times["median"]
     checked = min(batch, 2)
-    record = dict(batch=batch, prefix=prefix, tree=tree, tree_us=tree_ms * 1e3,
+    record = dict(batch=batch, prefix=prefix, tree=tree, tree_us=tree_ms * 1e3, tree_p10_us=tree_times["p10"] * 1e3,
+                  tree_p90_us=tree_times["p90"] * 1e3,
                   rel_err=relative_error(out[: checked * tree], reference(args, scale, checked)))
+    label, prepare = flash
+    try:
+        fa_times = timed(prepare(args, scale, torch.empty_like(out)), on_gpu)
+        record.update(fa=label, fa_us=fa_times["median"] * 1e3, fa_p10_us=fa_times["p10"] * 1e3,
+                      fa_p90_us=fa_times["p90"] * 1e3, tree_over_fa=tree_ms / fa_times["median"])
+    except Exception as exc:  # noqa: BLE001 -- keep the tree kernel's numbers of this shape
+        record.update(fa=label, fa_error=repr(exc)[:500])
     element = args["query"].element_size()
     floor_bytes = batch * element * ((prefix + tree) * 2 * model.num_kv_heads * model.head_dim
                                      + tree * 2 * model.num_q_heads * model.head_dim)
@@ -232,16 +328,18 @@ def measure(model: Model, batch: int, prefix: int, tree: int, bandwidth: float, 
 
 
 def markdown_table(records: list[dict]) -> str:
-    head = ("| batch | prefix | tree | tree kernel (us) | floor (us) | % of floor | vLLM causal (us) | "
-            "tree / causal | splits | rel err |")
+    head = ("| batch | prefix | tree | tree kernel (us) [p10-p90] | floor (us) | % of floor | FA chain (us) | tree / FA "
+            "| vLLM causal (us) | tree / causal | splits | rel err |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in records:
         if "error" in r:
             lines.append(f"| {r['batch']} | {r['prefix']} | {r['tree']} | error: {r['error'][:80]} |")
             continue
         causal = (f"{r['causal_us']:.1f} | {r['tree_over_causal']:.2f}" if "causal_us" in r else "- | -")
-        lines.append(f"| {r['batch']} | {r['prefix']} | {r['tree']} | {r['tree_us']:.1f} | {r['floor_us']:.1f} | "
-                     f"{r['pct_floor']:.0f}% | {causal} | {r['launch']['num_splits']} | {r['rel_err']:.1e} |")
+        flash = (f"{r['fa_us']:.1f} | {r['tree_over_fa']:.2f}" if "fa_us" in r else "- | -")
+        lines.append(f"| {r['batch']} | {r['prefix']} | {r['tree']} | {r['tree_us']:.1f} [{r['tree_p10_us']:.1f}-"
+                     f"{r['tree_p90_us']:.1f}] | {r['floor_us']:.1f} | {r['pct_floor']:.0f}% | {flash} | {causal} | "
+                     f"{r['launch']['num_splits']} | {r['rel_err']:.1e} |")
     return "\n".join(lines)
 
 
@@ -254,8 +352,8 @@ def main(argv: list[str], prog: str = "python -m benchmarks kernels gpu") -> Non
     results = os.environ.get("OUT") or os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                                       os.pardir, "results"))
     parser.add_argument("--out", default=os.path.join(results, "tree_attention_gpu.jsonl"))
-    parser.add_argument("--batches", type=integers, default=[1, 4, 8, 16, 64])
-    parser.add_argument("--prefixes", type=integers, default=[512, 2048, 8192])
+    parser.add_argument("--batches", type=integers, default=[1, 8, 32])
+    parser.add_argument("--prefixes", type=integers, default=[2048, 8192])
     parser.add_argument("--trees", type=integers, default=[8, 16, 32, 64])
     parser.add_argument("--small", action="store_true", help="CPU dry run under the interpreter, tiny shapes")
     options = parser.parse_args(argv)
@@ -271,10 +369,13 @@ def main(argv: list[str], prog: str = "python -m benchmarks kernels gpu") -> Non
     except ImportError as exc:
         causal = None
         print(f"vLLM's unified_attention is not importable ({exc}); the causal column is skipped", flush=True)
+    flash = flash_chain(on_gpu)
+    clocks_before = gpu_clocks(on_gpu)
     bandwidth = copy_bandwidth(device, on_gpu)
     name = torch.cuda.get_device_name() if on_gpu else "CPU, Triton interpreter (times mean nothing)"
     header = dict(device=name, torch=torch.__version__, triton=triton.__version__, model=repr(model),
-                  copy_bandwidth_bytes_per_s=bandwidth)
+                  copy_bandwidth_bytes_per_s=bandwidth, kernel_sha256=kernel_hash(), fa=flash[0],
+                  warmups=WARMUPS, repetitions=REPETITIONS, clocks_before=clocks_before)
     print(json.dumps(header), flush=True)
     records = []
     os.makedirs(os.path.dirname(os.path.abspath(options.out)), exist_ok=True)
@@ -282,7 +383,7 @@ def main(argv: list[str], prog: str = "python -m benchmarks kernels gpu") -> Non
         sink.write(json.dumps(header) + "\n")
         for batch, prefix, tree in itertools.product(options.batches, options.prefixes, options.trees):
             try:
-                record = measure(model, batch, prefix, tree, bandwidth, device, causal)
+                record = measure(model, batch, prefix, tree, bandwidth, device, causal, flash)
             except Exception as exc:  # noqa: BLE001 -- one failing shape must not hide the others
                 record = dict(batch=batch, prefix=prefix, tree=tree, error=repr(exc)[:500])
             print(json.dumps(record), flush=True)
@@ -291,6 +392,9 @@ def main(argv: list[str], prog: str = "python -m benchmarks kernels gpu") -> Non
             records.append(record)
             if on_gpu:
                 torch.cuda.empty_cache()
+        footer = dict(clocks_after=gpu_clocks(on_gpu))
+        print(json.dumps(footer), flush=True)
+        sink.write(json.dumps(footer) + "\n")
     print(markdown_table(records))
     print(f"records in {options.out}")
 
