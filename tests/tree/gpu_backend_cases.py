@@ -273,7 +273,7 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
         if uniform else None
     builder = tree_backend.get_builder_cls()(spec, [LAYER], stub_vllm_config(num_heads, num_kv_heads, head_size,
                                                                              tree_config), torch.device(dev))
-    builder.serves_target = True  # as the runner marks the target's builders
+    builder.mark_target([LAYER])  # as the runner marks the target's builders
     query_start_loc = torch.full((num_reqs_padded + 1,), num_tokens, dtype=torch.int32)
     query_start_loc[: num_reqs + 1] = starts
     seq_lens_padded = torch.zeros(num_reqs_padded, dtype=torch.int32)
@@ -315,7 +315,7 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
                                and not capture.prefix_lens.any()
                                and torch.equal(capture.tree_mask.cpu(), torch.ones(
                                    num_reqs, meta.max_query_len, meta.max_query_len, dtype=torch.bool).tril().flatten(0, 1)))
-        builder.serves_target = False  # a drafter's builder: vLLM's metadata outside a verify step
+        builder.target_layers = frozenset()  # a drafter's own builder: vLLM's metadata outside a verify step
         drafter_metadata_is_vllms = type(builder.build(0, cm)) is vllm_metadata
 
         # ---- the sampler accepts a branch per tree; the runner's commit moves it through VerifyKV.write -

@@ -316,18 +316,26 @@ def _attention_layers(**impl_options):
     return {LAYER: layer}
 
 
-def test_the_runner_marks_the_targets_tree_builders_not_the_drafters():
+def test_the_runner_tells_each_tree_builder_its_target_layers():
+    """A group of target layers, a group shared with the drafter's layers (its builder serves both, keeping K/V
+    for the target's), a group of the drafter's alone (vLLM's metadata), and another backend's builder."""
     from vllm_easyspec.integration.gpu.attention_backend import TreeGPUBuilderMixin
     from vllm_easyspec.integration.tree_attention import mark_target_builders
 
     def builder(tree: bool):
-        return TreeGPUBuilderMixin.__new__(TreeGPUBuilderMixin) if tree else types.SimpleNamespace()
+        if not tree:
+            return types.SimpleNamespace()
+        made = TreeGPUBuilderMixin.__new__(TreeGPUBuilderMixin)
+        made.uniform_rows = None
+        return made
 
-    target, draft, other = builder(True), builder(True), builder(False)
-    groups = [[types.SimpleNamespace(layer_names=["model.layers.0.attn"], metadata_builders=[target, other]),
-               types.SimpleNamespace(layer_names=["model.layers.32.attn"], metadata_builders=[draft])]]
-    mark_target_builders(groups, {"model.layers.32.attn"})
-    assert target.serves_target and not draft.serves_target and not hasattr(other, "serves_target")
+    target, shared, draft, other = builder(True), builder(True), builder(True), builder(False)
+    groups = [[types.SimpleNamespace(layer_names=["t.0"], metadata_builders=[target, other]),
+               types.SimpleNamespace(layer_names=["t.1", "d.0"], metadata_builders=[shared]),
+               types.SimpleNamespace(layer_names=["d.1"], metadata_builders=[draft])]]
+    mark_target_builders(groups, {"d.0", "d.1"})
+    assert target.target_layers == {"t.0"} and shared.target_layers == {"t.1"} and not draft.target_layers
+    assert not hasattr(other, "target_layers")
 
 
 def test_tree_mode_limits_cuda_graphs_and_refuses_what_the_kernel_lacks():

@@ -30,23 +30,13 @@ class _NoGrammar:
 
     keeps_nodes = True
 
-    def mask(self, logits: torch.Tensor, draft=None) -> torch.Tensor:
-        return logits
-
+    def mask(self, logits: torch.Tensor, draft=None) -> torch.Tensor: return logits
     def prune(self, candidates: list, logprobs: torch.Tensor | None) -> tuple[list, torch.Tensor | None]:
         return candidates, logprobs
-
-    def prune_drawn(self, pending: dict) -> dict:
-        return pending
-
-    def chain(self, ids: torch.Tensor | None, rows: int) -> _NoGrammar:
-        return self
-
-    def masking(self, model) -> contextlib.nullcontext:
-        return contextlib.nullcontext()
-
-    def drafted(self, tokens: torch.Tensor) -> None:
-        pass
+    def prune_drawn(self, pending: dict) -> dict: return pending
+    def chain(self, ids: torch.Tensor | None, rows: int) -> _NoGrammar: return self
+    def masking(self, model) -> contextlib.nullcontext: return contextlib.nullcontext()
+    def drafted(self, tokens: torch.Tensor) -> None: pass
 
 
 NO_GRAMMAR = _NoGrammar()

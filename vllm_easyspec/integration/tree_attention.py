@@ -50,12 +50,13 @@ def active_forward() -> TreeVerifyForward | None:
 
 
 def mark_target_builders(attn_groups, draft_layer_names) -> None:
-    """Mark the target model's GPU tree builders (``serves_target``) among vLLM's ``attn_groups``: the groups that
-    hold none of the drafter's layers."""
+    """Tell each GPU tree builder among vLLM's ``attn_groups`` which of its layers are the target's (a group may
+    hold the drafter's layers too, or only those: then none)."""
     for group in (group for groups in attn_groups for group in groups):
-        for builder in group.metadata_builders if not set(draft_layer_names) & set(group.layer_names) else ():
-            if hasattr(builder, "serves_target"):  # a GPU tree builder (gpu/attention_backend.py)
-                builder.serves_target = True
+        target_layers = set(group.layer_names) - set(draft_layer_names)
+        for builder in group.metadata_builders if target_layers else ():
+            if hasattr(builder, "mark_target"):  # a GPU tree builder (gpu/attention_backend.py)
+                builder.mark_target(target_layers)
 
 
 # ------------------------------------------------------------------------------------------ batch split

@@ -101,18 +101,22 @@ class UniformTreeRows:
     layer's kept K/V copied into buffers of its own by the forward, indexed by batch row: the tensors a captured
     graph reads and writes stay the same from step to step."""
 
-    def __init__(self, max_requests: int, width: int, device: torch.device, kv_cache_spec,
-                 layer_names: list[str]) -> None:
-        self.max_requests, self.width = max_requests, width
+    def __init__(self, max_requests: int, width: int, device: torch.device) -> None:
+        self.max_requests, self.width, self.device = max_requests, width, device
         self.rows = torch.arange(max_requests * width, device=device)
         self.cu_query_lens = torch.arange(0, (max_requests + 1) * width, width, dtype=torch.int32, device=device)
         self.tree_mask = torch.zeros(max_requests * width, width, dtype=torch.bool, device=device)
         self.prefix_lens = torch.zeros(max_requests, dtype=torch.int32, device=device)
-        shape = (max_requests, kv_cache_spec.num_kv_heads, width, kv_cache_spec.head_size)
-        self.kept_rows = {name: (torch.empty(shape, dtype=kv_cache_spec.dtype, device=device),
-                                 torch.empty(shape, dtype=kv_cache_spec.dtype, device=device)) for name in layer_names}
+        self.kept_rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # the target's layers (allocate_kept)
         self.kept: dict[str, tuple[torch.Tensor, torch.Tensor, int, Any]] = {}  # layer -> (keys, values, block, write)
         self._causal = torch.ones(width, width, dtype=torch.bool).tril()
+
+    def allocate_kept(self, layer_names, kv_cache_spec) -> None:
+        """K/V buffers for the target's ``layer_names`` (before any capture); a drafter's layers keep none."""
+        shape = (self.max_requests, kv_cache_spec.num_kv_heads, self.width, kv_cache_spec.head_size)
+        for name in layer_names:
+            self.kept_rows[name] = (torch.empty(shape, dtype=kv_cache_spec.dtype, device=self.device),
+                                    torch.empty(shape, dtype=kv_cache_spec.dtype, device=self.device))
 
     def serves(self, cm, step) -> bool:
         """Whether ``cm``'s batch is uniform (and ``step``'s trees, if any, ``width`` rows wide)."""
@@ -130,9 +134,11 @@ class UniformTreeRows:
         return count
 
     def keep(self, layer_name: str, key: torch.Tensor, value: torch.Tensor, count: int, block_size: int,
-             write) -> VerifyKV:
-        """Copy a layer's rows ``[count * width, Hkv, D]`` into its buffers (allocated with the builder, before any
-        capture), and remember how the layer writes its cache."""
+             write) -> VerifyKV | None:
+        """Copy a target layer's rows ``[count * width, Hkv, D]`` into its buffers, and remember how the layer
+        writes its cache (None for a drafter's layer)."""
+        if layer_name not in self.kept_rows:
+            return None
         keys, values = self.kept_rows[layer_name]
         self.kept.setdefault(layer_name, (keys, values, block_size, write))
         rows = count * self.width
@@ -157,15 +163,21 @@ class TreeGPUBuilderMixin(TreeVerifyBuilderMixin):
         requests = 0 if tree is None or not tree.uniform else min(
             vllm_config.scheduler_config.max_num_seqs,
             (vllm_config.compilation_config.max_cudagraph_capture_size or 0) // (1 + tree.num_nodes))
-        self.uniform_rows = UniformTreeRows(requests, 1 + tree.num_nodes, torch.device(device), kv_cache_spec,
-                                            layer_names) if requests else None
+        self.uniform_rows = UniformTreeRows(requests, 1 + tree.num_nodes, torch.device(device)) if requests else None
         if tree is not None:
             self._check_tree_support(layer_names, vllm_config)
             warning = reduced_fp32_precision_warning(vllm_config.model_config.dtype, device)
             if warning is not None:
                 logger.warning_once(warning)
 
-    serves_target = False  # the target model's builder (set by the runner): its uniform batches use the buffers
+    target_layers: frozenset[str] = frozenset()  # the target's layers among this builder's (mark_target)
+
+    def mark_target(self, layer_names) -> None:
+        """The runner, before any capture: this builder serves the target's ``layer_names`` (its uniform batches
+        then use the buffers, the drafter's too where the two share a builder: causal rows, kept K/V for these)."""
+        self.target_layers = frozenset(layer_names)
+        if self.uniform_rows is not None:
+            self.uniform_rows.allocate_kept(self.target_layers, self.kv_cache_spec)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -190,8 +202,8 @@ class TreeGPUBuilderMixin(TreeVerifyBuilderMixin):
 
     def _serves_uniform(self, cm, forward: TreeVerifyForward | None) -> bool:
         uniform = self.uniform_rows
-        return uniform is not None and self.serves_target and uniform.serves(cm, None if forward is None else
-                                                                             forward.step)
+        return uniform is not None and bool(self.target_layers) and uniform.serves(cm, None if forward is None else
+                                                                                   forward.step)
 
     def _check_tree_support(self, layer_names, vllm_config) -> None:
         """Start-up self-check: refuse tree mode where the tree kernel would not be exact."""
@@ -281,7 +293,7 @@ class TreeGPUImplMixin(TreeAttentionImplMixin):
         else:
             kept = VerifyKV(key[meta.query_rows].transpose(1, 2), value[meta.query_rows].transpose(1, 2),  # [R, Hkv, W, D]
                             key_cache.shape[1], write)
-        if meta.forward is not None:
+        if meta.forward is not None and kept is not None:
             meta.forward.kept_kv[layer.layer_name] = kept
         return output
 
