@@ -144,7 +144,7 @@ class UniformTreeRows:
         rows = count * self.width
         keys[:count].copy_(key[:rows].view(count, self.width, *key.shape[1:]).transpose(1, 2))
         values[:count].copy_(value[:rows].view(count, self.width, *value.shape[1:]).transpose(1, 2))
-        return self.kept_kv(count)[layer_name]
+        return VerifyKV(keys[:count], values[:count], block_size, write)
 
     def kept_kv(self, count: int) -> dict[str, VerifyKV]:
         """The layers' kept K/V of a step's ``count`` requests, as the runner's commit reads them."""
@@ -244,7 +244,6 @@ class TreeGPUBuilderMixin(TreeVerifyBuilderMixin):
             max_query_len=step.width,
             query_rows=rows.to(device, non_blocking=True),
         )
-
 
     def build_uniform(self, cm, forward: TreeVerifyForward | None) -> TreeGPUVerifyMetadata:
         """A uniform step's metadata in :class:`UniformTreeRows`' buffers (``forward`` None: every request a
