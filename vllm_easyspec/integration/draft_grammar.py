@@ -19,7 +19,7 @@ import torch
 
 from vllm_easyspec.integration.compat import plugin_logger
 from vllm_easyspec.integration.tree_grammar import node_paths, walk_paths
-from vllm_easyspec.integration.tree_step import PendingTree
+from vllm_easyspec.integration.tree_step import PendingTree, keeping_nodes
 from vllm_easyspec.tree.building import ChildDrawMode
 
 logger = plugin_logger(__name__)
@@ -111,9 +111,9 @@ class DraftGrammars:
         bonus = bonus_tokens()
         ready = {}
         for row, req_id, params in rows:
-            prompt = int(batch.num_prompt_tokens[row])
-            output = [*batch.history(row)[prompt:].tolist(), *last_branch.get(req_id, [])]
-            constrained = self._constrained(req_id, batch.history(row)[:prompt], output)
+            prompt, history = int(batch.num_prompt_tokens[row]), batch.history(row)
+            output = [*history[prompt:].tolist(), *last_branch.get(req_id, [])]
+            constrained = self._constrained(req_id, history[:prompt], output)
             grammar = None if constrained is None else self._advanced(req_id, params, constrained)
             if grammar is not None:
                 ready[req_id] = (row, grammar, bonus[row])
@@ -223,10 +223,7 @@ class GrammarStep:
                 out.append(tree)
                 continue
             kept = [node for node, ok in enumerate(valid) if ok]  # a node's path extends its parent's
-            new = {old: position for position, old in enumerate(kept)}
-            out.append(dataclasses.replace(
-                tree, tokens=[tree.tokens[n] for n in kept], parents=[new.get(tree.parents[n], -1) for n in kept],
-                from_lookup=tuple(tree.from_lookup[n] for n in kept) if tree.from_lookup else ()))
+            out.append(keeping_nodes(tree, kept))
             if logprobs is not None and tree.row is not None and len(kept) < len(valid):
                 drafted = [node for node in kept if node < logprobs.shape[1]]  # drafted nodes come first
                 index = torch.arange(logprobs.shape[1]).repeat(logprobs.shape[0], 1) if index is None else index

@@ -220,7 +220,7 @@ class TreeVerifyBuilderMixin:
     step's metadata (:func:`verifying`), when the backend's ``build_verify`` builds tree metadata."""
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
-        forward = _ACTIVE_VERIFY.get()
+        forward = active_forward()
         if forward is None or forward.masked is None:  # no step, or only paths: vLLM's attention serves it
             return self.build_without_trees(common_prefix_len, common_attn_metadata, fast_build)
         return self.build_verify(common_prefix_len, common_attn_metadata, forward)

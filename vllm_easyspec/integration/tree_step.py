@@ -83,15 +83,11 @@ class PendingTree:
         return len(self.tokens) - self.padding
 
     def keeping(self, kept: list[int]) -> PendingTree:
-        """The tree of nodes ``kept`` (each with its parent, in order); an i.i.d. tree's draft probabilities keep
-        the root's row and those after kept nodes."""
-        new = {old: index for index, old in enumerate(kept)}
-        probs = self.draft_probs
-        if probs is not None:
-            probs = probs[torch.tensor([0, *(node + 1 for node in kept)]).to(probs.device, non_blocking=True)]
-        return replace(self, tokens=[self.tokens[n] for n in kept], parents=[new.get(self.parents[n], -1) for n in kept],
-                       draft_probs=probs, from_lookup=tuple(self.from_lookup[n] for n in kept) if self.from_lookup else (),
-                       features=None if self.features is None else [self.features[n] for n in kept])
+        """The tree of nodes ``kept`` (:func:`keeping_nodes`), draft probabilities the root's and the kept nodes'."""
+        probs = None if self.draft_probs is None else self.draft_probs[
+            torch.tensor([0, *(node + 1 for node in kept)]).to(self.draft_probs.device, non_blocking=True)]
+        return keeping_nodes(self, kept, draft_probs=probs,
+                             features=None if self.features is None else [self.features[n] for n in kept])
 
     def padded(self, nodes: int) -> PendingTree:
         """This tree with padding nodes up to ``nodes``: a chain below its last node (a path stays a path, served
@@ -102,6 +98,14 @@ class PendingTree:
         last = len(self.tokens) - 1
         return replace(self, tokens=self.tokens + [self.tokens[-1] if self.tokens else 0] * count,
                        parents=self.parents + list(range(last, last + count)), is_chain=False, padding=count)
+
+
+def keeping_nodes(tree, kept: list[int], **changes):
+    """``tree`` (a dataclass with ``tokens``, ``parents`` and ``from_lookup``) cut to the nodes ``kept`` (each
+    with its parent, in order), parents renumbered; ``changes``: other fields replaced as well."""
+    new = {old: index for index, old in enumerate(kept)}
+    return replace(tree, tokens=[tree.tokens[n] for n in kept], parents=[new.get(tree.parents[n], -1) for n in kept],
+                   from_lookup=tuple(tree.from_lookup[n] for n in kept) if tree.from_lookup else (), **changes)
 
 
 @dataclass
