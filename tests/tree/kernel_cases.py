@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.tree.attention_reference import reference_error
+from tests.tree.attention_reference import reference_error, tree_attention_reference
 from tests.tree.tree_testlib import make_paged_batch, random_parents
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -65,6 +65,29 @@ def triton_attention_error(dtype: str, block_size: int, num_q_heads: int, num_kv
     out = _run_triton(args, scale, launch)
     assert out.dtype == DTYPES[dtype] and out.shape == args["query"].shape
     return reference_error(args, out, scale)
+
+
+def triton_level_error(dtype: str, block_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                       size: int, width: int, prefix_lens: list[int], seed: int, scale: float,
+                       launch: dict | None = None) -> float:
+    """A draft level: the query rows are each request's last ``width`` tree columns (``first_column = size -
+    width``), masked by their rows of the whole tree's mask. Max error against those rows of the float64
+    reference for the whole tree (NaN, a poisoned read, fails as inf)."""
+    from vllm_easyspec.kernels.tree_attention import TreeAttentionLaunch, tree_attention_triton
+
+    args = _poisoned_batch(dtype, block_size, num_q_heads, num_kv_heads, head_dim, [size] * len(prefix_lens),
+                           prefix_lens, seed, None)
+    rows = torch.cat([torch.arange(b * size + size - width, (b + 1) * size) for b in range(len(prefix_lens))])
+    level = dict(args, query=args["query"][rows.to(_device())], tree_mask=args["tree_mask"][rows.to(_device())],
+                 cu_query_lens=torch.arange(0, (len(prefix_lens) + 1) * width, width, dtype=torch.int32,
+                                            device=_device()))
+    out = torch.full(level["query"].shape, float("nan"), dtype=level["query"].dtype, device=_device())
+    tree_attention_triton(**level, softmax_scale=scale, out=out, max_query_len=width, first_column=size - width,
+                          launch=None if launch is None else TreeAttentionLaunch(**launch))
+    ref = tree_attention_reference(**{k: v.cpu() for k, v in args.items()}, softmax_scale=scale,
+                                   out_dtype=torch.float32)[rows]
+    error = (out.cpu().float() - ref).abs() / ref.abs().clamp_min(1.0)
+    return error.nan_to_num(nan=float("inf")).max().item()
 
 
 def triton_attention_repeat_is_bitwise(dtype: str, block_size: int, num_q_heads: int, num_kv_heads: int,

@@ -113,6 +113,16 @@ def test_triton_kernel_splits_across_groups(kernel_runner, heads, launch):
     assert err < TOLERANCE[torch.float32]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("launch", [None, SPLIT_LAUNCH], ids=["default", "splits"])
+def test_triton_kernel_serves_a_draft_level(kernel_runner, dtype, launch):
+    """Rows that are the last columns of their trees (``first_column``, a drafter level): each row sees the
+    prefix and its ancestors among all earlier columns, nothing past its request's last column."""
+    err = kernel_runner(kernel_cases.triton_level_error, dtype, 16, 8, 2, 32, 9, 3, [40, 0, 150], seed=5, scale=0.2,
+                        launch=launch)
+    assert err < TOLERANCE[kernel_cases.DTYPES[dtype]]
+
+
 def test_triton_kernel_with_the_most_splits(kernel_runner):
     """64 splits of 16 positions (most of them empty for the short request) at head size 128: the merge
     runs one query head per program over all 64 partial results."""

@@ -3,12 +3,14 @@
 Contract (``vllm_easyspec/kernels/README.md`` states it with the design, the read count and the launch rules):
 ``query`` ``[T, Hq, D]``, request ``b`` owning rows ``cu_query_lens[b]:cu_query_lens[b + 1]``; ``key_cache`` /
 ``value_cache`` ``[num_blocks, block_size, Hkv, D]`` and ``block_table`` ``[B, max_blocks]`` int32, any strides
-except that the head dimension of ``query``, the caches and ``out`` is contiguous; the K/V of request-local query
-``j`` is already in the cache at logical position ``prefix_lens[b] + j``; ``tree_mask`` ``[T, W]`` (bool / uint8):
-``tree_mask[t, j]`` iff query ``j`` is an ancestor of row ``t`` or ``t`` itself (diagonal included; only columns
-``j < n_b`` are read). Row ``t`` attends to its request's whole prefix plus the tree positions its mask allows;
-softmax in fp32, output in ``out``'s dtype; ``Hq`` a multiple of ``Hkv``. Positions past ``prefix_lens[b] + n_b``
-and their block-table entries are never read. No atomics: repeated runs are bitwise identical.
+except that the head dimension of ``query``, the caches and ``out`` is contiguous; request-local query ``j`` is
+tree column ``c = first_column + j`` and its K/V is already in the cache at logical position ``prefix_lens[b] + c``,
+as are the columns before it; ``tree_mask`` ``[T, W]`` (bool / uint8): ``tree_mask[t, c]`` iff column ``c`` is an
+ancestor of row ``t`` or ``t`` itself (diagonal included; only columns ``c < first_column + n_b`` are read). Row
+``t`` attends to its request's whole prefix plus the tree positions its mask allows; softmax in fp32, output in
+``out``'s dtype; ``Hq`` a multiple of ``Hkv``. Positions past ``prefix_lens[b] + first_column + n_b`` and their
+block-table entries are never read. No atomics: repeated runs are bitwise identical. A verify forward's rows are
+the whole tree (``first_column`` 0); a draft level's rows are its frontier, the last columns of the tree so far.
 """
 
 from __future__ import annotations
@@ -162,7 +164,7 @@ def _tree_attention_kernel(out_ptr, partial_acc_ptr, partial_stats_ptr, q_ptr, k
                            block_table_ptr, prefix_lens_ptr, cu_q_ptr, mask_ptr, scale_log2, stride_qt, stride_qh,
                            stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                            stride_bt, stride_mt, stats_plane, num_kv_heads, row_tiles, num_splits, min_split_len,
-                           KV_BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                           first_column, KV_BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
                            UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One row tile of one (request, KV head) against one KV range (the design in kernels/README.md).
@@ -191,13 +193,15 @@ def _tree_attention_kernel(out_ptr, partial_acc_ptr, partial_stats_ptr, q_ptr, k
         token = (q_start + local_q).to(tl.int64)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM
-        # this tile's last query is its last visible position: ancestors precede descendants
-        kv_end = prefix + tl.minimum(n_q, (first_row + BLOCK_M - 1) // GROUP + 1)
-        split_len = tl.maximum(min_split_len, tl.cdiv(tl.cdiv(prefix + n_q, num_splits), BLOCK_N) * BLOCK_N)
+        # query j sits at tree column first_column + j; the tile's last query is its last visible position
+        # (ancestors precede descendants)
+        row_start = prefix + first_column
+        kv_end = row_start + tl.minimum(n_q, (first_row + BLOCK_M - 1) // GROUP + 1)
+        split_len = tl.maximum(min_split_len, tl.cdiv(tl.cdiv(row_start + n_q, num_splits), BLOCK_N) * BLOCK_N)
         lo = split * split_len
         hi = tl.minimum(lo + split_len, kv_end)
-        # rows whose own position (prefix + local_q) is not before the range: only they can see a position of it
-        row_sees_range = row_ok & (prefix + local_q >= lo)
+        # rows whose own position is not before the range: only they can see a position of it
+        row_sees_range = row_ok & (row_start + local_q >= lo)
         q = tl.load(q_ptr + token[:, None] * stride_qt + q_head[:, None] * stride_qh + d[None, :],
                     mask=row_sees_range[:, None] & d_ok[None, :], other=0.0)
         if UPCAST:
@@ -335,10 +339,11 @@ def _merge_splits(out: torch.Tensor, partial_acc: torch.Tensor, partial_stats: t
 def tree_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                           block_table: torch.Tensor, prefix_lens: torch.Tensor, cu_query_lens: torch.Tensor,
                           tree_mask: torch.Tensor, softmax_scale: float, out: torch.Tensor | None = None,
-                          max_query_len: int | None = None, *, launch: TreeAttentionLaunch | None = None,
-                          fp32_precision: str = "ieee") -> torch.Tensor:
+                          max_query_len: int | None = None, *, first_column: int = 0,
+                          launch: TreeAttentionLaunch | None = None, fp32_precision: str = "ieee") -> torch.Tensor:
     """Tree attention (the contract is in the module docstring).
 
+    ``first_column``: the tree column of each request's first query (a host value, the same for every request).
     ``max_query_len`` (the largest number of query rows of one request) sizes the grid; pass it to avoid
     a device-to-host sync: the launch then depends on host values only (shapes, ``max_query_len``, the
     block table's width). ``launch`` overrides :func:`choose_launch` (tests force many small splits and
@@ -353,6 +358,9 @@ def tree_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     batch = block_table.shape[0]
     if max_query_len is None:
         max_query_len = int((cu_query_lens[1:] - cu_query_lens[:-1]).max()) if batch else 0
+    if first_column < 0 or tree_mask.shape[1] < first_column + max_query_len:
+        raise ValueError(f"tree_mask has {tree_mask.shape[1]} columns; rows from first_column={first_column} on need "
+                         f"{first_column + max_query_len}.")
     out = torch.empty_like(query) if out is None else out
     if num_tokens == 0 or batch == 0 or max_query_len == 0:
         return out
@@ -388,7 +396,7 @@ def tree_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_ca
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0), mask.stride(0),
         num_tokens * num_q_heads * launch.num_splits, num_kv_heads, row_tiles, launch.num_splits,
-        launch.min_split_len,
+        launch.min_split_len, first_column,
         KV_BLOCK_SIZE=block_size, GROUP=group, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
         HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT=split, UPCAST=upcast,
         DOT_PRECISION=precision,
