@@ -69,10 +69,11 @@ def triton_attention_error(dtype: str, block_size: int, num_q_heads: int, num_kv
 
 def triton_level_error(dtype: str, block_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                        size: int, width: int, prefix_lens: list[int], seed: int, scale: float,
-                       launch: dict | None = None) -> float:
+                       launch: dict | None = None, table_blocks: int | None = None) -> float:
     """A draft level: the query rows are each request's last ``width`` tree columns (``first_column = size -
     width``), masked by their rows of the whole tree's mask. Max error against those rows of the float64
-    reference for the whole tree (NaN, a poisoned read, fails as inf)."""
+    reference for the whole tree (NaN, a poisoned read, fails as inf). ``table_blocks``: the block table cut to
+    that width; rows then see only the positions before its end (the reference's mask loses the columns past it)."""
     from vllm_easyspec.kernels.tree_attention import TreeAttentionLaunch, tree_attention_triton
 
     args = _poisoned_batch(dtype, block_size, num_q_heads, num_kv_heads, head_dim, [size] * len(prefix_lens),
@@ -81,11 +82,16 @@ def triton_level_error(dtype: str, block_size: int, num_q_heads: int, num_kv_hea
     level = dict(args, query=args["query"][rows.to(_device())], tree_mask=args["tree_mask"][rows.to(_device())],
                  cu_query_lens=torch.arange(0, (len(prefix_lens) + 1) * width, width, dtype=torch.int32,
                                             device=_device()))
+    reference = {k: v.cpu() for k, v in args.items()}
+    if table_blocks is not None:
+        level["block_table"] = args["block_table"][:, :table_blocks].contiguous()
+        columns = torch.arange(reference["tree_mask"].shape[1])
+        for b, prefix in enumerate(prefix_lens):
+            reference["tree_mask"][b * size:(b + 1) * size, columns >= table_blocks * block_size - prefix] = False
     out = torch.full(level["query"].shape, float("nan"), dtype=level["query"].dtype, device=_device())
     tree_attention_triton(**level, softmax_scale=scale, out=out, max_query_len=width, first_column=size - width,
                           launch=None if launch is None else TreeAttentionLaunch(**launch))
-    ref = tree_attention_reference(**{k: v.cpu() for k, v in args.items()}, softmax_scale=scale,
-                                   out_dtype=torch.float32)[rows]
+    ref = tree_attention_reference(**reference, softmax_scale=scale, out_dtype=torch.float32)[rows]
     error = (out.cpu().float() - ref).abs() / ref.abs().clamp_min(1.0)
     return error.nan_to_num(nan=float("inf")).max().item()
 

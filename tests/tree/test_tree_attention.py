@@ -123,6 +123,14 @@ def test_triton_kernel_serves_a_draft_level(kernel_runner, dtype, launch):
     assert err < TOLERANCE[kernel_cases.DTYPES[dtype]]
 
 
+def test_triton_kernel_stops_at_the_block_tables_end(kernel_runner):
+    """A level whose last rows sit past the block table (the model's length): every row sees only the positions
+    before the table's end; reading past it reads another request's blocks."""
+    err = kernel_runner(kernel_cases.triton_level_error, "float32", 16, 8, 2, 32, 9, 3, [137, 40, 0], seed=6,
+                        scale=0.2, table_blocks=9)
+    assert err < TOLERANCE[torch.float32]
+
+
 def test_triton_kernel_with_the_most_splits(kernel_runner):
     """64 splits of 16 positions (most of them empty for the short request) at head size 128: the merge
     runs one query head per program over all 64 partial results."""

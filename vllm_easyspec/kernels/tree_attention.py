@@ -9,7 +9,7 @@ as are the columns before it; ``tree_mask`` ``[T, W]`` (bool / uint8): ``tree_ma
 ancestor of row ``t`` or ``t`` itself (diagonal included; only columns ``c < first_column + n_b`` are read). Row
 ``t`` attends to its request's whole prefix plus the tree positions its mask allows; softmax in fp32, output in
 ``out``'s dtype; ``Hq`` a multiple of ``Hkv``. Positions past ``prefix_lens[b] + first_column + n_b`` and their
-block-table entries are never read. No atomics: repeated runs are bitwise identical. A verify forward's rows are
+block-table entries are never read, nor positions past the block table's width. No atomics: repeated runs are bitwise identical. A verify forward's rows are
 the whole tree (``first_column`` 0); a draft level's rows are its frontier, the last columns of the tree so far.
 """
 
@@ -164,7 +164,7 @@ def _tree_attention_kernel(out_ptr, partial_acc_ptr, partial_stats_ptr, q_ptr, k
                            block_table_ptr, prefix_lens_ptr, cu_q_ptr, mask_ptr, scale_log2, stride_qt, stride_qh,
                            stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                            stride_bt, stride_mt, stats_plane, num_kv_heads, row_tiles, num_splits, min_split_len,
-                           first_column, KV_BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                           first_column, kv_len_bound, KV_BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
                            UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One row tile of one (request, KV head) against one KV range (the design in kernels/README.md).
@@ -196,7 +196,8 @@ def _tree_attention_kernel(out_ptr, partial_acc_ptr, partial_stats_ptr, q_ptr, k
         # query j sits at tree column first_column + j; the tile's last query is its last visible position
         # (ancestors precede descendants)
         row_start = prefix + first_column
-        kv_end = row_start + tl.minimum(n_q, (first_row + BLOCK_M - 1) // GROUP + 1)
+        # ... and never past the block table (a draft level's rows beyond the model's length see less)
+        kv_end = tl.minimum(row_start + tl.minimum(n_q, (first_row + BLOCK_M - 1) // GROUP + 1), kv_len_bound)
         split_len = tl.maximum(min_split_len, tl.cdiv(tl.cdiv(row_start + n_q, num_splits), BLOCK_N) * BLOCK_N)
         lo = split * split_len
         hi = tl.minimum(lo + split_len, kv_end)
@@ -367,10 +368,11 @@ def tree_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
     mask = mask if mask.stride(-1) == 1 else mask.contiguous()
     group = num_q_heads // num_kv_heads
+    kv_len_bound = block_table.shape[1] * block_size
     if launch is None:
         sm_count, shared_memory = _device_limits(query.device)
         launch = choose_launch(batch=batch, num_kv_heads=num_kv_heads, group=group, max_query_len=max_query_len,
-                               kv_len_bound=block_table.shape[1] * block_size, head_dim=head_dim,
+                               kv_len_bound=kv_len_bound, head_dim=head_dim,
                                element_size=query.element_size(), sm_count=sm_count, shared_memory=shared_memory)
     block_d = max(16, triton.next_power_of_2(head_dim))
     interpreted = _is_interpreted(_tree_attention_kernel)
@@ -396,7 +398,7 @@ def tree_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_ca
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_table.stride(0), mask.stride(0),
         num_tokens * num_q_heads * launch.num_splits, num_kv_heads, row_tiles, launch.num_splits,
-        launch.min_split_len, first_column,
+        launch.min_split_len, first_column, kv_len_bound,
         KV_BLOCK_SIZE=block_size, GROUP=group, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
         HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT=split, UPCAST=upcast,
         DOT_PRECISION=precision,
