@@ -427,3 +427,72 @@ def _depth(parents: list[int], node: int) -> int:
         node = parents[node]
         depth += 1
     return depth
+
+
+def draft_levels(dtype: str, backend: str, seed: int, max_model_len: int = 1000) -> dict:
+    """Two drafter levels through the GPU tree impl, as ``TreeDrafting`` runs them: each level's K/V written by
+    the impl's own cache write at ``TreeLevelMetadata.slots`` (vLLM's ``unified_kv_cache_update``, two padding
+    rows at vLLM's padding slot), then the impl's forward. Returns the rows' error against a float64 reference
+    (the request's cached prefix, its ancestors among earlier levels, itself) and the checks on the cache."""
+    _enable_vllm_triton()
+    from vllm_easyspec.integration.gpu import attention_backend
+    from vllm_easyspec.integration.tree_attention import DraftTreeAttention, TreeLevelMetadata
+
+    dev, dt = _device(), DTYPES[dtype]
+    gen = torch.Generator().manual_seed(seed)
+    batch, heads, kv_heads, dim, block_size = 3, 4, 2, 32, 16
+    prefix_lens = torch.tensor([20, 33, 5], dtype=torch.int32)  # root position + 1
+    block_table = torch.zeros(batch, 5, dtype=torch.int32)
+    order = 1 + torch.randperm(12, generator=gen).int()
+    block_table[0, :2], block_table[1, :3], block_table[2, :1] = order[:2], order[2:5], order[5:6]
+    kv_cache = make_kv_cache(13, block_size, kv_heads, dim, dt, "NHD", gen, dev)
+    before = kv_cache.clone()
+    scale = 1 / math.sqrt(dim)
+    tree_backend = attention_backend.TreeFlashAttentionBackend if backend == "FLASH_ATTN" else \
+        attention_backend.TreeTritonAttentionBackend
+    impl = tree_backend.get_impl_cls()(heads, dim, scale, kv_heads, alibi_slopes=None, sliding_window=None,
+                                       kv_cache_dtype="auto")
+    state = DraftTreeAttention(prefix_lens=prefix_lens.to(dev), block_table=block_table.to(dev))
+    level_one = torch.eye(2, dtype=torch.bool).expand(batch, 2, 2)
+    parents = torch.randint(0, 2, (batch, 3), generator=gen)  # level-two node -> level-one node
+    level_two = torch.zeros(batch, 3, 5, dtype=torch.bool)
+    level_two.scatter_(2, parents[..., None], True)
+    level_two[:, :, 2:] = torch.eye(3, dtype=torch.bool)
+    keys, values, errors, padding_untouched, slots_seen = [], [], [], True, []
+    with _cpu_adjustments(dt, backend):
+        for width, mask in ((2, level_one), (3, level_two)):
+            count = batch * width
+            meta = TreeLevelMetadata(state, width, mask.to(dev))
+            slots = torch.cat([meta.slots(block_size, max_model_len).cpu(), torch.full((2,), -1)])  # + padding
+            slots_seen.append(slots[:count].tolist())
+            query = torch.randn(count + 2, heads, dim, generator=gen).to(dt)
+            key, value = (torch.randn(count + 2, kv_heads, dim, generator=gen).to(dt) for _ in range(2))
+            impl.do_kv_cache_update(stub_layer(dev), key.to(dev), value.to(dev), kv_cache, slots.to(dev))
+            output = torch.full_like(query, float("nan")).to(dev)
+            impl.forward(stub_layer(dev), query.to(dev), key.to(dev), value.to(dev), kv_cache, meta, output)
+            output = output.cpu()
+            padding_untouched &= bool(output[count:].isnan().all())
+            keys.append(key[:count].view(batch, width, kv_heads, dim))
+            values.append(value[:count].view(batch, width, kv_heads, dim))
+            all_keys, all_values = torch.cat(keys, 1), torch.cat(values, 1)
+            key_cache, value_cache = fa_views(before.cpu(), dim)
+            for b in range(batch):
+                positions = torch.arange(int(prefix_lens[b]))
+                blocks = block_table[b].long()[positions // block_size]
+                for f in range(width):
+                    columns = mask[b, f].nonzero()[:, 0]
+                    if int(prefix_lens[b]) + columns.max() >= max_model_len:
+                        continue  # past the model's length: nothing written, nothing to compare
+                    k = torch.cat([key_cache[blocks, positions % block_size], all_keys[b, columns]]).double()
+                    v = torch.cat([value_cache[blocks, positions % block_size], all_values[b, columns]]).double()
+                    k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+                    scores = torch.einsum("hd,lhd->hl", query[b * width + f].double(), k) * scale
+                    expected = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
+                    errors.append(_error(output[b * width + f], expected))
+    key_after, _ = fa_views(kv_cache.cpu(), dim)
+    key_before, _ = fa_views(before.cpu(), dim)
+    prefix_kept = all(torch.equal(key_after[block_table[b].long()[p // block_size], p % block_size],
+                                  key_before[block_table[b].long()[p // block_size], p % block_size])
+                      for b in range(batch) for p in range(int(prefix_lens[b])))
+    return {"error": max(errors), "compared": len(errors), "padding_untouched": padding_untouched,
+            "prefix_kept": prefix_kept, "slots": slots_seen}

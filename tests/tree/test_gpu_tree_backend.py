@@ -22,20 +22,20 @@ The same batch goes through the ``FLASH_ATTN`` subclass (fp16, bf16): vLLM's Fla
 cache write run (the write through vLLM's Triton reshape-and-cache op, FlashAttention's CUDA op being absent on
 CPU), and its kernel, for the non-tree sub-batch, is the float64 torch stand-in.
 
-The draft-level path, the batch split, the CUDA-graph limit, the start-up check and ``install()`` need no
-Triton and run in this process.
+Draft levels (their K/V written by the impl's cache write, their rows through the tree kernel) run in the same
+worker. The level slots, the batch split, the CUDA-graph limit, the lookahead, the start-up check and ``install()``
+need no Triton and run in this process.
 """
 
 from __future__ import annotations
 
-import math
 import types
 
 import pytest
 import torch
 
 import tests.tree.gpu_backend_cases as gpu_backend_cases
-from tests.tree.gpu_backend_cases import LAYER, fa_views, make_kv_cache, stub_layer, stub_vllm_config
+from tests.tree.gpu_backend_cases import LAYER, stub_vllm_config
 
 # |out - ref| / max(1, |ref|), as tests/tree/test_tree_attention.py
 TOLERANCE = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 8e-3}
@@ -253,57 +253,28 @@ def test_split_slices_every_per_request_field_and_skips_empty_sub_batches():
                               _step([0, 1], [0, 4], [20, 33], [3, 2])) == (None, None)
 
 
-def test_draft_levels_attend_to_the_fa_prefix_and_the_stash():
-    """Two drafter levels through ``TreeLevelMetadata``: each row sees its request's cached prefix (positions
-    < prefix_lens, read from an NHD cache through a scattered block table) and its ancestors from earlier
-    levels; nothing is written to the cache; float64 reference per row."""
-    from vllm_easyspec.integration.gpu.attention_backend import TreeTritonAttentionImpl
+@pytest.mark.parametrize(("dtype", "backend"), [("float32", "TRITON_ATTN"), ("bfloat16", "TRITON_ATTN"),
+                                              ("float16", "FLASH_ATTN")])
+def test_draft_levels_attend_through_the_paged_cache(kernel_runner, dtype, backend):
+    """Two drafter levels: each level's K/V written to its lookahead slots by the impl's cache write, its rows
+    through the tree kernel from the level's first column; every row sees its request's cached prefix and its
+    ancestors from earlier levels (float64 reference); the prefix stays as it was, padding rows untouched."""
+    result = kernel_runner(gpu_backend_cases.draft_levels, dtype, backend, seed=2)
+    assert result["compared"] == 15 and result["error"] < TOLERANCE[dtype]
+    assert result["padding_untouched"] and result["prefix_kept"]
+    # request 1 (prefix 33, block size 16): level one's columns 0-1 at positions 33, 34 of its third block
+    assert [slot % 16 for slot in result["slots"][0][2:4]] == [1, 2]
+
+
+def test_draft_level_slots_stop_at_the_models_length():
+    """Rows at or past ``max_model_len`` get vLLM's padding slot (no block is allocated there): only they."""
     from vllm_easyspec.integration.tree_attention import DraftTreeAttention, TreeLevelMetadata
 
-    gen = torch.Generator().manual_seed(2)
-    batch, heads, kv_heads, dim, block_size = 3, 4, 2, 32, 16
-    prefix_lens = torch.tensor([20, 33, 5])  # root position + 1
-    block_table = torch.zeros(batch, 5, dtype=torch.int32)
-    order = 1 + torch.randperm(12, generator=gen)
-    block_table[0, :2], block_table[1, :3], block_table[2, :1] = order[:2], order[2:5], order[5:6]
-    kv_cache = make_kv_cache(13, block_size, kv_heads, dim, torch.float32, "NHD", gen)
-    before = kv_cache.clone()
-    scale = 1 / math.sqrt(dim)
-    impl = TreeTritonAttentionImpl(heads, dim, scale, kv_heads, alibi_slopes=None, sliding_window=None,
-                                   kv_cache_dtype="auto")
-    state = DraftTreeAttention(prefix_lens=prefix_lens, block_table=block_table)
-    level_one = torch.eye(2, dtype=torch.bool).expand(batch, 2, 2)
-    parents = torch.randint(0, 2, (batch, 3), generator=gen)  # level-two node -> level-one node
-    level_two = torch.zeros(batch, 3, 5, dtype=torch.bool)
-    level_two.scatter_(2, parents[..., None], True)
-    level_two[:, :, 2:] = torch.eye(3, dtype=torch.bool)
-    stash_keys, stash_values, outputs = [], [], []
-    for width, mask in ((2, level_one), (3, level_two)):
-        rows = batch * width + 2  # the runner pads the level's tokens
-        query = torch.randn(rows, heads, dim, generator=gen)
-        key, value = torch.randn(rows, kv_heads, dim, generator=gen), torch.randn(rows, kv_heads, dim, generator=gen)
-        output = torch.full_like(query, float("nan"))
-        impl.forward(stub_layer(), query, key, value, kv_cache, TreeLevelMetadata(state, width, mask), output)
-        assert output[batch * width:].isnan().all()
-        stash_keys.append(key[: batch * width].reshape(batch, width, kv_heads, dim))
-        stash_values.append(value[: batch * width].reshape(batch, width, kv_heads, dim))
-        outputs.append((query, output, mask, width))
-    assert torch.equal(kv_cache, before)
-    assert state.stash[LAYER][0].shape == (batch, kv_heads, 5, dim)
-    key_cache, value_cache = fa_views(kv_cache, dim)
-    all_keys, all_values = torch.cat(stash_keys, 1), torch.cat(stash_values, 1)  # [B, 5, Hkv, D]
-    for query, output, mask, width in outputs:
-        for b in range(batch):
-            positions = torch.arange(int(prefix_lens[b]))
-            blocks = block_table[b].long()[positions // block_size]
-            for w in range(width):
-                columns = mask[b, w].nonzero()[:, 0]
-                k = torch.cat([key_cache[blocks, positions % block_size], all_keys[b, columns]]).double()
-                v = torch.cat([value_cache[blocks, positions % block_size], all_values[b, columns]]).double()
-                k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
-                scores = torch.einsum("hd,lhd->hl", query[b * width + w].double(), k) * scale
-                expected = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
-                torch.testing.assert_close(output[b * width + w].double(), expected, atol=1e-5, rtol=1e-5)
+    table = torch.tensor([[7, 3, 4], [5, 0, 0]], dtype=torch.int32)
+    state = DraftTreeAttention(prefix_lens=torch.tensor([30, 10], dtype=torch.int32), block_table=table)
+    mask = torch.ones(2, 3, 5, dtype=torch.bool)  # first column 2: positions P + 2 .. P + 4
+    slots = TreeLevelMetadata(state, 3, mask).slots(block_size=16, max_model_len=34)
+    assert slots.tolist() == [4 * 16 + 0, 4 * 16 + 1, -1, 5 * 16 + 12, 5 * 16 + 13, 5 * 16 + 14]
 
 
 def _attention_layers(**impl_options):
@@ -366,8 +337,23 @@ def test_tree_mode_limits_cuda_graphs_and_refuses_what_the_kernel_lacks():
         Builder(spec, [LAYER], stub_vllm_config(4, 2, 32, tree, fp8), device)
 
 
+def test_the_lookahead_holds_the_slots_a_drafting_steps_levels_write():
+    """With a tree, vLLM's scheduler reserves one slot more than the nodes a step forwards (the last level writes
+    up to ``P + forwarded``), never fewer than vLLM's own lookahead; without a drafter or a tree, vLLM's."""
+    from vllm_easyspec.integration.gpu.attention_backend import reserve_level_slots
+
+    def lookahead(tree: dict | None, vllms: int) -> int:
+        return reserve_level_slots(lambda config: vllms)(gpu_backend_cases.stub_vllm_config(4, 2, 32, tree))
+
+    dynamic = {"top_k": 4, "depth": 4, "budget": 8}  # forwards 12 nodes
+    assert lookahead(dynamic, 8) == 13
+    assert lookahead({"choices": [[0], [1], [0, 0], [0, 1], [0, 0, 0]]}, 5) == 5  # forwards 2
+    assert lookahead(None, 8) == 8 and lookahead(dynamic, 0) == 0
+
+
 def test_install_replaces_triton_attn_flash_attn_and_the_gpu_runner_only_on_cuda_alike(monkeypatch):
     import vllm.v1.worker.gpu_model_runner as gpu_model_runner
+    from vllm.config import VllmConfig
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
@@ -379,9 +365,12 @@ def test_install_replaces_triton_attn_flash_attn_and_the_gpu_runner_only_on_cuda
     overridden = any(backend.is_overridden() for backend in backends)  # on a GPU the plugin's own install
     for backend in backends:
         backend.clear_override()
+    lookahead = VllmConfig.__dict__["num_lookahead_tokens"]
+    monkeypatch.setattr(VllmConfig, "num_lookahead_tokens", lookahead)  # restored after the test
     monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: False)
     attention_backend.install()  # not CUDA-alike: nothing happens
     assert not any(backend.is_overridden() for backend in backends)
+    assert VllmConfig.__dict__["num_lookahead_tokens"] is lookahead
 
     # vLLM's own runner class, also where the plugin has already replaced it (a GPU machine)
     original = next(cls for cls in gpu_model_runner.GPUModelRunner.__mro__
@@ -390,6 +379,8 @@ def test_install_replaces_triton_attn_flash_attn_and_the_gpu_runner_only_on_cuda
     monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: True)
     try:
         attention_backend.install()
+        attention_backend.install()  # once: the lookahead wrapped once
+        assert VllmConfig.num_lookahead_tokens.fget.__wrapped__ is lookahead.fget
         for backend, tree_backend in backends.items():
             assert backend.get_class() is tree_backend and tree_backend.get_name() == backend.name
             impl, builder = tree_backend.get_impl_cls(), tree_backend.get_builder_cls()

@@ -51,6 +51,7 @@ def draft_with_masks(config: TreeConfig, roots: list[int], greedy: list[bool], g
         for b in range(batch):
             stash_paths[b].extend(new_paths[b])
         draft.expand(logits)
+    assert len(stash_paths[0]) == config.forwarded_nodes  # the slots a GPU drafter's levels write
     return draft.build()
 
 

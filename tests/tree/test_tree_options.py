@@ -51,6 +51,7 @@ def test_valid_trees_know_their_node_count():
                                                   "layer_parallel_size": 2}}).tree
     assert (static.num_nodes, static.max_depth) == (3, 2)
     assert (dynamic.num_nodes, dynamic.max_depth, dynamic.candidate_count) == (12, 3, 36)
+    assert (static.forwarded_nodes, dynamic.forwarded_nodes) == (1, 8)
     merged = parse_easyspec_config({"easyspec": {"tree": {"choices": [[0], [1]],
                                                           "sources": {"prompt_lookup": {"nodes": 3}}}}}).tree
     assert (merged.drafted_nodes, merged.num_nodes) == (2, 5)
@@ -153,3 +154,14 @@ def test_quantized_kv_cache_is_refused_with_trees(tiny_llama_dir, tiny_llama_dra
     args.kv_cache_dtype = "fp8"
     with pytest.raises(EasySpecConfigError, match="supports only unquantized caches"):
         args.create_engine_config()
+
+
+def test_levels_wider_than_the_drafters_buffers_are_refused(tiny_llama_dir, tiny_llama_draft_dir):
+    """A level forwards max_num_seqs x its widest frontier rows through the drafter's token buffers."""
+    args = _engine_args(tiny_llama_dir, tiny_llama_draft_dir, {}, tree={"top_k": 4, "depth": 3, "budget": 8})
+    args.max_num_seqs, args.max_num_batched_tokens = 128, 256
+    with pytest.raises(EasySpecConfigError, match="512 rows at --max-num-seqs 128, more than "
+                                                  "--max-num-batched-tokens 256; raise --max-num-batched-tokens to 512"):
+        args.create_engine_config()
+    args.max_num_seqs = 64
+    args.create_engine_config()

@@ -116,7 +116,7 @@ def validate_engine_config(vllm_config, options: EasySpecOptions | None) -> None
         return
     spec = vllm_config.speculative_config
     if options.tree is not None and spec is not None and spec.method in TREE_METHODS:
-        _validate_tree_engine_config(vllm_config)
+        _validate_tree_engine_config(vllm_config, options.tree)
     drafts = options.drafts_with_draft_model or options.drafts_eagle_trees
     if drafts and vllm_config.use_v2_model_runner:
         raise EasySpecConfigError("additional_config.easyspec drafts through vLLM's V1 model runner, but "
@@ -132,8 +132,15 @@ def validate_engine_config(vllm_config, options: EasySpecOptions | None) -> None
         )
 
 
-def _validate_tree_engine_config(vllm_config) -> None:
+def _validate_tree_engine_config(vllm_config, tree) -> None:
     """What a token tree needs from the target engine, whichever drafter drafts it."""
+    scheduler = vllm_config.scheduler_config
+    level_rows = scheduler.max_num_seqs * tree.widest_frontier
+    if level_rows > scheduler.max_num_batched_tokens:  # a level's rows go through the drafter's token buffers
+        raise EasySpecConfigError(f"easyspec.tree drafts up to {tree.widest_frontier} nodes per request in one "
+                                  f"forward, {level_rows} rows at --max-num-seqs {scheduler.max_num_seqs}, more "
+                                  f"than --max-num-batched-tokens {scheduler.max_num_batched_tokens}; raise "
+                                  f"--max-num-batched-tokens to {level_rows} or lower --max-num-seqs")
     if vllm_config.model_config.uses_mrope:
         raise EasySpecConfigError("easyspec.tree gives tree nodes RoPE positions prefix + depth, which "
                                   "M-RoPE targets do not support; remove easyspec.tree to use chain "

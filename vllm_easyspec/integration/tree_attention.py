@@ -5,9 +5,11 @@ docs/design.md, "One step through the seams").
   a tree or whose tree is a path go to vLLM's own kernel as a sub-batch (:func:`split_verify_batch`), the other
   trees' rows attend to their cached prefix and their ancestors, and each layer keeps those rows' K/V for the
   runner's commit;
-* **draft level** (:class:`TreeLevelMetadata`): rows that write nothing to the cache attend to the draft prefix
-  and to their ancestors' K/V from earlier levels (:class:`DraftTreeAttention`); a backend supplies how its cache
-  layout yields a request's prefix (:meth:`TreeAttentionImplMixin.gather_prefix`).
+* **draft level** (:class:`TreeLevelMetadata`): a level's rows (its frontier) attend to the draft prefix and to
+  their ancestors from earlier levels. On GPUs (``levels_in_cache``) vLLM writes each level's K/V to the drafter's
+  lookahead slots ``P + 1 + column`` and the tree kernel reads them there, as in a verify; on CPUs the rows write
+  nothing and attend to a gathered prefix (:meth:`TreeAttentionImplMixin.gather_prefix`) and the K/V stashed by
+  earlier levels (:class:`DraftTreeAttention`).
 
 Invariant: with no active tree step every builder and impl method is vLLM's.
 """
@@ -18,6 +20,7 @@ import contextlib
 import contextvars
 import dataclasses
 import enum
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -161,8 +164,9 @@ class DraftTreeAttention:
     """Shared by the level forwards of one drafting step: the cached draft prefix (through the root) of
     every request and, per draft layer, the K/V of the nodes forwarded so far."""
 
-    prefix_lens: torch.Tensor  # [B] = root position + 1
+    prefix_lens: torch.Tensor  # [B] int32 on the drafter's device = root position + 1
     block_table: torch.Tensor  # [B, max_blocks]
+    # CPU levels only (``levels_in_cache`` False): the nodes' K/V and the gathered prefixes, by draft layer
     stash: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # [B, Hkv, S, D]
     prefix_kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     gather_plans: dict[Any, Any] = field(default_factory=dict)  # a backend's prefix reads, shared by layers
@@ -182,12 +186,37 @@ class TreeLevelMetadata:
 
     state: DraftTreeAttention
     width: int  # F frontier nodes per request
-    tree_mask: torch.Tensor  # [B, F, S + F]
+    tree_mask: torch.Tensor  # [B, F, S + F]: the S nodes of earlier levels (tree columns), then the frontier's
     biases: dict[tuple, torch.Tensor] = field(default_factory=dict)  # built once, shared by the layers
 
     @property
     def num_actual_tokens(self) -> int:
         return int(self.state.prefix_lens.shape[0]) * self.width
+
+    @property
+    def first_column(self) -> int:
+        """The tree column of each request's first frontier node (its K/V at position ``P + first_column``)."""
+        return self.tree_mask.shape[2] - self.width
+
+    @functools.cached_property
+    def query_starts(self) -> torch.Tensor:
+        """``[B + 1]`` int32: request ``b`` owns rows ``b * F .. (b + 1) * F`` (the tree kernel's ``cu_query_lens``)."""
+        batch = int(self.state.prefix_lens.shape[0])
+        return torch.arange(0, (batch + 1) * self.width, self.width, dtype=torch.int32,
+                            device=self.tree_mask.device)
+
+    def slots(self, block_size: int, max_model_len: int) -> torch.Tensor:
+        """``[B * F]`` cache slots of the rows (``levels_in_cache``): frontier node ``f`` of request ``b`` at
+        position ``prefix_lens[b] + first_column + f``, inside the lookahead vLLM's scheduler reserves (the GPU
+        backend's ``install``); none (vLLM's padding slot) from ``max_model_len`` on, where no block is allocated."""
+        from vllm.v1.spec_decode.llm_base_proposer import PADDING_SLOT_ID
+
+        table = self.state.block_table
+        positions = (self.state.prefix_lens[:, None].long() + self.first_column
+                     + torch.arange(self.width, device=table.device))
+        blocks = table.gather(1, (positions // block_size).clamp(max=table.shape[1] - 1)).long()
+        slots = torch.where(positions < max_model_len, blocks * block_size + positions % block_size, PADDING_SLOT_ID)
+        return slots.flatten()
 
 
 def per_request_rows(key: torch.Tensor, value: torch.Tensor, batch: int, width: int):
@@ -243,10 +272,11 @@ class TreeVerifyBuilderMixin:
 class TreeAttentionImplMixin:
     """``forward`` of a tree backend's impl: vLLM's own for its metadata, the verify forward for the
     backend's ``verify_metadata`` class (requests without a tree through vLLM's kernel, then the backend's
-    ``verify_trees``), and the draft-level forward. A backend supplies ``verify_trees`` and
-    :meth:`gather_prefix`."""
+    ``verify_trees``), and the draft-level forward. A backend supplies ``verify_trees``, and either
+    :meth:`gather_prefix` or its own ``_level`` over the paged cache (``levels_in_cache``)."""
 
     verify_metadata: type
+    levels_in_cache = False  # whether a draft level's K/V is written to the cache (its slot mapping) and read there
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):

@@ -222,8 +222,7 @@ class TreeDrafting:
         greedy, temperatures = greedy_rows(sampling_metadata, batch_size)
         drafted = self.config.drafted_within(node_limit).within_depth(depth)
         draft = LevelwiseTreeDraft(drafted, root_logits, greedy, temperatures, sampling_metadata.generators)
-        state = DraftTreeAttention(prefix_lens=(root_positions + 1).long().cpu(),  # host metadata
-                                   block_table=cad.block_table_tensor[:batch_size])
+        state = DraftTreeAttention(prefix_lens=(root_positions + 1).int(), block_table=cad.block_table_tensor[:batch_size])
         mark = policy.start()
         levels, level_rows = self._draft_levels(draft, state, root_feed, root_positions, batch_size, grammar)
         if levels:
@@ -234,9 +233,7 @@ class TreeDrafting:
                       root_positions: torch.Tensor, batch_size: int, grammar=NO_GRAMMAR) -> tuple[int, int]:
         """One draft forward per tree level over that level's frontier, until ``draft`` is done; returns the
         levels and the rows they forwarded. An EAGLE head's nodes read the state their parent produced."""
-        proposer = self.proposer
-        feeds_hidden = proposer.pass_hidden_states_to_model  # an EAGLE head: each node reads its parent's state
-        layer_names = list(proposer._draft_attn_layer_names)
+        feeds_hidden = self.proposer.pass_hidden_states_to_model  # an EAGLE head: each node reads its parent's state
         stash_feed = None if root_feed is None else root_feed.new_zeros(batch_size, 0, root_feed.shape[-1])
         levels, level_rows = 0, 0
         while not draft.done:
@@ -247,19 +244,48 @@ class TreeDrafting:
             positions = root_positions.repeat_interleave(width) + draft.frontier_depth
             if self.output_ids is not None:
                 tokens = self.output_ids[tokens]
-            inputs = {"input_ids": tokens.reshape(-1).to(proposer.input_ids.dtype),
-                      "positions": positions.to(proposer.positions.dtype), "inputs_embeds": None}
+            parent_states = (_parent_states(root_feed, stash_feed, draft.frontier_parent_columns())
+                             if feeds_hidden else None)
+            hidden, feed = self._level_forward(metadata, tokens.reshape(-1), positions, parent_states)
             if feeds_hidden:
-                inputs["hidden_states"] = _parent_states(root_feed, stash_feed, draft.frontier_parent_columns())
-            with set_forward_context({name: metadata for name in layer_names}, proposer.vllm_config,
-                                     num_tokens=batch_size * width, slot_mapping={}):
-                output = proposer.model(**inputs)
-            hidden, feed = output if proposer.model_returns_tuple() else (output, None)
-            if feeds_hidden:
-                stash_feed = torch.cat([stash_feed, feed[: batch_size * width].view(batch_size, width, -1)], dim=1)
-            draft.expand(grammar.mask(self._logits(hidden[: batch_size * width]).view(batch_size, width, -1), draft))
+                stash_feed = torch.cat([stash_feed, feed.view(batch_size, width, -1)], dim=1)
+            draft.expand(grammar.mask(self._logits(hidden).view(batch_size, width, -1), draft))
             levels, level_rows = levels + 1, level_rows + batch_size * width
         return levels, level_rows
+
+    def _level_forward(self, metadata: TreeLevelMetadata, input_ids: torch.Tensor, positions: torch.Tensor,
+                       parent_states: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One level through the drafter as vLLM runs a chain's draft step: inputs in the proposer's buffers, the
+        row count padded to a captured size (CUDA graphs, piecewise: attention runs between the pieces), and on
+        GPUs the rows' K/V written to their lookahead slots (``levels_in_cache``). Returns the level's hidden
+        states and, for an EAGLE head, the states its children read."""
+        proposer, count = self.proposer, metadata.num_actual_tokens
+        mode, padded, across_dp = proposer._determine_batch_execution_and_padding(count)
+        proposer.input_ids[:count] = input_ids.to(proposer.input_ids.dtype)
+        proposer._set_positions(count, positions)
+        inputs = {"input_ids": proposer.input_ids[:padded], "positions": proposer._get_positions(padded),
+                  "inputs_embeds": None}
+        if parent_states is not None:
+            proposer.hidden_states[:count] = parent_states
+            inputs["hidden_states"] = proposer.hidden_states[:padded]
+        slots = (proposer._get_slot_mapping(padded, metadata.slots(proposer.block_size, proposer.max_model_len)) if self._levels_in_cache
+                 else {})
+        with set_forward_context({name: metadata for name in proposer._draft_attn_layer_names}, proposer.vllm_config,
+                                 num_tokens=padded, num_tokens_across_dp=across_dp, cudagraph_runtime_mode=mode,
+                                 slot_mapping=slots):
+            output = proposer.model(**inputs)
+        hidden, feed = output if proposer.model_returns_tuple() else (output, None)
+        return hidden[:count], None if feed is None else feed[:count]
+
+    @functools.cached_property
+    def _levels_in_cache(self) -> bool:
+        """Whether the drafter's attention writes a level's K/V to the cache and reads it there (GPUs)."""
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+
+        layers = get_layers_from_vllm_config(self.proposer.vllm_config, Attention,
+                                             self.proposer._draft_attn_layer_names)
+        return bool(layers) and all(getattr(layer.impl, "levels_in_cache", False) for layer in layers.values())
 
     # ------------------------------------------------------------------------------------------ steps
     def _first_pass(self, target_token_ids, target_positions, target_hidden_states, next_token_ids,

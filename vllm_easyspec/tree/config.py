@@ -272,6 +272,24 @@ class TreeConfig(BaseModel):
         return self.budget
 
     @property
+    def forwarded_nodes(self) -> int:
+        """Most nodes one drafting step forwards through the drafter, level by level (those that get children:
+        a static template's inner nodes, or a dynamic tree's ``top_k`` per depth but the last)."""
+        if self.choices is not None:
+            return len({tuple(choice[:-1]) for choice in self.choices if len(choice) > 1})
+        assert self.top_k is not None and self.depth is not None
+        return self.top_k * (self.depth - 1)
+
+    @property
+    def widest_frontier(self) -> int:
+        """Most nodes of one request one level forwards (a static template's depth with the most inner nodes, or
+        a dynamic tree's ``top_k``)."""
+        if self.choices is not None:
+            return max((len(level) for level in self.template().expansion_levels()[1:]), default=0)
+        assert self.top_k is not None
+        return self.top_k
+
+    @property
     def num_nodes(self) -> int:
         """Most nodes a request's tree can have: the drafted ones plus those the sources may add."""
         return self.drafted_nodes + (0 if self.sources is None else self.sources.extra_nodes)

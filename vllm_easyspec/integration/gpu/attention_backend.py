@@ -11,7 +11,9 @@ forward (:mod:`~vllm_easyspec.integration.tree_attention`); both keep the same l
   ``do_kv_cache_update`` has already put the rows' own K/V at the linear slots ``P + j``; every other row (prefill,
   requests without a tree, paths) goes to the backend's own kernel (FlashAttention with ``FLASH_ATTN``). The rows'
   K/V are also kept for the runner's commit (the accepted branch, written with ``do_kv_cache_update``).
-* **draft level**: the draft prefix is gathered from the cache with the block table.
+* **draft level** (``levels_in_cache``): vLLM writes a level's K/V to the drafter's lookahead slots, and its rows
+  attend through the same kernel from the level's first tree column on (``first_column``); vLLM's scheduler
+  reserves those slots (:func:`install` raises ``num_lookahead_tokens`` to the nodes a drafting step forwards).
 
 While ``easyspec.tree`` is configured, the builders report at most ``UNIFORM_SINGLE_TOKEN_DECODE`` CUDA
 graph support (a full graph of a uniform ``1 + n``-token batch would replay captured chain metadata), and with
@@ -43,6 +45,7 @@ from vllm_easyspec.integration.compat import plugin_logger
 from vllm_easyspec.integration.options import tree_options
 from vllm_easyspec.integration.tree_attention import (
     TreeAttentionImplMixin,
+    TreeLevelMetadata,
     TreeVerifyBuilderMixin,
     active_forward,
     refuse_unsupported_layers,
@@ -266,6 +269,7 @@ class TreeGPUImplMixin(TreeAttentionImplMixin):
     """A vLLM GPU backend's attention, plus the tree-verify and draft-level forwards (module docstring)."""
 
     verify_metadata = TreeGPUVerifyMetadata
+    levels_in_cache = True
 
     def _fa_caches(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[num_blocks, block_size, Hkv, D]`` key and value views of the layer's logical
@@ -303,22 +307,19 @@ class TreeGPUImplMixin(TreeAttentionImplMixin):
         self.do_kv_cache_update(layer, keys.contiguous(), values.contiguous(), kv_cache,
                                 slots.to(kv_cache.device, torch.int64, non_blocking=True))
 
-    def gather_prefix(self, layer, kv_cache, block_table, prefix_lens, plans):
-        return gather_fa_prefix(*self._fa_caches(kv_cache), block_table, prefix_lens)
+    def _level(self, layer, query, key, value, kv_cache, meta: TreeLevelMetadata, output):
+        """A draft level through the paged cache: vLLM has written the frontier's K/V at columns
+        ``meta.first_column ..`` (the slot mapping ``TreeDrafting`` gives it), where the earlier levels' nodes
+        precede them; the rows attend as a verify's do, from that column on."""
+        from vllm_easyspec.kernels.tree_attention import tree_attention_triton, triton_default_fp32_precision
 
-
-def gather_fa_prefix(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
-                     prefix_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Requests' first ``max(prefix_lens)`` positions ``[B, Hkv, L, D]`` from FA-layout caches
-    ``[num_blocks, block_size, Hkv, D]`` (positions ``>= prefix_lens[b]`` are whatever the blocks hold)."""
-    block_size = key_cache.shape[1]
-    length = int(prefix_lens.max()) if prefix_lens.numel() else 0
-    blocks = block_table[:, : -(-length // block_size)].long()
-
-    def gather(cache: torch.Tensor) -> torch.Tensor:
-        return cache[blocks].flatten(1, 2)[:, :length].transpose(1, 2)
-
-    return gather(key_cache), gather(value_cache)
+        count, state = meta.num_actual_tokens, meta.state
+        out = tree_attention_triton(
+            query[:count], *self._fa_caches(kv_cache), state.block_table, state.prefix_lens, meta.query_starts,
+            meta.tree_mask.flatten(0, 1), self.scale, max_query_len=meta.width, first_column=meta.first_column,
+            fp32_precision=triton_default_fp32_precision(query.device))
+        output[:count] = out.to(output.dtype)
+        return output
 
 
 class TreeTritonAttentionMetadataBuilder(TreeGPUBuilderMixin, TritonAttentionMetadataBuilder):
@@ -357,12 +358,31 @@ class TreeFlashAttentionBackend(FlashAttentionBackend):
         return TreeFlashAttentionMetadataBuilder
 
 
+def reserve_level_slots(num_lookahead_tokens):
+    """``VllmConfig.num_lookahead_tokens`` (its getter given) with a tree: at least one slot more than the nodes a
+    drafting step forwards, so that the slots ``P + 1 .. P + forwarded`` a level writes (``_level``) are allocated
+    (vLLM's chain writes ``num_speculative_tokens - 1`` past its root, inside ``num_speculative_tokens``)."""
+
+    @functools.wraps(num_lookahead_tokens)
+    def with_level_slots(vllm_config) -> int:
+        slots = num_lookahead_tokens(vllm_config)
+        tree = tree_options(vllm_config) if slots else None  # no drafter writes past the target: nothing to add
+        return slots if tree is None else max(slots, tree.forwarded_nodes + 1)
+
+    return with_level_slots
+
+
 def install() -> None:
+    from vllm.config import VllmConfig
     from vllm.platforms import current_platform
 
     if not current_platform.is_cuda_alike():
         return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    # Replaces vllm.config.vllm.VllmConfig.num_lookahead_tokens (which vLLM's scheduler and warm-up read).
+    if not hasattr(VllmConfig.num_lookahead_tokens.fget, "__wrapped__"):
+        VllmConfig.num_lookahead_tokens = property(reserve_level_slots(VllmConfig.num_lookahead_tokens.fget))
 
     # Replaces the classes behind AttentionBackendEnum.TRITON_ATTN and FLASH_ATTN
     # (vllm.v1.attention.backends.triton_attn.TritonAttentionBackend, vllm.v1.attention.backends.flash_attn.
