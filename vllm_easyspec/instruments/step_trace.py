@@ -34,7 +34,9 @@ def trace_tree_step(path: str, step, metadata, logits: torch.Tensor, input_ids: 
                     positions: torch.Tensor, verdict, sampling_metadata) -> None:
     """Append one line for the verify step ``step`` (a ``TreeVerifyStep``) sampled into ``verdict``."""
     argmax = logits.float().argmax(-1).tolist()
-    greedy, _ = greedy_rows(sampling_metadata, len(metadata.num_draft_tokens))
+    rows = len(metadata.num_draft_tokens)
+    greedy, _ = greedy_rows([0.0] * rows if sampling_metadata.temperature is None else sampling_metadata.temperature.cpu(),
+                            rows)
     num_drafts = list(metadata.num_draft_tokens)
     cu_sampled = metadata.cu_num_sampled_tokens.tolist()
     output = verdict.sampler_output.sampled_token_ids.tolist()

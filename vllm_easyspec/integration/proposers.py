@@ -73,12 +73,13 @@ class DraftingBatch:
     num_tokens_no_spec: np.ndarray  # [rows] how many of them are real (no drafts)
     num_computed_tokens: np.ndarray  # [rows]
     num_prompt_tokens: np.ndarray  # [rows]
+    temperatures: np.ndarray  # [rows] what vLLM's sampler divides by (0 for greedy rows)
 
     @classmethod
     def of(cls, input_batch: Any, requests: Mapping[str, Any]) -> DraftingBatch:
         """The batch of vLLM's ``InputBatch`` and the runner's ``requests``."""
         return cls(list(input_batch.req_ids), requests, input_batch.token_ids_cpu, input_batch.num_tokens_no_spec,
-                   input_batch.num_computed_tokens_cpu, input_batch.num_prompt_tokens)
+                   input_batch.num_computed_tokens_cpu, input_batch.num_prompt_tokens, input_batch.temperature_cpu)
 
     def has_prompt_tokens(self, rows: int) -> bool:
         """Some request among the first ``rows`` still computes prompt tokens in this step."""

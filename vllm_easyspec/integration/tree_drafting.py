@@ -219,7 +219,7 @@ class TreeDrafting:
             token_indices_to_sample, common_attn_metadata, mm_embed_inputs, num_rejected_tokens_gpu)
         root_logits = grammar.mask(self._logits(root_hidden)[:, None])[:, 0]
         policy.first_pass_done(mark, common_attn_metadata.num_actual_tokens, batch_size)  # the roots' logits too
-        greedy, temperatures = greedy_rows(sampling_metadata, batch_size)
+        greedy, temperatures = greedy_rows(self.batch.temperatures, batch_size)  # the host's copy: no wait
         drafted = self.config.drafted_within(node_limit).within_depth(depth)
         draft = LevelwiseTreeDraft(drafted, root_logits, greedy, temperatures, sampling_metadata.generators)
         state = DraftTreeAttention(prefix_lens=(root_positions + 1).int(), block_table=cad.block_table_tensor[:batch_size])

@@ -23,13 +23,12 @@ PLACEHOLDER_TOKEN_ID = -1  # vLLM's marker for unused output slots
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures at or below this are greedy
 
 
-def greedy_rows(sampling_metadata, batch_size: int) -> tuple[list[bool], torch.Tensor | None]:
-    """Which of the first ``batch_size`` rows of vLLM's ``SamplingMetadata`` are greedy, and their temperatures
-    on the host (None when every row is greedy)."""
-    if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
-        return [True] * batch_size, None
-    temperature = sampling_metadata.temperature[:batch_size].float().cpu()
-    return (temperature <= SAMPLING_EPS).tolist(), temperature
+def greedy_rows(temperatures, batch_size: int) -> tuple[list[bool], torch.Tensor | None]:
+    """Which of the first ``batch_size`` rows are greedy, and their temperatures on the host (None when every row is
+    greedy), from per-row temperatures on the host (vLLM's ``InputBatch.temperature_cpu``, 0 for greedy rows)."""
+    temperature = torch.as_tensor(temperatures[:batch_size], dtype=torch.float32)
+    greedy = (temperature <= SAMPLING_EPS).tolist()
+    return greedy, None if all(greedy) else temperature
 
 
 @dataclass
