@@ -337,10 +337,20 @@ def test_tree_mode_limits_cuda_graphs_and_refuses_what_the_kernel_lacks():
         Builder(spec, [LAYER], stub_vllm_config(4, 2, 32, tree, fp8), device)
 
 
-def test_the_lookahead_holds_the_slots_a_drafting_steps_levels_write():
+def test_the_lookahead_holds_the_slots_a_drafting_steps_levels_write(tiny_llama_dir, tiny_llama_draft_dir):
     """With a tree, vLLM's scheduler reserves one slot more than the nodes a step forwards (the last level writes
     up to ``P + forwarded``), never fewer than vLLM's own lookahead; without a drafter or a tree, vLLM's."""
+    from vllm.config import VllmConfig
+    from vllm.engine.arg_utils import EngineArgs
+
     from vllm_easyspec.integration.gpu.attention_backend import reserve_level_slots
+
+    config = EngineArgs(model=str(tiny_llama_dir), additional_config={"easyspec": {"tree": {
+        "top_k": 4, "depth": 4, "budget": 6}}}, speculative_config={
+        "method": "draft_model", "model": str(tiny_llama_draft_dir)}).create_engine_config()
+    patched = VllmConfig.__dict__["num_lookahead_tokens"].fget  # the plugin patches it on GPUs
+    vllms = getattr(patched, "__wrapped__", patched)
+    assert (vllms(config), reserve_level_slots(vllms)(config)) == (6, 13)
 
     def lookahead(tree: dict | None, vllms: int) -> int:
         return reserve_level_slots(lambda config: vllms)(gpu_backend_cases.stub_vllm_config(4, 2, 32, tree))
