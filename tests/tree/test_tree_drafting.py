@@ -201,24 +201,30 @@ def test_the_states_an_eagle_level_feeds_are_dense_rows_of_each_nodes_parent(bat
 
 def test_drafting_a_dynamic_tree_on_a_device_waits_for_nothing():
     """Greedy EAGLE-2 drafting of a batch with its logits on a device (``fake_device``): the levels, their
-    masks and the tree it builds never make the host wait for the device (the checks that would are taken on
-    the host only; the verify step checks the trees it verifies, on the host)."""
+    masks, the levels' cache slots and query starts (a GPU drafter's attention metadata) and the tree it builds
+    never make the host wait for the device (the checks that would are taken on the host only; the verify step
+    checks the trees it verifies, on the host)."""
     from tests.fake_device import counting_syncs, on_host, second_device
+    from vllm_easyspec.integration.tree_attention import DraftTreeAttention, TreeLevelMetadata
 
     config = TreeConfig.model_validate({"top_k": 2, "depth": 3, "budget": 5})
     roots = [1, 2]
 
     def draft(device):
         root_logits = torch.stack([path_logits(r, ()) for r in roots]).to(device)
+        state = DraftTreeAttention(prefix_lens=torch.tensor([20, 33], dtype=torch.int32).to(device),
+                                   block_table=torch.tensor([[4, 9, 0], [2, 3, 7]], dtype=torch.int32).to(device))
         draft = LevelwiseTreeDraft(config, root_logits, [True, True], temperatures=torch.zeros(2), generators={})
+        slots = []
         while not draft.done:
             tokens = draft.frontier_tokens()
-            draft.frontier_mask()
+            level = TreeLevelMetadata(state, tokens.shape[1], draft.frontier_mask())
+            slots += [level.slots(block_size=16, max_model_len=48), level.query_starts]
             draft.frontier_parent_columns()
             logits = torch.randn(2, tokens.shape[1], VOCAB, generator=torch.Generator().manual_seed(tokens.shape[1]))
             draft.expand(logits.to(device))
         trees = draft.build()
-        return [on_host(x).tolist() for x in (trees.tokens, trees.parents, trees.logprobs)]
+        return [on_host(x).tolist() for x in (trees.tokens, trees.parents, trees.logprobs, *slots)]
 
     expected = draft(torch.device("cpu"))
     with second_device() as device, counting_syncs() as waits:
