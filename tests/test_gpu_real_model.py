@@ -39,3 +39,40 @@ def test_every_cell_of_the_gpu_window_has_distinct_prompts_and_batch_32_is_full(
     for cell in cells:
         assert len(set(cell["prompts"])) == len(cell["prompts"]) == (8 if cell["batch_size"] == 1 else 32)
         assert cell["max_tokens"] == 128
+
+
+def test_each_window_runs_its_own_setups_after_the_reference():
+    from benchmarks.gpu.real_model_setups import SETUPS, window_setups
+
+    assert RunSettings().setups == window_setups(1) == ("vanilla", "eagle3_k3", "eagle_tree", "eagle_auto",
+                                                        "vanilla_plugin")
+    assert window_setups(2) == ("vanilla", "eagle_tree_uniform", "eagle3_k2", "eagle3_k4", "eagle3_adaptive",
+                                "vanilla_triton")
+    by_name = {s.name: s for s in SETUPS}
+    assert by_name["eagle_tree_uniform"].additional_config["easyspec"]["tree"]["uniform"] is True
+    assert by_name["vanilla_triton"].engine == {"attention_backend": "TRITON_ATTN"}
+    assert not any(by_name[name].plugin for name in ("eagle3_k2", "eagle3_k4", "eagle3_adaptive", "vanilla_triton"))
+
+
+def test_a_profiled_pass_is_folded_per_step_into_the_runners_scopes():
+    """``step_profile`` on this CPU: vLLM's runner scopes (as ``VLLM_CUSTOM_SCOPES_FOR_PROFILING`` names them) per
+    step, counted by ``forward``; no GPU, so no kernel time and every wall millisecond a host gap."""
+    import torch
+    from torch.profiler import record_function
+
+    from benchmarks.gpu import step_profile
+
+    profiler = step_profile.start()
+    x = torch.randn(64, 64)
+    for _ in range(3):
+        with record_function("gpu_model_runner: forward"):
+            x = torch.tanh(x @ x)
+        with record_function("gpu_model_runner: sample"):
+            x.argmax()
+    with record_function("unrelated"):
+        x.sum()
+    result = step_profile.summary(profiler)
+    assert result["steps"] == 3 and set(result["scopes_per_step"]) == {"forward", "sample"}
+    assert result["scopes_per_step"]["forward"]["host_ms"] > 0 == result["scopes_per_step"]["forward"]["gpu_ms"]
+    assert result["kernels_gpu_ms_per_step"] == {"attention": 0.0, "gemm": 0.0, "other": 0.0}
+    assert result["host_gap_ms_per_step"] == result["wall_ms_per_step"]

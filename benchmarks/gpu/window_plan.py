@@ -12,7 +12,6 @@ from pathlib import Path
 
 from benchmarks.gpu import target_parts
 from benchmarks.gpu.real_model_setups import (
-    SETUPS,
     TARGET_NAME,
     RunSettings,
     make_cells,
@@ -85,8 +84,9 @@ def plan(args: argparse.Namespace) -> int:
     cells = make_cells(settings)
     measure = measure_seconds_estimate(settings, cells)
     start = tuple(SECONDS["engine_graphs"][i] * TOGETHER_FACTOR[i] for i in (0, 1))
-    run_low = SECONDS["install"][0] + SECONDS["convert"][0] + start[0] + len(SETUPS) * measure / 2
-    run_high = SECONDS["install"][1] + SECONDS["convert"][1] + start[1] + len(SETUPS) * measure
+    engines = len(settings.setups)  # the first window's five (--window 2 runs six)
+    run_low = SECONDS["install"][0] + SECONDS["convert"][0] + start[0] + engines * measure / 2
+    run_high = SECONDS["install"][1] + SECONDS["convert"][1] + start[1] + engines * measure
     calls = []
     for i, (name, size, after) in enumerate(kit):
         calls.append((f"carry [\"{name}\"]", f"cat {name}/* {'>' if i == 0 else '>>'} /tmp/blob && ls -l /tmp/blob",
@@ -97,7 +97,7 @@ def plan(args: argparse.Namespace) -> int:
     run_carry = [".gpu/proj", ".gpu/head", ".gpu/target"]
     calls.append((f"carry {json.dumps(run_carry)}  timeout_s 600", "bash benchmarks/gpu/real_model.sh",
                   proj + head + (ROOT / ".gpu/target/manifest.json").stat().st_size,
-                  f"LIMIT 570 s inside; {len(SETUPS)} engines, {settings.start_together} starting together",
+                  f"LIMIT 570 s inside; {engines} engines, {settings.start_together} starting together",
                   (run_low, run_high)))
     print(f"Working tree: {now / MiB:.1f} MiB now, {slim / MiB:.1f} MiB after slim.sh (what every call ships).")
     print(f"Kit parts: {kit_source}. .gpu/proj: "
