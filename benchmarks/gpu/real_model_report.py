@@ -75,11 +75,10 @@ def _fmt(value: float | None, spec: str = ".1f", suffix: str = "") -> str:
 def markdown(report: dict[str, Any]) -> str:
     settings = report["settings"]
     device = next((e["facts"]["device"] for e in report["engines"] if e.get("facts")), settings["device"])
-    kind = " (lossless run: tokens against vanilla's, differences by vanilla's logit margin)" \
-        if settings["identity"] else ""
+    run = "the lossless run (tokens against vanilla's, differences by vanilla's logit margin)" \
+        if settings["identity"] else f"window {report['window']}"
     lines = [
-        f"# Issue 59, window {report['window']}{kind}: {TARGET_NAME} ({settings['dtype']}) + the committed EAGLE-3 "
-        f"head on {device}",
+        f"# Issue 59, {run}: {TARGET_NAME} ({settings['dtype']}) + the committed EAGLE-3 head on {device}",
         "",
         f"Greedy, {settings['max_tokens']} new tokens, {settings['repeats']} repeats per cell inside each engine "
         f"(median [min–max]); batch 1 serves {settings['prompts_at_batch_1']} prompts one after another, batch B "
