@@ -166,3 +166,22 @@ def test_a_host_clock_delivers_at_once(device):
     seconds = []
     clock.stop(clock.start(), seconds.append)
     assert len(seconds) == 1 and seconds[0] >= 0 and clock.pending == 0
+
+
+@pytest.mark.parametrize(("policy", "reads"), [("every_round", 0), ("never", 0), ("on_mismatch", 1)])
+def test_bonus_calibration_reads_acceptance_only_where_its_policy_decides_by_it(policy, reads):
+    """EasySpec's first draft forward: ``every_round`` (the default) and ``never`` decide without the device;
+    ``on_mismatch`` reads once whether every draft was accepted (here one was not: the forward runs exact)."""
+    from vllm_easyspec.easyspec.calibration import CalibrationSchedule
+    from vllm_easyspec.integration.proposers import EasySpecDraftProposer
+
+    proposer = object.__new__(EasySpecDraftProposer)
+    proposer.calibration, proposer.drafting_batch = CalibrationSchedule(policy), types.SimpleNamespace(
+        has_prompt_tokens=lambda rows: False)
+    with second_device() as device:
+        rejected = torch.tensor([0, 2, 0], device=device)
+        with counting_syncs() as waits:
+            proposer.start_drafting_step({"num_rejected_tokens_gpu": rejected,
+                                          "common_attn_metadata": types.SimpleNamespace(batch_size=lambda: 3)})
+    assert len(waits) == reads, waits.describe()
+    assert proposer.calibration.next_forward_exact() is (policy != "never")
