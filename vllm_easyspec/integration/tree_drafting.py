@@ -268,8 +268,9 @@ class TreeDrafting:
         if parent_states is not None:
             proposer.hidden_states[:count] = parent_states
             inputs["hidden_states"] = proposer.hidden_states[:padded]
-        slots = (proposer._get_slot_mapping(padded, metadata.slots(proposer.block_size, proposer.max_model_len)) if self._levels_in_cache
-                 else {})
+        slots = {}  # on CPUs a level writes nothing
+        if self._levels_in_cache:
+            slots = proposer._get_slot_mapping(padded, metadata.slots(proposer.block_size, proposer.max_model_len))
         with set_forward_context({name: metadata for name in proposer._draft_attn_layer_names}, proposer.vllm_config,
                                  num_tokens=padded, num_tokens_across_dp=across_dp, cudagraph_runtime_mode=mode,
                                  slot_mapping=slots):
