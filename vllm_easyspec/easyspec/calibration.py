@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -19,13 +20,14 @@ CalibrationPolicy = Literal["every_round", "on_mismatch", "never"]
 
 
 def first_forward_is_exact(
-    policy: CalibrationPolicy, *, has_prompt_tokens: bool, all_drafts_accepted: bool
+    policy: CalibrationPolicy, *, has_prompt_tokens: bool, all_drafts_accepted: bool | Callable[[], bool]
 ) -> bool:
-    """Whether the first draft forward of a step runs exact under ``policy``."""
+    """Whether the first draft forward of a step runs exact under ``policy``; ``all_drafts_accepted`` may be a
+    function, called only where the policy decides by it (on a GPU it reads the device)."""
     if has_prompt_tokens or policy == "every_round":
         return True
     if policy == "on_mismatch":
-        return not all_drafts_accepted
+        return not (all_drafts_accepted() if callable(all_drafts_accepted) else all_drafts_accepted)
     if policy == "never":
         return False
     raise ValueError(f"unknown calibration policy {policy!r}; use every_round, on_mismatch or never")
@@ -42,7 +44,7 @@ class CalibrationSchedule:
     _first_pending: bool = False
     _first_exact: bool = False
 
-    def start_step(self, *, has_prompt_tokens: bool, all_drafts_accepted: bool) -> bool:
+    def start_step(self, *, has_prompt_tokens: bool, all_drafts_accepted: bool | Callable[[], bool]) -> bool:
         exact = first_forward_is_exact(
             self.policy, has_prompt_tokens=has_prompt_tokens, all_drafts_accepted=all_drafts_accepted
         )

@@ -190,17 +190,16 @@ class EasySpecDraftProposer(PluginProposerMixin, DraftModelProposer):
         return model
 
     def start_drafting_step(self, arguments: dict[str, Any]) -> None:
-        """Bonus calibration: tell the schedule whether this step's first forward must run exact. Whether every
-        draft was accepted is read from the device only where the policy decides by it (``on_mismatch``)."""
+        """Bonus calibration: tell the schedule whether this step's first forward must run exact (whether every
+        draft was accepted is read from the device only if the schedule's policy asks)."""
         if self.calibration is None:
             return
+        rejected = arguments.get("num_rejected_tokens_gpu")
         batch = arguments["common_attn_metadata"].batch_size()
         batch_view = self.drafting_batch
-        has_prompt_tokens = batch_view is None or batch_view.has_prompt_tokens(batch)
-        rejected = arguments.get("num_rejected_tokens_gpu")
-        reads = rejected is not None and self.calibration.policy == "on_mismatch" and not has_prompt_tokens
-        all_accepted = not reads or not bool((rejected[:batch] != 0).any())
-        self.calibration.start_step(has_prompt_tokens=has_prompt_tokens, all_drafts_accepted=all_accepted)
+        self.calibration.start_step(
+            has_prompt_tokens=batch_view is None or batch_view.has_prompt_tokens(batch),
+            all_drafts_accepted=lambda: rejected is None or not bool((rejected[:batch] != 0).any()))
 
 
 class EasySpecEagleProposer(PluginProposerMixin, EagleProposer):
