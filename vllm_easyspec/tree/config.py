@@ -276,7 +276,7 @@ class TreeConfig(BaseModel):
         """Most nodes one drafting step forwards through the drafter, level by level (those that get children:
         a static template's inner nodes, or a dynamic tree's ``top_k`` per depth but the last)."""
         if self.choices is not None:
-            return len({tuple(choice[:-1]) for choice in self.choices if len(choice) > 1})
+            return sum(len(level) for level in self.template().expansion_levels()[1:])
         assert self.top_k is not None and self.depth is not None
         return self.top_k * (self.depth - 1)
 
