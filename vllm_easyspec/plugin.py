@@ -9,7 +9,7 @@ _registered = False
 
 
 def register() -> None:
-    """Install the plugin into this process. Idempotent; refuses any vLLM other than 0.32.0."""
+    """Install the plugin into this process. Idempotent; refuses any vLLM but 0.32.0 and 0.33.0."""
     global _registered
     if _registered:
         return

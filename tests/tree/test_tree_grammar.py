@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import types
 
+import numpy as np
+import pytest
 import torch
 
 VOCAB = 64
@@ -71,8 +73,10 @@ def test_a_reasoning_section_keeps_the_nodes_before_its_end_unconstrained(tiny_t
     assert _kept_nodes(_manager(None), request, TOKENS, PARENTS) == len(TOKENS)
     assert _kept_nodes(_manager(22), request, TOKENS, PARENTS) == TOKENS.index(22)  # node 8 ends the section
     assert _kept_nodes(_manager(15), request, TOKENS, PARENTS) == 0
-    rows = _node_rows(_manager(22), request, TOKENS[:8], PARENTS[:8], root=None)
-    assert rows.shape[0] == 8 and bool((rows == -1).all())  # nothing constrained
+    root = torch.full((2,), -1, dtype=torch.int32).numpy()
+    root[0] &= ~(1 << 5)  # vLLM 0.33 masks implicit reasoning ends in a reasoning row; 0.32 masks nothing there
+    rows = _node_rows(_manager(22), request, TOKENS[:8], PARENTS[:8], root=root)
+    assert rows.shape == (8, 2) and bool((rows == root).all())  # each node's row is vLLM's reasoning row
 
 
 def test_each_nodes_row_is_the_grammars_mask_after_its_path_and_the_matcher_ends_where_it_began(tiny_tokenizer_dir):
@@ -95,3 +99,52 @@ def test_each_nodes_row_is_the_grammars_mask_after_its_path_and_the_matcher_ends
     after = xgr.allocate_token_bitmask(1, VOCAB)
     grammar.fill_bitmask(after, 0)
     assert torch.equal(after[0], torch.from_numpy(root)) and not grammar.is_terminated()
+
+
+def _vllm_rows(request_ids: list[str], drafts: dict[str, list[int]], strided: int) -> np.ndarray:
+    """vLLM's grammar_bitmask output for chains: each request's root row ``r * 100``, then one row per draft
+    ``r * 100 + 1 + i``; back to back (0.32), or in a block of ``strided`` rows each, the rest stale (0.33)."""
+    rows = []
+    for index, req_id in enumerate(request_ids):
+        block = [index * 100 + i for i in range(1 + len(drafts.get(req_id, ())))]
+        rows += block + [-7] * (strided - len(block)) if strided else block
+    return np.repeat(np.asarray(rows, dtype=np.int32)[:, None], 2, axis=1)
+
+
+def _worker_rows(bitmask: np.ndarray, request_ids: list[str], drafts: dict[str, list[int]], strided: bool) -> dict:
+    """Each request's rows as vLLM's worker reads them (structured_output.utils.apply_grammar_bitmask): 0.32 walks
+    the rows back to back, 0.33 infers a block of ``len(bitmask) // requests`` rows per request."""
+    stride = len(bitmask) // len(request_ids) if strided else 0
+    out, start = {}, 0
+    for req_id in request_ids:
+        count = 1 + len(drafts.get(req_id, ()))
+        out[req_id] = bitmask[start : start + count, 0].tolist()
+        start += stride or count
+    return out
+
+
+@pytest.mark.parametrize("release", ["0.32.0", "0.33.0"])
+def test_tree_rows_land_where_each_releases_worker_reads_them(monkeypatch, release):
+    """A tree request's rows (root, then one per node) are where the worker of that vLLM release reads them,
+    among chain requests and requests without drafts (issue 69: 0.33 gives each request a fixed block)."""
+    from vllm_easyspec.integration import tree_grammar
+    from vllm_easyspec.integration.compat import RELEASES
+
+    strided = RELEASES[release].strided_grammar_rows
+    stride = 1 + 5 if strided else 0  # num_speculative_tokens 5
+    monkeypatch.setattr(tree_grammar, "vllm_release", lambda: RELEASES[release])
+    monkeypatch.setattr(tree_grammar, "_node_rows", lambda manager, request, tokens, parents, root:
+                        root[None] + 1 + np.arange(len(tokens), dtype=np.int32)[:, None] * 10)  # node j: root + 1 + 10 j
+    request_ids = ["chain", "tree", "none", "tree2"]
+    drafts = {"chain": [1, 2], "tree": [3, 4, 5, 6, 7], "tree2": [8]}
+    requests = {req_id: types.SimpleNamespace() for req_id in request_ids}
+    setattr(requests["tree"], tree_grammar._REQUEST_PARENTS, [-1, 0, 0, 1, 1])
+    setattr(requests["tree2"], tree_grammar._REQUEST_PARENTS, [-1])
+
+    def original(manager, requests, structured_output_request_ids, scheduled_spec_decode_tokens):
+        return _vllm_rows(structured_output_request_ids, scheduled_spec_decode_tokens, stride)
+
+    bitmask = tree_grammar._grammar_bitmask(original)(None, requests, request_ids, drafts)
+    assert len(bitmask) == (len(request_ids) * stride if strided else 4 + 2 + 5 + 1)
+    assert _worker_rows(bitmask, request_ids, drafts, strided) == {
+        "chain": [0, 1, 2], "tree": [100, 101, 111, 121, 131, 141], "none": [200], "tree2": [300, 301]}

@@ -156,6 +156,35 @@ def test_quantized_kv_cache_is_refused_with_trees(tiny_llama_dir, tiny_llama_dra
         args.create_engine_config()
 
 
+def test_a_lossy_acceptance_rule_is_refused_with_the_field_and_the_fix(tiny_llama_dir, tiny_llama_draft_dir):
+    """vLLM's synthetic rule accepts drafts the target would not sample; a tree engine is lossless (issue 69)."""
+    args = _engine_args(tiny_llama_dir, tiny_llama_draft_dir, {"rejection_sample_method": "synthetic",
+                                                               "synthetic_acceptance_length": 2.0})
+    with pytest.raises(EasySpecConfigError, match=r"rejection_sample_method 'synthetic' accepts drafts the target "
+                                                  r"would not sample; remove it \(or set \"standard\" or \"block\"\)"):
+        args.create_engine_config()
+
+
+@pytest.mark.parametrize(("release", "rule", "refused"), [
+    ("0.32.0", "synthetic", True), ("0.32.0", "block", False), ("0.32.0", "standard", False),
+    ("0.33.0", "synthetic", True), ("0.33.0", "fly", True), ("0.33.0", "block", False),
+])
+def test_each_releases_lossy_rules_are_refused_and_block_is_not(tiny_llama_dir, tiny_llama_draft_dir, monkeypatch,
+                                                                release, rule, refused):
+    """The lossy rules come from compat.RELEASES (0.33 adds FLy's "fly"); "block" verifies losslessly."""
+    from vllm_easyspec.integration import front_end
+    from vllm_easyspec.integration.compat import RELEASES
+
+    monkeypatch.setattr(front_end, "vllm_release", lambda: RELEASES[release])
+    args = _engine_args(tiny_llama_dir, tiny_llama_draft_dir, {"rejection_sample_method": rule})
+    if refused:
+        with pytest.raises(EasySpecConfigError, match=f"rejection_sample_method '{rule}' accepts drafts"):
+            prepare_tree_engine_args(args, parse_easyspec_config(args.additional_config))
+    else:
+        prepare_tree_engine_args(args, parse_easyspec_config(args.additional_config))
+        assert args.speculative_config["rejection_sample_method"] == rule
+
+
 def test_levels_wider_than_the_drafters_buffers_are_refused(tiny_llama_dir, tiny_llama_draft_dir):
     """A level forwards max_num_seqs x its widest frontier rows through the drafter's token buffers."""
     args = _engine_args(tiny_llama_dir, tiny_llama_draft_dir, {}, tree={"top_k": 4, "depth": 3, "budget": 8})

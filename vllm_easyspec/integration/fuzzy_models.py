@@ -46,9 +46,9 @@ def check_fuzzy_architecture(architectures: Sequence[str] | None, hf_config: obj
 
 @contextlib.contextmanager
 def replicated_tensor_parallel() -> Iterator[None]:
-    """Build layers as if tensor parallelism were 1: every linear, embedding and attention layer built
-    inside holds full weights and all heads, and never communicates (vLLM layers read the TP size once,
-    at construction)."""
+    """Build layers as if tensor parallelism were 1 (replaces vllm.distributed.parallel_state._TP meanwhile): every
+    linear, embedding and attention layer built inside holds full weights and all heads, and never communicates
+    (vLLM layers read the TP size once, at construction)."""
     from vllm.distributed import parallel_state
 
     original = parallel_state._TP

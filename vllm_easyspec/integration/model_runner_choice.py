@@ -1,7 +1,6 @@
 """The seam ``VllmConfig.use_v2_model_runner``: an engine whose ``additional_config`` has ``easyspec`` runs vLLM's V1
 model runner, which the plugin is written against; every other engine keeps vLLM's own choice. Replaces the
-property ``vllm.config.vllm.VllmConfig.use_v2_model_runner`` of vLLM 0.32.0 (behind
-``integration.compat.check_vllm_version``).
+property ``vllm.config.vllm.VllmConfig.use_v2_model_runner`` (behind ``compat.check_vllm_version``).
 
 Invariant: an engine with ``easyspec`` options never runs Model Runner V2. Where the user forces V2
 (``VLLM_USE_V2_MODEL_RUNNER=1``) or asks for a feature that only V2 has, the engine is refused with one line

@@ -49,9 +49,9 @@ def plugin_proposers(options: EasySpecOptions | None) -> Iterator[None]:
     if options is not None and options.drafts_eagle_trees:
         replacements["EagleProposer"] = EasySpecEagleProposer
     originals = {name: getattr(gpu_model_runner, name) for name in replacements}
-    # Replaces, while GPUModelRunner.__init__ runs, the module globals DraftModelProposer
-    # (vllm.v1.spec_decode.draft_model.DraftModelProposer) and EagleProposer
-    # (vllm.v1.spec_decode.eagle.EagleProposer) of vllm.v1.worker.gpu_model_runner, which it instantiates.
+    # Replaces, while GPUModelRunner.__init__ runs, the module globals vllm.v1.worker.gpu_model_runner.DraftModelProposer
+    # and vllm.v1.worker.gpu_model_runner.EagleProposer (vLLM's vllm.v1.spec_decode.draft_model.DraftModelProposer and
+    # vllm.v1.spec_decode.eagle.EagleProposer), which it instantiates.
     for name, proposer_class in replacements.items():
         setattr(gpu_model_runner, name, proposer_class)
     try:

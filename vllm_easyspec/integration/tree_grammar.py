@@ -1,13 +1,15 @@
 """Structured output with token trees: each node's grammar mask from the grammar state along its own path
 (docs/design.md, "Requests a tree cannot serve exactly").
 
-vLLM 0.32 keeps a request's matcher in the scheduler, which validates a chain of drafts and fills one bitmask row
-per draft position; the worker applies row ``i`` to logit row ``i``. For a tree, the worker hands each
-structured-output request's node parents over with its drafts (:data:`~vllm_easyspec.integration.tree_step.DRAFT_PARENTS`
-on vLLM's ``DraftTokenIds``); ``update_draft_token_ids`` (seam) keeps the whole tree (in an open reasoning
-section, the nodes before the first that ends it), and ``grammar_bitmask`` (seam) fills vLLM's rows with the trees
-left out, then after each root row one row per node: the matcher's mask after the node's path (:func:`walk_paths`),
-a full mask after the grammar's end, the root's row for a forbidden node (its parent's row masks it).
+vLLM keeps a request's matcher in the scheduler, which validates a chain of drafts and fills one bitmask row per
+draft position after the request's root row (0.32 packs each request's rows back to back, 0.33 gives each a block of
+``1 + num_speculative_tokens`` rows: ``compat.RELEASES``); the worker applies them to the request's logit rows in
+order. For a tree, the worker hands each structured-output request's node parents over with its drafts
+(:data:`~vllm_easyspec.integration.tree_step.DRAFT_PARENTS` on vLLM's ``DraftTokenIds``); ``update_draft_token_ids``
+(seam) keeps the whole tree (in an open reasoning section, the nodes before the first that ends it), and
+``grammar_bitmask`` (seam) fills vLLM's rows with the trees left out, then after each root row one row per node: the
+matcher's mask after the node's path (:func:`walk_paths`), a full mask after the grammar's end, the root's row for a
+forbidden node (its parent's row masks it) and in an open reasoning section (vLLM's row there).
 
 Invariant: a request whose drafts come without parents is handled exactly as vLLM handles it.
 """
@@ -18,7 +20,7 @@ import functools
 
 import numpy as np
 
-from vllm_easyspec.integration.compat import plugin_logger
+from vllm_easyspec.integration.compat import plugin_logger, vllm_release
 from vllm_easyspec.integration.tree_step import DRAFT_PARENTS
 
 logger = plugin_logger(__name__)
@@ -100,13 +102,18 @@ def _grammar_bitmask(original):
             return original(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens)
         without_trees = {req_id: tokens for req_id, tokens in scheduled_spec_decode_tokens.items() if req_id not in trees}
         rows = original(self, requests, structured_output_request_ids, without_trees)
+        stride = len(rows) // len(structured_output_request_ids) if vllm_release().strided_grammar_rows else 0
         parts, start = [], 0
-        for req_id in structured_output_request_ids:
-            count = 1 + len(without_trees.get(req_id, ()))
-            parts.append(rows[start : start + count])
+        for req_id in structured_output_request_ids:  # strided: a block of rows each, its first 1 + drafts read
+            count = stride or 1 + len(without_trees.get(req_id, ()))
+            parts.append(rows[start : start + count].copy())
             start += count
-            if req_id in trees:
-                parts.append(_node_rows(self, requests[req_id], *trees[req_id], root=rows[start - 1]))
+            if req_id in trees:  # vLLM's one row for it, the root's; its nodes' rows after it
+                nodes = _node_rows(self, requests[req_id], *trees[req_id], root=parts[-1][0])
+                if stride:
+                    parts[-1][1 : 1 + len(nodes)] = nodes
+                else:
+                    parts.append(nodes)
         return np.concatenate(parts)
 
     return grammar_bitmask
@@ -114,10 +121,10 @@ def _grammar_bitmask(original):
 
 def _node_rows(manager, request, tokens: list[int], parents: list[int], root: np.ndarray) -> np.ndarray:
     """One bitmask row per node: the grammar's next-token mask after the node's path (module docstring, step 3)."""
+    if not _constrained_from_start(manager, request):  # a reasoning section's tree (_kept_nodes): vLLM's row there
+        return np.repeat(root[None], len(tokens), axis=0)
     grammar = request.structured_output_request.grammar
     bitmask = manager.backend.allocate_token_bitmask(len(tokens))  # every token allowed
-    if not _constrained_from_start(manager, request):
-        return bitmask.numpy()  # a reasoning section's tree (_kept_nodes): nothing constrained
 
     def fill(index: int, valid: bool) -> None:
         if not valid:
