@@ -69,6 +69,31 @@ def test_only_engines_with_easyspec_options_are_moved_to_vllms_v1_model_runner(m
             assert with_easyspec.use_v2_model_runner is False
 
 
+@pytest.mark.parametrize("feature", ["hisparse", "watermark", "draft_lm_head_quantization"])
+def test_a_feature_only_model_runner_v2_has_is_refused_with_easyspec_options(monkeypatch, feature):
+    """V1 would ignore vLLM 0.33's draft_lm_head_quantization silently; like HiSparse and watermarking, it is one
+    line naming the feature."""
+    from types import SimpleNamespace
+
+    import vllm.envs as envs
+
+    from vllm_easyspec.integration.model_runner_choice import ModelRunnerConflictError, _use_v2_model_runner
+
+    monkeypatch.setattr(envs, "VLLM_USE_V2_MODEL_RUNNER", None, raising=False)
+    config = SimpleNamespace(additional_config={"easyspec": {}}, attention_config=SimpleNamespace(hisparse_config=None),
+                             watermark_config=None, speculative_config=SimpleNamespace(draft_lm_head_quantization=None))
+    assert _use_v2_model_runner(config) is False
+    if feature == "hisparse":
+        config.attention_config.hisparse_config = object()
+    elif feature == "watermark":
+        config.watermark_config = object()
+    else:
+        config.speculative_config.draft_lm_head_quantization = "fp8"
+    with pytest.raises(ModelRunnerConflictError, match=r"runs on vLLM's V1 model runner, but .* needs Model Runner "
+                                                       r"V2; remove one of the two"):
+        _use_v2_model_runner(config)
+
+
 def test_forcing_v2_with_easyspec_options_fails_where_the_engine_is_created(monkeypatch, tiny_llama_dir):
     import vllm.envs as envs
     from vllm.engine.arg_utils import EngineArgs

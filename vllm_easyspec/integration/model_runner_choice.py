@@ -67,6 +67,8 @@ def _use_v2_model_runner(self: Any) -> bool:
             ("HiSparse attention (attention_config.hisparse_config)",
              getattr(attention, "hisparse_config", None) is not None),
             ("watermarking (watermark_config)", getattr(self, "watermark_config", None) is not None),
+            ("draft lm-head quantization (speculative_config.draft_lm_head_quantization, vLLM 0.33)",  # else ignored
+             getattr(getattr(self, "speculative_config", None), "draft_lm_head_quantization", None) is not None),
         )
         if present
     ]  # fmt: skip
