@@ -89,6 +89,7 @@ def print_report(findings: list[Finding], tree: VllmTree, inventory: dict, diff_
 
 
 def _print_finding(finding: Finding, tree: VllmTree, diff_from: VllmTree | None) -> None:
+    """One finding: what changed, who uses it, the review line, and with ``diff_from`` the definition's diff."""
     print(f"  {finding.target}  [{', '.join(finding.uses)}]")
     if finding.change == "signature" and finding.was.startswith("class(") and finding.now.startswith("class("):
         print(f"      {_class_change(finding.was, finding.now)}")
@@ -130,6 +131,7 @@ def _class_change(was: str, now: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line (module docstring); returns the exit status."""
     parser = argparse.ArgumentParser(prog="python -m tools.seams", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)

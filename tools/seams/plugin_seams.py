@@ -73,6 +73,7 @@ class PluginFile:
 
     @classmethod
     def read(cls, path: Path, root: Path) -> PluginFile:
+        """Parse ``path`` (a module under ``root``) and map the local names its imports bind."""
         relative = path.relative_to(root).as_posix()
         module = relative.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
         tree = ast.parse(path.read_text(), filename=str(path))
@@ -158,6 +159,7 @@ def derive(package: Path, tree: VllmTree, listed: dict[str, dict[str, list[str]]
 
 
 def _imports(plugin_file: PluginFile, tree: VllmTree, derivation: Derivation) -> None:
+    """Every vLLM import of one file, at any depth: a module, or ``module:name`` as written."""
     for node in ast.walk(plugin_file.tree):
         by = f"{plugin_file.relative}:{node.lineno}" if hasattr(node, "lineno") else plugin_file.relative
         if isinstance(node, ast.Import):

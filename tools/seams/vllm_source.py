@@ -101,6 +101,7 @@ class VllmTree:
         return self._bindings[module]
 
     def _bind(self, module: str, body: list[ast.stmt], found: dict, seen: set[str]) -> None:
+        """Add the names ``body`` binds at run time to ``found`` (``seen``: modules whose ``*`` is followed)."""
         for node in body:
             if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
                 found[node.name] = node
@@ -238,6 +239,7 @@ class VllmTree:
         return self._members[where]
 
     def member(self, where: str, name: str) -> Definition | None:
+        """A member of a class (``Inner.name`` through a nested class), through its vLLM bases."""
         head, _, rest = name.partition(".")
         definition = self.members(where).get(head)
         if rest and definition is not None and definition.kind == "class":
