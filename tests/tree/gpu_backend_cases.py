@@ -413,7 +413,7 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
                                 and torch.equal(kept.value.cpu(),
                                                 value[query_rows.to(dev)].transpose(1, 2).cpu())),
         "kept_block_size": kept.block_size,
-        "block_table_matches": bool(torch.equal(forward.block_table.cpu(), block_table[tree_request_rows])),
+        "block_table_matches": bool(torch.equal(kept.block_table.cpu(), block_table[tree_request_rows])),
         "num_moves": len(moves),
         "write_matches": bool(torch.equal(kv_cache.cpu(), expected.cpu())),
         "write_changed_cache": not torch.equal(kv_cache.cpu(), written.cpu()),

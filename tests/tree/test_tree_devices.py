@@ -111,9 +111,9 @@ def test_the_runners_commit_on_a_second_device_moves_the_branch_into_place():
             cache[slots] = keys + values
 
         forward = TreeVerifyForward(step)
-        forward.block_table = torch.tensor([[3, 9, 4, 7, 0, 0], [5, 6, 11, 8, 1, 2]], dtype=torch.int32, device=device)
+        block_table = torch.tensor([[3, 9, 4, 7, 0, 0], [5, 6, 11, 8, 1, 2]], dtype=torch.int32, device=device)
         forward.kept_kv["layer"] = VerifyKV(kept_key.to(device), torch.zeros_like(kept_key).to(device), block_size,
-                                            write)
+                                            write, block_table)
         runner = types.SimpleNamespace(  # what the commit reads of the runner
             input_ids=types.SimpleNamespace(gpu=torch.zeros(10, dtype=torch.int32, device=device)),
             positions=torch.zeros(10, dtype=torch.int64, device=device),

@@ -6,6 +6,8 @@ through the seams").
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from vllm_easyspec.instruments.step_trace import step_trace_path, trace_tree_step
@@ -14,7 +16,11 @@ from vllm_easyspec.integration.compat import plugin_logger
 from vllm_easyspec.integration.node_policy import TreeBudget, VerifyShape
 from vllm_easyspec.integration.options import easyspec_options
 from vllm_easyspec.integration.proposers import DraftingBatch, PluginProposerMixin, plugin_proposers
-from vllm_easyspec.integration.tree_attention import mark_target_builders, verifying
+from vllm_easyspec.integration.tree_attention import (
+    mark_target_builders,
+    refuse_layers_without_tree_attention,
+    verifying,
+)
 from vllm_easyspec.integration.tree_sampler import TreeRejectionSampler, TreeVerdict
 from vllm_easyspec.integration.tree_step import TreeVerifier, TreeVerifyForward, chain_sampler_serves
 from vllm_easyspec.tree.building import ChildDrawMode
@@ -55,10 +61,13 @@ class TreeRunnerMixin:
         drafting.verifier = self.tree_verifier
         self._step_trace = step_trace_path()
 
-    # Extends GPUModelRunner.initialize_kv_cache (CPUModelRunner's too): the target's GPU tree builders are marked
-    # (uniform batches through their buffers); with easyspec.tree.auto, the step's cost is measured once the
-    # caches exist, and the auto policy takes over the step's budget.
+    # Extends GPUModelRunner.initialize_kv_cache (CPUModelRunner's too): a tree engine refuses layers no tree backend
+    # serves before any cache exists; the target's GPU tree builders are marked (uniform batches through their
+    # buffers); with easyspec.tree.auto, the step's cost is measured once the caches exist, and the auto policy
+    # takes over the step's budget.
     def initialize_kv_cache(self, *args, **kwargs):
+        if self.tree_verifier is not None:
+            refuse_layers_without_tree_attention(self.vllm_config)
         result = super().initialize_kv_cache(*args, **kwargs)
         mark_target_builders(getattr(self, "attn_groups", ()),
                              getattr(getattr(self, "drafter", None), "_draft_attn_layer_names", None) or ())
@@ -78,13 +87,24 @@ class TreeRunnerMixin:
         policy.verify_started(mark, _verify_shape(scheduler_output, self.tree_verifier.forward))
         return result
 
-    # Extends GPUModelRunner._build_attention_metadata: tree requests get tree-attention metadata.
+    # Extends GPUModelRunner._build_attention_metadata: tree requests get tree-attention metadata, and a draft
+    # model's metadata is its own KV cache group's (vLLM 0.32 gives a DraftModelProposer group 0's block table and
+    # slot mapping: beside a hybrid target, whose group 0 may be a sliding-window group, the draft's K/V went to
+    # that group's blocks and overwrote the target's).
     def _build_attention_metadata(self, *args, **kwargs):
         forward = None if self.tree_verifier is None else self.tree_verifier.forward
         if forward is None:
-            return super()._build_attention_metadata(*args, **kwargs)
-        with verifying(forward):
-            return super()._build_attention_metadata(*args, **kwargs)
+            attn_metadata, spec_metadata = super()._build_attention_metadata(*args, **kwargs)
+        else:
+            with verifying(forward):
+                attn_metadata, spec_metadata = super()._build_attention_metadata(*args, **kwargs)
+        group = getattr(getattr(self, "drafter", None), "kv_cache_gid", -1)
+        if spec_metadata is not None and group > 0 and kwargs.get("slot_mappings"):
+            spec_metadata = copy.copy(spec_metadata)
+            spec_metadata.block_table_tensor = self.input_batch.block_table[group].get_device_tensor(
+                spec_metadata.num_reqs)
+            spec_metadata.slot_mapping = kwargs["slot_mappings"][group][: spec_metadata.slot_mapping.shape[0]]
+        return attn_metadata, spec_metadata
 
     # Extends GPUModelRunner._sample: a tree step is sampled by the tree sampler and committed here.
     def _sample(self, logits, spec_decode_metadata):
@@ -254,13 +274,13 @@ class TreeRunnerMixin:
         if not len(branch):
             return
         moves = branch.out_of_place(step.prefix_lens)  # only nodes of masked requests (paths are in place)
-        if len(moves):
-            block_table = forward.block_table.long()
-            moved = moves.to(block_table.device)  # the host's moves go to the cache's device once
+        if len(moves) and forward.kept_kv:
+            device = next(iter(forward.kept_kv.values())).key.device
+            moved = moves.to(device)  # the host's moves go to the cache's device once
             kept_rows = step.batch_rows if forward.kept_by_batch_row else forward.masked_index
-            masked_request = _onto(kept_rows, block_table)[moved.request_index]
-            for kept in forward.kept_kv.values():
-                blocks = block_table[masked_request, moved.destination // kept.block_size]
+            masked_request = _onto(kept_rows, moved.destination)[moved.request_index]
+            for kept in forward.kept_kv.values():  # each layer through its own KV cache group's block table
+                blocks = kept.block_table[masked_request, moved.destination // kept.block_size].long()
                 slots = blocks * kept.block_size + moved.destination % kept.block_size
                 kept.write(kept.key[masked_request, :, moved.source_column],
                            kept.value[masked_request, :, moved.source_column], slots)

@@ -29,12 +29,20 @@ import torch
 
 from vllm_easyspec.easyspec.config import EasySpecConfigError
 from vllm_easyspec.integration.tree_step import TreeVerifyForward
-from vllm_easyspec.tree.attention import attention_over_prefix_and_tree, prefix_and_tree_bias
+from vllm_easyspec.tree.attention import (
+    PLAIN,
+    AttentionFeatures,
+    TreePositions,
+    attention_over_prefix_and_tree,
+    prefix_and_tree_bias,
+)
 from vllm_easyspec.tree.verify_step import TreeVerifyStep
 
 _ACTIVE_VERIFY: contextvars.ContextVar[TreeVerifyForward | None] = contextvars.ContextVar(
     "easyspec_tree_verify", default=None
 )
+# True while a builder builds vLLM's metadata for the requests of a verify step that have no masked tree
+_WITHOUT_TREES: contextvars.ContextVar[bool] = contextvars.ContextVar("easyspec_without_trees", default=False)
 
 
 @contextlib.contextmanager
@@ -166,9 +174,10 @@ class DraftTreeAttention:
 
     prefix_lens: torch.Tensor  # [B] int32 on the drafter's device = root position + 1
     block_table: torch.Tensor  # [B, max_blocks]
+    column_depths: list[int] = field(default_factory=list)  # depth of each tree column (node) forwarded so far
     # CPU levels only (``levels_in_cache`` False): the nodes' K/V and the gathered prefixes, by draft layer
     stash: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # [B, Hkv, S, D]
-    prefix_kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    prefix_kv: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # and starts
     gather_plans: dict[Any, Any] = field(default_factory=dict)  # a backend's prefix reads, shared by layers
 
     def append(self, layer_name: str, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,7 +196,26 @@ class TreeLevelMetadata:
     state: DraftTreeAttention
     width: int  # F frontier nodes per request
     tree_mask: torch.Tensor  # [B, F, S + F]: the S nodes of earlier levels (tree columns), then the frontier's
+    depth: int = 1  # the frontier's depth (the root's children: 1)
     biases: dict[tuple, torch.Tensor] = field(default_factory=dict)  # built once, shared by the layers
+
+    def __post_init__(self) -> None:
+        self.state.column_depths.extend([self.depth] * self.width)
+
+    def column_offsets(self) -> torch.Tensor:
+        """``[S + F]`` tree column ``c`` (a node) at logical position ``prefix_lens + column_offsets[c]``."""
+        return torch.tensor(self.state.column_depths[: self.tree_mask.shape[2]], dtype=torch.int32) - 1
+
+    def positions(self, starts: torch.Tensor) -> TreePositions:
+        """Logical positions of the level's rows and of every tree column so far (prefix read from ``starts``)."""
+        prefix = self.state.prefix_lens.long()
+        offsets = self.column_offsets().to(prefix.device)
+        columns = prefix[:, None] + offsets[None, :]
+        return TreePositions(queries=columns[:, -self.width:], columns=columns, prefix_starts=starts)
+
+    def lowest_query_positions(self) -> torch.Tensor:
+        """``[B]`` the lowest logical position among each request's rows."""
+        return self.state.prefix_lens.long() - 1 + self.depth
 
     @property
     def num_actual_tokens(self) -> int:
@@ -228,19 +256,22 @@ def per_request_rows(key: torch.Tensor, value: torch.Tensor, batch: int, width: 
     return split(key), split(value)
 
 
-def masked_attention(meta: Any, prefix_lens: torch.Tensor, query: torch.Tensor, prefix_key: torch.Tensor,
+def masked_attention(meta: Any, features: AttentionFeatures, positions: TreePositions | None,
+                     prefix_lens: torch.Tensor, query: torch.Tensor, prefix_key: torch.Tensor,
                      prefix_value: torch.Tensor, tree_key: torch.Tensor, tree_value: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """:func:`~vllm_easyspec.tree.attention.attention_over_prefix_and_tree` with ``meta.tree_mask``; the
-    additive mask is built by a forward's first layer, on the query's device, and kept in ``meta.biases``."""
+    """:func:`~vllm_easyspec.tree.attention.attention_over_prefix_and_tree` with ``meta.tree_mask``; the additive
+    mask is built by the first layer of a forward with these features (keyed by all that shapes it), on the
+    query's device, and kept in ``meta.biases``."""
     group = query.shape[2] // prefix_key.shape[1]
-    shape = (prefix_key.shape[2], tree_key.shape[2], group, query.dtype)
+    key = (prefix_key.shape[2], tree_key.shape[2], group, query.dtype, features.bias_key)
     tree_mask = meta.tree_mask.to(query.device, non_blocking=True)
-    bias = meta.biases.get(shape)
+    bias = meta.biases.get(key)
     if bias is None:
-        bias = meta.biases[shape] = prefix_and_tree_bias(prefix_lens, shape[0], tree_mask, group, query.dtype)
+        bias = meta.biases[key] = prefix_and_tree_bias(prefix_lens, key[0], tree_mask, group, query.dtype, features,
+                                                       positions)
     return attention_over_prefix_and_tree(query, prefix_key, prefix_value, prefix_lens, tree_key, tree_value,
-                                          tree_mask, scale, bias=bias)
+                                          tree_mask, scale, bias=bias, features=features, positions=positions)
 
 
 # ------------------------------------------------------------------------------------------ backends
@@ -248,9 +279,19 @@ class TreeVerifyBuilderMixin:
     """``build`` of a tree backend's metadata builder: vLLM's own, except while the runner builds a verify
     step's metadata (:func:`verifying`), when the backend's ``build_verify`` builds tree metadata."""
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        own_build = cls.__dict__.get("build")
+        if getattr(own_build, "__module__", None) == CHUNKED_LOCAL_MODULE:
+            # Replaces ChunkedLocalAttentionBuilder.build (vllm.model_executor.layers.attention.
+            # chunked_local_attention.create_chunked_local_attention_backend, which subclasses this builder for
+            # Llama 4's local layers): a verify step's trees are built on the real batch, chunks applied per row
+            # (AttentionFeatures.chunk); the rest of the batch goes through vLLM's virtual batches.
+            cls.build = _trees_on_the_real_batch(own_build)
+
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         forward = active_forward()
-        if forward is None or forward.masked is None:  # no step, or only paths: vLLM's attention serves it
+        if forward is None or forward.masked is None or _WITHOUT_TREES.get():  # vLLM's attention serves it
             return self.build_without_trees(common_prefix_len, common_attn_metadata, fast_build)
         return self.build_verify(common_prefix_len, common_attn_metadata, forward)
 
@@ -262,11 +303,34 @@ class TreeVerifyBuilderMixin:
         """vLLM's metadata for the batch's requests outside ``step`` (the masked trees) and their rows, or
         ``(None, None)``."""
         sub, rows = split_verify_batch(cm, step)
-        return (None, None) if sub is None else (self.build_without_trees(common_prefix_len, sub), rows)
+        if sub is None:
+            return None, None
+        token = _WITHOUT_TREES.set(True)
+        try:  # through the class's own build: vLLM's wrappers of this builder (chunked local attention) apply
+            return self.build(common_prefix_len, sub), rows
+        finally:
+            _WITHOUT_TREES.reset(token)
 
     def build_verify(self, common_prefix_len, cm, forward: TreeVerifyForward):
         """Tree metadata for ``forward.masked`` (never None here), vLLM's for the rest of the batch."""
         raise NotImplementedError
+
+
+CHUNKED_LOCAL_MODULE = "vllm.model_executor.layers.attention.chunked_local_attention"
+
+
+def _trees_on_the_real_batch(chunked_build):
+    """``ChunkedLocalAttentionBuilder.build`` (``chunked_build``) except while a verify step with masked trees is
+    built, when the tree builder gets the real batch."""
+
+    @functools.wraps(chunked_build)
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        forward = active_forward()
+        if forward is None or forward.masked is None or _WITHOUT_TREES.get():
+            return chunked_build(self, common_prefix_len, common_attn_metadata, fast_build)
+        return self.build_verify(common_prefix_len, common_attn_metadata, forward)
+
+    return build
 
 
 class TreeAttentionImplMixin:
@@ -277,6 +341,7 @@ class TreeAttentionImplMixin:
 
     verify_metadata: type
     levels_in_cache = False  # whether a draft level's K/V is written to the cache (its slot mapping) and read there
+    tree_features: AttentionFeatures = PLAIN  # the layer's, set at start-up (assign_layer_features)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
@@ -299,9 +364,10 @@ class TreeAttentionImplMixin:
         raise NotImplementedError
 
     def gather_prefix(self, layer, kv_cache: torch.Tensor, block_table: torch.Tensor, prefix_lens: torch.Tensor,
-                      plans: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[R, Hkv, max(prefix_lens), D]`` of one layer's cached prefixes (``plans``: what
-        the backend keeps across the layers of one forward)."""
+                      plans: dict, lowest_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys and values ``[R, Hkv, L, D]`` of one layer's cached prefixes, read from the first position (a block
+        boundary, also returned ``[R]``) that a row at ``lowest_positions`` sees under the layer's features, up to
+        ``prefix_lens``; ``plans``: what the backend keeps across the layers of one forward."""
         raise NotImplementedError
 
     def _level(self, layer, query, key, value, kv_cache, meta: TreeLevelMetadata, output):
@@ -310,39 +376,82 @@ class TreeAttentionImplMixin:
         count = batch * meta.width
         level_key, level_value = per_request_rows(key, value, batch, meta.width)
         tree_key, tree_value = state.append(layer.layer_name, level_key, level_value)
-        if layer.layer_name not in state.prefix_kv:
+        if layer.layer_name not in state.prefix_kv:  # the first level's rows are the lowest: later ones see less
             state.prefix_kv[layer.layer_name] = self.gather_prefix(
-                layer, kv_cache, state.block_table, state.prefix_lens, state.gather_plans
-            )
-        prefix_key, prefix_value = state.prefix_kv[layer.layer_name]
+                layer, kv_cache, state.block_table, state.prefix_lens, state.gather_plans,
+                meta.lowest_query_positions())
+        prefix_key, prefix_value, starts = state.prefix_kv[layer.layer_name]
         query = query[:count].reshape(batch, meta.width, *query.shape[1:])
-        out = masked_attention(meta, state.prefix_lens, query, prefix_key, prefix_value, tree_key, tree_value,
-                               self.scale)
+        features = self.tree_features
+        positions = meta.positions(starts) if features.uses_positions else None
+        out = masked_attention(meta, features, positions, state.prefix_lens, query, prefix_key, prefix_value,
+                               tree_key, tree_value, self.scale)
         output[:count] = out.reshape(count, *out.shape[2:]).to(output.dtype)
         return output
 
 
-def refuse_unsupported_layers(vllm_config, layer_names, no_window: Any) -> None:
-    """Start-up self-check shared by the tree backends: refuse tree mode for attention layers whose features
-    tree attention does not implement (``no_window`` is the backend's value for "no sliding window")."""
+def layer_features(layer, name: str) -> AttentionFeatures:
+    """A vLLM ``Attention`` layer's features, as its impl holds them: vLLM's CPU impl keeps the window as an int (-1:
+    none), its GPU impls as ``(left, right)`` (``(-1, -1)``: none); chunks are the ``ChunkedLocalAttention`` layer's."""
+    impl = layer.impl
+    window = getattr(impl, "sliding_window", None)
+    if isinstance(window, list | tuple):
+        if window[1] not in (0, -1):
+            raise EasySpecConfigError(f"easyspec.tree: attention layer {name} has a window reaching "
+                                      f"{window[1]} tokens ahead, which a decoder does not; remove easyspec.tree")
+        window = window[0] + 1 if window[0] >= 0 else None
+    elif window is not None and window < 0:
+        window = None
+    return AttentionFeatures(window=window, chunk=getattr(layer, "attention_chunk_size", None) or None,
+                             soft_cap=getattr(impl, "logits_soft_cap", None) or None,
+                             alibi_slopes=getattr(impl, "alibi_slopes", None), sinks=getattr(impl, "sinks", None))
+
+
+def assign_layer_features(vllm_config, layer_names) -> None:
+    """Start-up, for a tree builder's layers: each layer's impl learns its :class:`AttentionFeatures`."""
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention import Attention
 
     for name, layer in get_layers_from_vllm_config(vllm_config, Attention, layer_names).items():
-        impl = layer.impl
-        window = getattr(impl, "sliding_window", no_window)
-        unsupported = [
-            what for what, present in (
-                ("a sliding window", (tuple(window) if isinstance(window, list | tuple) else window)
-                 not in (no_window, None)),
-                ("ALiBi", getattr(impl, "alibi_slopes", None) is not None),
-                ("a logits soft cap", bool(getattr(impl, "logits_soft_cap", 0))),
-                ("attention sinks", getattr(impl, "sinks", None) is not None),
-                ("chunked local attention", getattr(impl, "chunk_lookback", -1) != -1),
-            ) if present
-        ]
-        if unsupported:
+        layer.impl.tree_features = layer_features(layer, name)
+
+
+def refuse_layers_without_tree_attention(vllm_config) -> None:
+    """Start-up check of a tree engine, over every layer of the target and the drafter that keeps state across
+    tokens (vLLM's ``AttentionLayerBase``): each must be one a tree backend serves exactly, or tree mode is refused
+    with the layer, the reason and the fix. Served: vLLM's decoder ``Attention`` and ``ChunkedLocalAttention``
+    layers whose impl is a tree backend's, each with a KV cache of its own."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    for name, layer in get_layers_from_vllm_config(vllm_config, AttentionLayerBase).items():
+        reason = _why_no_tree_backend_serves(layer)
+        if reason is not None:
             raise EasySpecConfigError(
-                f"easyspec.tree: attention layer {name} uses {' and '.join(unsupported)}, which tree "
-                "attention does not implement; remove easyspec.tree to use chain speculation with this model"
-            )
+                f"easyspec.tree: layer {name} ({type(layer).__name__}) {reason}, which no tree backend serves "
+                "exactly. Remove easyspec.tree from --additional-config to serve this model with chain speculation "
+                "(docs/compatibility.md lists what trees serve)")
+
+
+def _why_no_tree_backend_serves(layer) -> str | None:
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.layers.attention.chunked_local_attention import ChunkedLocalAttention
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+    from vllm.v1.attention.backend import AttentionType
+
+    if isinstance(layer, MLAAttention):
+        return "uses multi-head latent attention (MLA)"
+    if isinstance(layer, MambaBase):
+        return ("keeps a recurrent state (Mamba, linear attention or a short convolution), which a tree would need "
+                "once per branch")
+    if type(layer) not in (Attention, ChunkedLocalAttention):
+        return "is an attention variant of its own"
+    if layer.attn_type != AttentionType.DECODER:
+        return f"is {getattr(layer.attn_type, 'value', layer.attn_type)} attention, not a decoder's"
+    if getattr(layer, "kv_sharing_target_layer_name", None):
+        return f"reads the KV cache of layer {layer.kv_sharing_target_layer_name} (cross-layer KV sharing)"
+    if not isinstance(layer.impl, TreeAttentionImplMixin):
+        return (f"runs on the {type(layer.impl).__name__} attention backend (trees run on CPU_ATTN, TRITON_ATTN "
+                "and FLASH_ATTN)")
+    return None

@@ -239,7 +239,8 @@ class TreeDrafting:
         while not draft.done:
             tokens = draft.frontier_tokens()
             width = tokens.shape[1]
-            metadata = TreeLevelMetadata(state=state, width=width, tree_mask=draft.frontier_mask())
+            metadata = TreeLevelMetadata(state=state, width=width, tree_mask=draft.frontier_mask(),
+                                         depth=draft.frontier_depth)
             # one position per frontier row (vLLM's rotary op reads one per token, unchecked)
             positions = root_positions.repeat_interleave(width) + draft.frontier_depth
             if self.output_ids is not None:

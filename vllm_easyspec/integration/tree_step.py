@@ -141,6 +141,7 @@ class VerifyKV:
     value: torch.Tensor
     block_size: int
     write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # (keys, values [A, Hkv, D], slots [A])
+    block_table: torch.Tensor  # [R, max_blocks]: the rows' requests in the layer's KV cache group
 
 
 @dataclass
@@ -150,8 +151,7 @@ class TreeVerifyForward:
 
     step: TreeVerifyStep
     kept_kv: dict[str, VerifyKV] = field(default_factory=dict)  # by layer name, rows of ``masked``
-    block_table: torch.Tensor | None = None  # [R', max_blocks] of the masked requests, set by the builder
-    kept_by_batch_row: bool = False  # kept K/V and block table of every request by batch row (a uniform step)
+    kept_by_batch_row: bool = False  # kept K/V and block tables of every request by batch row (a uniform step)
     masked: TreeVerifyStep | None = field(init=False)  # None: every tree is a path
     masked_index: torch.Tensor | None = field(init=False)  # [R] each request's index in ``masked``, -1: a path
 

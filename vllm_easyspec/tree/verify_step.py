@@ -120,12 +120,14 @@ class TreeVerifyStep:
         rows = self.query_starts[:, None] + torch.arange(self.width)[None, :]
         return torch.where(self.valid_rows, rows, self.query_starts[:, None])
 
+    def column_positions(self) -> torch.Tensor:
+        """``[R, W]`` logical position ``P + depth`` of every query column (padding columns: the root's, ``P``)."""
+        depth = torch.cat([torch.zeros_like(self.trees.depth[:, :1]), self.trees.depth], dim=1)
+        return self.prefix_lens[:, None] + torch.where(self.valid_rows, depth, 0)
+
     def row_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(flattened rows, positions ``P + depth``) of every root and node."""
-        depth = torch.cat([torch.zeros_like(self.trees.depth[:, :1]), self.trees.depth], dim=1)
-        positions = self.prefix_lens[:, None] + depth
-        rows = self.attention_rows()
-        return rows[self.valid_rows], positions[self.valid_rows]
+        return self.attention_rows()[self.valid_rows], self.column_positions()[self.valid_rows]
 
     def banned_stop_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(step-local query ``[request, column]`` pairs, token) where a stop token must be masked: the

@@ -6,9 +6,12 @@ tree forward (:mod:`~vllm_easyspec.integration.tree_attention`):
 
 * **target verify** (:class:`TreeVerifyMetadata`): the ``1 + n`` rows of each tree that is not a path
   (paths go to the C++ kernel with the requests without drafts) attend, in one masked SDPA per layer, to its
-  cached prefix (read with the layout probed at start-up, :mod:`~vllm_easyspec.integration.cpu.kv_layout`)
-  and to the forward's own K/V of its root and nodes under the ancestor mask. The rows' K/V still go to their linear slots as vLLM writes them, and are kept for the
-  runner's commit, which writes the accepted branch through vLLM's own ``cpu_attn_reshape_and_cache``.
+  cached prefix (read with the layout probed at start-up, :mod:`~vllm_easyspec.integration.cpu.kv_layout`, from
+  the first block the layer's window or chunk lets a row see) and to the forward's own K/V of its root and nodes
+  under the ancestor mask, under the layer's :class:`~vllm_easyspec.tree.attention.AttentionFeatures`. Each KV
+  cache group (vLLM's hybrid manager: sliding and full layers apart) has its own builder and block table. The
+  rows' K/V still go to their linear slots as vLLM writes them, and are kept for the runner's commit, which
+  writes the accepted branch through vLLM's own ``cpu_attn_reshape_and_cache`` with the layer's group's table.
 * **draft level**: the draft prefix is read through the same layout reader.
 
 The tree rows never read a slot that the step itself wrote: the cache is only read back for the prefix.
@@ -33,25 +36,30 @@ from vllm_easyspec.integration.options import tree_options
 from vllm_easyspec.integration.tree_attention import (
     TreeAttentionImplMixin,
     TreeVerifyBuilderMixin,
+    assign_layer_features,
     masked_attention,
-    refuse_unsupported_layers,
 )
 from vllm_easyspec.integration.tree_step import TreeVerifyForward, VerifyKV
+from vllm_easyspec.tree.attention import AttentionFeatures, TreePositions
 
 BACKEND_PATH = "vllm_easyspec.integration.cpu.attention_backend.TreeCPUAttentionBackend"
 
 
 def gather_cpu_prefix(layer: Any, kv_cache: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor,
-                      plans: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values ``[R, heads, max(lengths), dim]`` of one layer's cache; the gather indices are built
-    once per layout and kept in ``plans`` for every layer of the forward."""
+                      plans: dict, features: AttentionFeatures, lowest_positions: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys and values ``[R, heads, L, dim]`` of one layer's cache, from the first block a row at
+    ``lowest_positions`` sees under ``features`` up to ``lengths``, and that block's first position ``[R]``; the
+    gather indices are built once per layout and reach and kept in ``plans`` for every layer of the forward."""
     num_blocks, kv_heads, block_size, fused = kv_cache.shape
-    key = (layer.isa, kv_cache.dtype, kv_heads, block_size, fused // 2)
+    layout = (layer.isa, kv_cache.dtype, kv_heads, block_size, fused // 2)
+    key = (*layout, features.reach)
     if key not in plans:
-        reader = _reader(*key)
-        plans[key] = (reader, reader.index(block_table, lengths))
+        reader = _reader(*layout)
+        starts = features.first_visible(lowest_positions.long()) if features.reach != (None, None) else None
+        plans[key] = (reader, reader.index(block_table, lengths, starts))
     reader, plan = plans[key]
-    return reader.gather(kv_cache, plan)
+    return *reader.gather(kv_cache, plan), plan.starts
 
 
 @functools.lru_cache(maxsize=16)
@@ -73,7 +81,8 @@ class TreeVerifyMetadata:
     single: tuple[int, int] | None  # (first, end) forward rows when the step has one tree request
     tree_mask: torch.Tensor  # [R, W, W]
     prefix_lens: torch.Tensor  # [R] = P, the cached prefix is positions < P
-    block_table: torch.Tensor  # [R, max_blocks] of the masked tree requests
+    block_table: torch.Tensor  # [R, max_blocks] of the masked tree requests, in this builder's KV cache group
+    column_positions: torch.Tensor  # [R, W] logical position P + depth of each query column
     gather_plans: dict[Any, GatherPlan] = field(default_factory=dict)  # prefix reads, shared by the layers
     biases: dict[tuple, torch.Tensor] = field(default_factory=dict)  # built once, shared by the layers
 
@@ -88,19 +97,19 @@ class TreeCPUAttentionMetadataBuilder(TreeVerifyBuilderMixin, CPUAttentionMetada
             self._check_tree_support(layer_names, vllm_config)
 
     def _check_tree_support(self, layer_names, vllm_config) -> None:
-        """Start-up self-check: refuse tree mode where tree attention would not be exact."""
+        """Start-up self-check: refuse tree mode where tree attention would not be exact; each layer learns its
+        features."""
         dtype = vllm_config.model_config.dtype if self.kv_cache_dtype in ("auto", None) else None
         if dtype is None:
             raise EasySpecConfigError("easyspec.tree supports only unquantized KV caches, got "
                                       f"kv_cache_dtype {self.kv_cache_dtype!r}")
         probe_cpu_kv_layout(self.isa, dtype, self.num_kv_heads, self.block_size, self.head_dim)
-        refuse_unsupported_layers(vllm_config, layer_names, no_window=-1)
+        assign_layer_features(vllm_config, layer_names)
 
     def build_verify(self, common_prefix_len, cm, forward: TreeVerifyForward) -> TreeVerifyMetadata:
         step = forward.masked
         chain, chain_rows = self.build_requests_without_tree(common_prefix_len, cm, step)
         block_table = cm.block_table_tensor[step.batch_rows]
-        forward.block_table = block_table
         query_rows = step.attention_rows()
         return TreeVerifyMetadata(
             num_actual_tokens=cm.num_actual_tokens,
@@ -114,6 +123,7 @@ class TreeCPUAttentionMetadataBuilder(TreeVerifyBuilderMixin, CPUAttentionMetada
             tree_mask=step.attention_mask,
             prefix_lens=step.prefix_lens,
             block_table=block_table,
+            column_positions=step.column_positions(),
         )
 
 
@@ -122,8 +132,9 @@ class TreeCPUAttentionImpl(TreeAttentionImplMixin, CPUAttentionBackendImpl):
 
     verify_metadata = TreeVerifyMetadata
 
-    def gather_prefix(self, layer, kv_cache, block_table, prefix_lens, plans):
-        return gather_cpu_prefix(layer, kv_cache, block_table, prefix_lens, plans)
+    def gather_prefix(self, layer, kv_cache, block_table, prefix_lens, plans, lowest_positions):
+        return gather_cpu_prefix(layer, kv_cache, block_table, prefix_lens, plans, self.tree_features,
+                                 lowest_positions)
 
     def verify_trees(self, layer, query, key, value, kv_cache, meta: TreeVerifyMetadata, output):
         if meta.single is not None:  # one tree: its rows are one slice of the batch, no gathers
@@ -136,18 +147,21 @@ class TreeCPUAttentionImpl(TreeAttentionImplMixin, CPUAttentionBackendImpl):
             tree_query = query[rows]
             tree_key = key[rows].transpose(1, 2)  # [R, Hkv, W, D]
             tree_value = value[rows].transpose(1, 2)
-        prefix_key, prefix_value = self.gather_prefix(layer, kv_cache, meta.block_table, meta.prefix_lens,
-                                                      meta.gather_plans)
-        out = masked_attention(meta, meta.prefix_lens, tree_query, prefix_key, prefix_value, tree_key, tree_value,
-                               self.scale)
+        prefix_key, prefix_value, starts = self.gather_prefix(layer, kv_cache, meta.block_table, meta.prefix_lens,
+                                                              meta.gather_plans, meta.prefix_lens)  # roots lowest
+        features = self.tree_features
+        positions = (TreePositions(meta.column_positions, meta.column_positions, starts) if features.uses_positions
+                     else None)
+        out = masked_attention(meta, features, positions, meta.prefix_lens, tree_query, prefix_key, prefix_value,
+                               tree_key, tree_value, self.scale)
         if meta.single is not None:
             output[first:end] = out[0]
         else:
             output.index_copy_(0, meta.valid_flat_rows, out.reshape(-1, *out.shape[2:]).index_select(
                 0, meta.valid_flat_index).to(output.dtype))
         meta.forward.kept_kv[layer.layer_name] = VerifyKV(
-            tree_key, tree_value, kv_cache.shape[2], functools.partial(_write_cpu_cache, layer, kv_cache)
-        )
+            tree_key, tree_value, kv_cache.shape[2], functools.partial(_write_cpu_cache, layer, kv_cache),
+            meta.block_table)
         return output
 
 

@@ -126,20 +126,23 @@ def _refusal(isa: str, dtype: torch.dtype, reason: str) -> str:
 
 @dataclass(frozen=True)
 class GatherPlan:
-    """Where :meth:`PagedKVReader.gather` reads: ``width`` = the longest length, and the block ids
-    ``[R, blocks]`` (``vec``) or the flat cache indices of the keys and of the values ``[R, heads, width, dim]``."""
+    """Where :meth:`PagedKVReader.gather` reads: ``starts`` ``[R]`` the first position read per request (a block
+    boundary), ``width`` = the most positions read, and the block ids ``[R, blocks]`` (``vec``) or the flat cache
+    indices of the keys and of the values ``[R, heads, width, dim]``."""
 
+    starts: torch.Tensor
     width: int
     indices: tuple[torch.Tensor, ...]
 
 
 class PagedKVReader:
-    """Gathers the first ``lengths[r]`` positions of requests ``r`` from one layer's paged cache.
+    """Gathers positions ``starts[r] .. lengths[r] - 1`` of requests ``r`` from one layer's paged cache.
 
-    The gather plan depends only on the block tables, lengths and layout, so it is built once per forward
+    The gather plan depends only on the block tables, the ranges and the layout, so it is built once per forward
     (:meth:`index`) and used for every layer with that layout (:meth:`gather`). The ``vec`` layout (keys
     ``[dim, block_size]`` then values ``[block_size, dim]`` per block and head) is read as strided views of
-    whole blocks; any other permutation through a flat element index.
+    whole blocks; any other permutation through a flat element index. Blocks before ``starts`` are never read
+    (vLLM may have freed them: sliding windows, chunked local attention).
     """
 
     def __init__(self, layout: CpuKVLayout) -> None:
@@ -148,19 +151,25 @@ class PagedKVReader:
             layout.value_offsets, _vec_offsets(layout, keys=False)
         )
 
-    def index(self, block_table: torch.Tensor, lengths: torch.Tensor) -> GatherPlan:
-        """The gather plan of requests with these block tables and lengths (positions past a request's own
-        length, up to the longest, are padding: mask them)."""
+    def index(self, block_table: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor | None = None) -> GatherPlan:
+        """The gather plan of requests with these block tables, lengths and first positions ``starts`` (default 0;
+        rounded down to a block boundary). Positions past a request's own length, up to the widest range, are
+        padding: mask them."""
         layout = self.layout
-        width = max(int(lengths.max()), 1) if lengths.numel() else 1
+        lengths = lengths.long()
+        first_blocks = (torch.zeros_like(lengths) if starts is None
+                        else torch.minimum(starts.long(), lengths) // layout.block_size)
+        starts = first_blocks * layout.block_size
+        width = max(int((lengths - starts).max()), 1) if lengths.numel() else 1
+        num_blocks = -(-width // layout.block_size)
+        table = block_table.long()
+        columns = (first_blocks[:, None] + torch.arange(num_blocks)[None, :]).clamp(max=table.shape[1] - 1)
+        blocks = table.gather(1, columns)  # [R, blocks]
         if self.is_vec:
-            num_blocks = -(-width // layout.block_size)
-            return GatherPlan(width, (block_table[:, :num_blocks].long(),))
+            return GatherPlan(starts, width, (blocks,))
         positions = torch.arange(width, dtype=torch.int64)
-        blocks = block_table.long().gather(
-            1, (positions // layout.block_size).clamp(max=block_table.shape[1] - 1)[None].expand(len(block_table), -1)
-        )  # [R, L]
-        valid = positions[None, :] < lengths.long()[:, None]
+        blocks = blocks.gather(1, (positions // layout.block_size)[None].expand(len(table), -1))  # [R, L]
+        valid = positions[None, :] < (lengths - starts)[:, None]
         base = torch.where(valid, blocks * layout.block_numel, blocks[:, :1] * layout.block_numel)
         offset = positions % layout.block_size  # [L]
 
@@ -169,7 +178,7 @@ class PagedKVReader:
             inner = torch.where(valid[:, :, None, None], inner[None], inner[:1][None])  # [R, L, H, D]
             return (base[:, :, None, None] + inner).permute(0, 2, 1, 3).contiguous()
 
-        return GatherPlan(width, (flat(layout.key_offsets), flat(layout.value_offsets)))
+        return GatherPlan(starts, width, (flat(layout.key_offsets), flat(layout.value_offsets)))
 
     def gather(self, kv_cache: torch.Tensor, plan: GatherPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[R, heads, plan.width, dim]`` of one layer's cache (the ``vec`` layout reads whole

@@ -41,14 +41,14 @@ from vllm.v1.attention.backends.triton_attn import (
 )
 
 from vllm_easyspec.easyspec.config import EasySpecConfigError
-from vllm_easyspec.integration.compat import plugin_logger
+from vllm_easyspec.integration.compat import is_quantized_kv_cache, plugin_logger
 from vllm_easyspec.integration.options import tree_options
 from vllm_easyspec.integration.tree_attention import (
     TreeAttentionImplMixin,
     TreeLevelMetadata,
     TreeVerifyBuilderMixin,
     active_forward,
-    refuse_unsupported_layers,
+    assign_layer_features,
 )
 from vllm_easyspec.integration.tree_step import TreeVerifyForward, VerifyKV
 
@@ -137,7 +137,7 @@ class UniformTreeRows:
         return count
 
     def keep(self, layer_name: str, key: torch.Tensor, value: torch.Tensor, count: int, block_size: int,
-             write) -> VerifyKV | None:
+             write, block_table: torch.Tensor) -> VerifyKV | None:
         """Copy a target layer's rows ``[count * width, Hkv, D]`` into its buffers, and remember how the layer
         writes its cache (None for a drafter's layer)."""
         if layer_name not in self.kept_rows:
@@ -147,11 +147,12 @@ class UniformTreeRows:
         rows = count * self.width
         keys[:count].copy_(key[:rows].view(count, self.width, *key.shape[1:]).transpose(1, 2))
         values[:count].copy_(value[:rows].view(count, self.width, *value.shape[1:]).transpose(1, 2))
-        return VerifyKV(keys[:count], values[:count], block_size, write)
+        return VerifyKV(keys[:count], values[:count], block_size, write, block_table)
 
-    def kept_kv(self, count: int) -> dict[str, VerifyKV]:
-        """The layers' kept K/V of a step's ``count`` requests, as the runner's commit reads them."""
-        return {name: VerifyKV(keys[:count], values[:count], block_size, write)
+    def kept_kv(self, count: int, block_table: torch.Tensor) -> dict[str, VerifyKV]:
+        """The layers' kept K/V of a step's ``count`` requests, as the runner's commit reads them (``block_table``:
+        this builder's KV cache group's)."""
+        return {name: VerifyKV(keys[:count], values[:count], block_size, write, block_table)
                 for name, (keys, values, block_size, write) in self.kept.items()}
 
 
@@ -168,6 +169,8 @@ class TreeGPUBuilderMixin(TreeVerifyBuilderMixin):
             (vllm_config.compilation_config.max_cudagraph_capture_size or 0) // (1 + tree.num_nodes))
         self.uniform_rows = UniformTreeRows(requests, 1 + tree.num_nodes, torch.device(device)) if requests else None
         if tree is not None:
+            # a verify step's metadata is per group: never copied to another group with only its table replaced
+            self.supports_update_block_table = False
             self._check_tree_support(layer_names, vllm_config)
             warning = reduced_fp32_precision_warning(vllm_config.model_config.dtype, device)
             if warning is not None:
@@ -212,7 +215,6 @@ class TreeGPUBuilderMixin(TreeVerifyBuilderMixin):
         """Start-up self-check: refuse tree mode where the tree kernel would not be exact."""
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention import Attention
-        from vllm.utils.torch_utils import is_quantized_kv_cache
 
         if getattr(vllm_config.model_config, "rswa_window", None) is not None:
             raise EasySpecConfigError("easyspec.tree: this model uses reference sliding-window attention, "
@@ -222,7 +224,14 @@ class TreeGPUBuilderMixin(TreeVerifyBuilderMixin):
             if is_quantized_kv_cache(layer.impl.kv_cache_dtype):
                 raise EasySpecConfigError("easyspec.tree supports only unquantized KV caches, got "
                                           f"kv_cache_dtype {layer.impl.kv_cache_dtype!r}")
-        refuse_unsupported_layers(vllm_config, layer_names, no_window=(-1, -1))
+        assign_layer_features(vllm_config, layer_names)
+        for name, layer in get_layers_from_vllm_config(vllm_config, Attention, layer_names).items():
+            features = layer.impl.tree_features
+            if features.reach != (None, None) or features.soft_cap or features.sinks is not None \
+                    or features.alibi_slopes is not None:
+                raise EasySpecConfigError(f"easyspec.tree: attention layer {name} uses a sliding window, "
+                                          "chunks, soft caps, sinks or ALiBi, which the GPU tree kernel does not "
+                                          "implement yet; remove easyspec.tree to use chain speculation")
 
     def build_verify(self, common_prefix_len, cm, forward: TreeVerifyForward) -> TreeGPUVerifyMetadata:
         step = forward.masked
@@ -232,7 +241,6 @@ class TreeGPUBuilderMixin(TreeVerifyBuilderMixin):
         cu_query_lens = torch.zeros(len(step) + 1, dtype=torch.int32)
         cu_query_lens[1:] = step.num_queries.cpu().cumsum(0)
         block_table = cm.block_table_tensor[step.batch_rows.to(cm.block_table_tensor.device, non_blocking=True)]
-        forward.block_table = block_table
         return TreeGPUVerifyMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             chain=chain,
@@ -256,8 +264,8 @@ class TreeGPUBuilderMixin(TreeVerifyBuilderMixin):
         rows = uniform.rows[: count * uniform.width]
         block_table = cm.block_table_tensor[:count]
         if forward is not None:
-            forward.block_table, forward.kept_by_batch_row = block_table, True
-            forward.kept_kv = uniform.kept_kv(count)  # filled by the forward (or a graph it replays)
+            forward.kept_by_batch_row = True
+            forward.kept_kv.update(uniform.kept_kv(count, block_table))  # filled by the forward (or a graph replay)
         return TreeGPUVerifyMetadata(
             num_actual_tokens=cm.num_actual_tokens, chain=None, chain_rows=None, forward=forward, tree_rows=rows,
             cu_query_lens=uniform.cu_query_lens[: count + 1], tree_mask=uniform.tree_mask[: count * uniform.width],
@@ -292,10 +300,11 @@ class TreeGPUImplMixin(TreeAttentionImplMixin):
         output[rows] = out.to(output.dtype)
         write = functools.partial(self._write_rows, layer, kv_cache)
         if meta.uniform is not None:
-            kept = meta.uniform.keep(layer.layer_name, key, value, meta.query_rows.shape[0], key_cache.shape[1], write)
+            kept = meta.uniform.keep(layer.layer_name, key, value, meta.query_rows.shape[0], key_cache.shape[1], write,
+                                     meta.block_table)
         else:
             kept = VerifyKV(key[meta.query_rows].transpose(1, 2), value[meta.query_rows].transpose(1, 2),  # [R, Hkv, W, D]
-                            key_cache.shape[1], write)
+                            key_cache.shape[1], write, meta.block_table)
         if meta.forward is not None and kept is not None:
             meta.forward.kept_kv[layer.layer_name] = kept
         return output
