@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from tests.tree.attention_reference import reference_error, tree_attention_reference
+from tests.tree.attention_reference import depth_offsets, reference_error, tree_attention_reference
 from tests.tree.tree_testlib import make_paged_batch, random_parents
+from vllm_easyspec.tree.attention import AttentionFeatures
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -17,12 +18,14 @@ def _device() -> str:
 
 
 def _poisoned_batch(dtype: str, block_size: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
-                    sizes: list[int], prefix_lens: list[int], seed: int, forest_request: int | None) -> dict:
+                    sizes: list[int], prefix_lens: list[int], seed: int, forest_request: int | None,
+                    parents: list[list[int]] | None = None) -> dict:
     """``make_paged_batch`` with everything the kernel must not read poisoned: the pool blocks no request
     owns and the slots past each request's last position hold NaN, and the tree mask gets three extra
-    columns, true (like every column ``>= n_b`` of request ``b``'s rows)."""
+    columns, true (like every column ``>= n_b`` of request ``b``'s rows). ``parents``: the trees (else random)."""
     gen = torch.Generator().manual_seed(seed)
-    parents = [random_parents(n, gen, forest=(i == forest_request)) for i, n in enumerate(sizes)]
+    if parents is None:
+        parents = [random_parents(n, gen, forest=(i == forest_request)) for i, n in enumerate(sizes)]
     args = make_paged_batch(parents, prefix_lens, block_size, num_q_heads, num_kv_heads, head_dim,
                             DTYPES[dtype], seed=seed + 1)
     owned = [0] * args["key_cache"].shape[0]
@@ -42,14 +45,15 @@ def _poisoned_batch(dtype: str, block_size: int, num_q_heads: int, num_kv_heads:
     return {k: v.to(_device()) for k, v in args.items()}
 
 
-def _run_triton(args: dict, scale: float, launch: dict | None) -> torch.Tensor:
-    """The kernel on ``args`` into a NaN-filled output (every element must be written)."""
+def _run_triton(args: dict, scale: float, launch: dict | None, **features) -> torch.Tensor:
+    """The kernel on ``args`` into a NaN-filled output (every element must be written); ``features``: the
+    kernel's ``features``, ``column_offsets`` and ``first_column``."""
     from vllm_easyspec.kernels.tree_attention import TreeAttentionLaunch, tree_attention_triton
 
     out = torch.full(args["query"].shape, float("nan"), dtype=args["query"].dtype, device=args["query"].device)
     sizes = args["cu_query_lens"][1:] - args["cu_query_lens"][:-1]
     result = tree_attention_triton(**args, softmax_scale=scale, out=out, max_query_len=int(sizes.max()),
-                                   launch=None if launch is None else TreeAttentionLaunch(**launch))
+                                   launch=None if launch is None else TreeAttentionLaunch(**launch), **features)
     assert result is out
     return out
 
@@ -94,6 +98,75 @@ def triton_level_error(dtype: str, block_size: int, num_q_heads: int, num_kv_hea
     ref = tree_attention_reference(**reference, softmax_scale=scale, out_dtype=torch.float32)[rows]
     error = (out.cpu().float() - ref).abs() / ref.abs().clamp_min(1.0)
     return error.nan_to_num(nan=float("inf")).max().item()
+
+
+def make_features(name: str, num_q_heads: int) -> AttentionFeatures:
+    """The features a test names, joined by ``+``: ``window`` (16, or ``window=N``), ``chunk`` (32, or ``chunk=N``),
+    ``soft_cap`` (1.5), ``alibi`` (slopes 2^-(h+1)), ``sinks`` (-1 to 4 over the heads); ``plain``: none. Vectors on
+    the kernel's device."""
+    heads = torch.arange(num_q_heads, dtype=torch.float32)
+    vectors = {"alibi_slopes": 2.0 ** -(heads + 1), "sinks": torch.linspace(-1.0, 4.0, num_q_heads)}
+    defaults = {"window": 16, "chunk": 32, "soft_cap": 1.5, "alibi": "alibi_slopes", "sinks": "sinks"}
+    fields = {}
+    for part in name.split("+"):
+        key, _, value = part.partition("=")
+        if key == "plain":
+            continue
+        field = defaults[key] if key in ("alibi", "sinks") else key
+        fields[field] = vectors[field].to(_device()) if field in vectors else int(value or defaults[key])
+    if "soft_cap" in fields:
+        fields["soft_cap"] = float(defaults["soft_cap"])
+    return AttentionFeatures(**fields)
+
+
+def _poison_behind_reach(args: dict, features: AttentionFeatures, offsets: torch.Tensor, first_column: int,
+                         rows_per_request: list[int]) -> int:
+    """NaN into every block wholly before the first position the lowest row of each request sees (behind its window,
+    before its chunk: vLLM frees them, and their table entries may point at reused blocks); returns how many."""
+    block_size, poisoned = args["key_cache"].shape[1], 0
+    for b, (prefix, rows) in enumerate(zip(args["prefix_lens"].tolist(), rows_per_request)):
+        lowest = prefix + offsets[b, first_column: first_column + rows].min()
+        for logical in range(int(features.first_visible(lowest)) // block_size):
+            block = int(args["block_table"][b, logical])
+            args["key_cache"][block] = args["value_cache"][block] = float("nan")
+            poisoned += 1
+    return poisoned
+
+
+def triton_feature_errors(dtype: str, block_size: int, heads: tuple[int, int], head_dim: int,
+                          parents: list[list[int]], prefix_lens: list[int], seed: int, scale: float, features: str,
+                          launch: dict | None = None, level_width: int | None = None, ignored: bool = False) -> dict:
+    """Verify trees (request-local ``parents``, root first) under ``features`` (:func:`make_features`), each column at
+    logical position ``prefix + depth``; with ``level_width``, only the last ``level_width`` columns of each (equal
+    sized) tree are query rows, a draft level (``first_column = size - level_width``). Returns the kernel's error on
+    those rows against the float64 reference under the features (``error``), the blocks behind each request's reach
+    poisoned with NaN before the kernel runs (``poisoned``), and with ``ignored`` the error of the kernel without the
+    features, run before the poisoning (``ignored_error``)."""
+    sizes = [len(tree) for tree in parents]
+    args = _poisoned_batch(dtype, block_size, *heads, head_dim, sizes, prefix_lens, seed, None, parents=parents)
+    feats = make_features(features, heads[0])
+    offsets = depth_offsets(args["tree_mask"].cpu(), args["cu_query_lens"].cpu())
+    cu = args["cu_query_lens"].tolist()
+    width = level_width or max(sizes)
+    first_column = sizes[0] - width if level_width else 0
+    rows = torch.cat([torch.arange(cu[b + 1] - width, cu[b + 1]) if level_width else torch.arange(cu[b], cu[b + 1])
+                      for b in range(len(sizes))])
+    run = args if not level_width else dict(
+        args, query=args["query"][rows.to(_device())], tree_mask=args["tree_mask"][rows.to(_device())],
+        cu_query_lens=torch.arange(0, (len(sizes) + 1) * width, width, dtype=torch.int32, device=_device()))
+    reference = tree_attention_reference(**{k: v.cpu() for k, v in args.items()}, softmax_scale=scale,
+                                         out_dtype=torch.float32, features=feats, column_offsets=offsets)[rows]
+
+    def error(out: torch.Tensor) -> float:
+        return ((out.cpu().float() - reference).abs() / reference.abs().clamp_min(1.0)).nan_to_num(
+            nan=float("inf")).max().item()
+
+    kernel = dict(column_offsets=offsets.to(_device()), first_column=first_column)
+    result = {"ignored_error": error(_run_triton(run, scale, launch, **kernel))} if ignored else {}
+    result["poisoned"] = _poison_behind_reach(args, feats, offsets, first_column,
+                                              [width] * len(sizes) if level_width else sizes)
+    result["error"] = error(_run_triton(run, scale, launch, features=feats, **kernel))
+    return result
 
 
 def triton_attention_repeat_is_bitwise(dtype: str, block_size: int, num_q_heads: int, num_kv_heads: int,

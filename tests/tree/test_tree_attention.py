@@ -157,6 +157,68 @@ def test_triton_kernel_repeat_is_bitwise_identical(kernel_runner):
                          SPLIT_TREES["sizes"], SPLIT_TREES["prefix_lens"], seed=21, launch=SPLIT_LAUNCH)
 
 
+# Features (issue 68) at logical positions P + depth. Request 0: root at 62, a branch 62 -> 66 across the chunk
+# boundary 64 and a second one; request 1: root at 40, branches to depth 4. Window 16 / chunk 32 hide prefix blocks
+# (poisoned with NaN); a window of 4 and the chunk boundary at 64 also hide tree columns from deeper rows.
+FEATURE_TREES = dict(parents=[[-1, 0, 1, 2, 0, 4, 3], [-1, 0, 0, 1, 2, 3, 4, 5, 5]], prefix_lens=[62, 40])
+FEATURES = ["window", "chunk", "soft_cap", "alibi", "sinks", "window+sinks", "window=4+alibi", "chunk+soft_cap+sinks"]
+
+
+def _check_features(result: dict, features: str, dtype: str) -> None:
+    reaches = "window" in features or "chunk" in features
+    assert result["error"] < TOLERANCE[kernel_cases.DTYPES[dtype]], result
+    assert (result["poisoned"] > 0) == reaches  # and never read: NaN would make the error inf
+    if "ignored_error" in result:  # the plain kernel on the same rows is far off: the test sees the feature
+        assert result["ignored_error"] > 0.1, result
+
+
+@pytest.mark.parametrize("features", FEATURES)
+def test_triton_kernel_computes_each_feature_as_vllm_and_not_without_it(kernel_runner, features):
+    """Every tree row under the layer's features equals the float64 causal row at its logical position, where the
+    plain kernel is off by more than 0.1; blocks wholly behind the rows' windows or before their chunks hold NaN."""
+    result = kernel_runner(kernel_cases.triton_feature_errors, "float32", 16, (4, 2), 32, **FEATURE_TREES, seed=3,
+                           scale=0.17, features=features, ignored=True)
+    print(f"triton tree attention with {features}: max error {result['error']:.2e}, "
+          f"features ignored {result['ignored_error']:.2e}")
+    _check_features(result, features, "float32")
+
+
+@pytest.mark.parametrize("features", FEATURES)
+@pytest.mark.parametrize(("dtype", "launch"), [("float32", SPLIT_LAUNCH), ("bfloat16", None),
+                                               ("bfloat16", SPLIT_LAUNCH)], ids=["float32-splits", "bf16", "bf16-splits"])
+def test_triton_kernel_features_in_bf16_and_across_kv_splits(kernel_runner, features, dtype, launch):
+    """The features with 5 KV splits of 16 positions (the splits start at the tile's first visible position; the
+    sinks enter the merge) and in bf16."""
+    result = kernel_runner(kernel_cases.triton_feature_errors, dtype, 16, (4, 2), 32, **FEATURE_TREES, seed=4,
+                           scale=0.17, features=features, launch=launch)
+    _check_features(result, features, dtype)
+
+
+@pytest.mark.parametrize("features", ["window+sinks", "window=4+alibi", "chunk+soft_cap+sinks"])
+@pytest.mark.parametrize(("dtype", "launch"), [("float32", None), ("bfloat16", SPLIT_LAUNCH)], ids=["float32", "bf16-splits"])
+def test_triton_kernel_features_in_a_draft_level(kernel_runner, features, dtype, launch):
+    """A draft level (``first_column`` 6 of 9, depths 3 and 4) under features: its rows' positions come from the
+    column offsets of their own columns, not of the first ones."""
+    result = kernel_runner(kernel_cases.triton_feature_errors, dtype, 16, (8, 2), 32,
+                           parents=[FEATURE_TREES["parents"][1]] * 2, prefix_lens=[62, 40], seed=5, scale=0.17,
+                           features=features, launch=launch, level_width=3, ignored=dtype == "float32")
+    _check_features(result, features, dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_triton_kernel_features_large(kernel_runner, dtype):
+    """Llama-3-8B heads over 6 KV splits, a 65-row random tree and small ones, under a window of 64 with sinks and
+    a soft cap, and chunks of 256 with ALiBi."""
+    generator = torch.Generator().manual_seed(19)
+    parents = [random_parents(n, generator) for n in (65, 4, 1)]
+    launch = dict(block_m=128, block_n=64, num_splits=6, min_split_len=128, num_warps=8, num_stages=3)
+    for features in ("window=64+sinks+soft_cap", "chunk=256+alibi"):
+        result = kernel_runner(kernel_cases.triton_feature_errors, dtype, 16, (32, 8), 128, parents,
+                               [700, 0, 250], seed=20, scale=128 ** -0.5, features=features, launch=launch)
+        _check_features(result, features, dtype)
+
+
 LLAMA3_8B = dict(num_kv_heads=8, group=4, head_dim=128, element_size=2, sm_count=132, shared_memory=227 * 1024)
 
 

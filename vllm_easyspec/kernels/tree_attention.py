@@ -9,8 +9,17 @@ as are the columns before it; ``tree_mask`` ``[T, W]`` (bool / uint8): ``tree_ma
 ancestor of row ``t`` or ``t`` itself (diagonal included; only columns ``c < first_column + n_b`` are read). Row
 ``t`` attends to its request's whole prefix plus the tree positions its mask allows; softmax in fp32, output in
 ``out``'s dtype; ``Hq`` a multiple of ``Hkv``. Positions past ``prefix_lens[b] + first_column + n_b`` and their
-block-table entries are never read, nor positions past the block table's width. No atomics: repeated runs are bitwise identical. A verify forward's rows are
-the whole tree (``first_column`` 0); a draft level's rows are its frontier, the last columns of the tree so far.
+block-table entries are never read, nor positions past the block table's width. No atomics: repeated runs are
+bitwise identical. A verify forward's rows are the whole tree (``first_column`` 0); a draft level's rows are its
+frontier, the last columns of the tree so far.
+
+Features (the layer's ``AttentionFeatures``, as vLLM's Triton attention computes a causal row at the same logical
+position): tree column ``c`` is at logical position ``prefix_lens[b] + column_offsets[b, c]``, a prefix key at its
+cache position; a row sees a key iff its mask (or the prefix) allows it and the key is within its window and its
+chunk; the scaled score is soft-capped before masking, ALiBi's ``slope[h] * (key - query)`` added after, and each
+head's sink is one more logit of the softmax. Positions before the first one a row tile's lowest row sees, and
+their block-table entries (vLLM frees the blocks behind a window), are never read. Plain layers compile to the
+kernel without features.
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from vllm_easyspec.tree.attention import PLAIN, AttentionFeatures
 
 # Streaming multiprocessors assumed where no GPU can be asked (CPU tensors under Triton's interpreter):
 # an H100's, so interpreter runs take the launch an H100 would.
@@ -144,12 +155,18 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_row_ptr, pos, pos_ok, kv
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr):
-    """Fold one K/V tile into the running base-2 max ``m_i``, sum ``l_i`` and unnormalised ``acc``;
-    ``allowed`` (broadcast to ``[BLOCK_M, BLOCK_N]``) masks scores to ``-inf``. A row with nothing allowed
-    so far keeps ``m_i = -inf``, ``l_i = 0``, ``acc = 0``."""
+def _online_softmax_step(q, k, v, allowed, bias, m_i, l_i, acc, scale_log2, soft_cap_log2,
+                         DOT_PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr):
+    """Fold one K/V tile into the running base-2 max ``m_i``, sum ``l_i`` and unnormalised ``acc``. As vLLM's Triton
+    attention: the scaled score soft-capped (``SOFT_CAP``; tanh through exp, as its ``apply_softcap``), masked to
+    ``-inf`` where ``allowed`` (broadcast to ``[BLOCK_M, BLOCK_N]``) is false, then ``bias`` (ALiBi) added; all in
+    base 2. A row with nothing allowed so far keeps ``m_i = -inf``, ``l_i = 0``, ``acc = 0``."""
     scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+    if SOFT_CAP:
+        scores = soft_cap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * scores / soft_cap_log2) + 1.0))
     scores = tl.where(allowed, scores, float("-inf"))
+    if ALIBI:
+        scores += bias
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
@@ -160,19 +177,35 @@ def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, scale_log2, DOT_PRECIS
 
 
 @triton.jit
+def _visible(key_pos, allowed, row_first, q_pos, slope, POSITIONS: tl.constexpr, ALIBI: tl.constexpr):
+    """``allowed`` narrowed to the keys each row sees (logical ``key_pos`` from the row's ``row_first`` on; the
+    callers pass only keys at or before the row), and the base-2 ALiBi term ``slope * (key - query)``."""
+    bias = 0.0
+    if POSITIONS:
+        allowed = allowed & (key_pos[None, :] >= row_first[:, None])
+    if ALIBI:
+        bias = slope[:, None] * (key_pos[None, :] - q_pos[:, None]).to(tl.float32)
+    return allowed, bias
+
+
+@triton.jit
 def _tree_attention_kernel(out_ptr, partial_acc_ptr, partial_stats_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-                           block_table_ptr, prefix_lens_ptr, cu_q_ptr, mask_ptr, scale_log2, stride_qt, stride_qh,
-                           stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                           stride_bt, stride_mt, stats_plane, num_kv_heads, row_tiles, num_splits, min_split_len,
-                           first_column, kv_len_bound, KV_BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                           block_table_ptr, prefix_lens_ptr, cu_q_ptr, mask_ptr, offsets_ptr, slopes_ptr, sinks_ptr,
+                           scale_log2, soft_cap_log2, window, chunk, stride_qt, stride_qh, stride_ot, stride_oh,
+                           stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, stride_mt,
+                           stride_ob, stats_plane, num_kv_heads, row_tiles, num_splits, min_split_len, first_column,
+                           kv_len_bound, KV_BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
-                           UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                           UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIONS: tl.constexpr,
+                           SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr):
     """One row tile of one (request, KV head) against one KV range (the design in kernels/README.md).
 
     ``SPLIT``: write the unnormalised accumulator to ``partial_acc [T, Hq, num_splits, HEAD_DIM]`` and the
     base-2 running max / sum to ``partial_stats [2, T, Hq, num_splits]`` (planes ``stats_plane`` apart);
-    otherwise write the normalised output to ``out``. Rows whose KV range is empty record max ``-inf``,
-    sum 0 and no accumulator.
+    otherwise write the normalised output to ``out`` (with each head's sink, ``SINKS``). Rows whose KV range is
+    empty record max ``-inf``, sum 0 and no accumulator. ``POSITIONS`` (windows, chunks, ALiBi): row ``j`` is at
+    logical position ``prefix + offsets[first_column + j]``, tree column ``c`` at ``prefix + offsets[c]``, prefix
+    keys at their cache positions; the ranges start at the first position the tile's lowest row sees.
     """
     pid = tl.program_id(0)
     row_tile = pid % row_tiles
@@ -198,8 +231,21 @@ def _tree_attention_kernel(out_ptr, partial_acc_ptr, partial_stats_ptr, q_ptr, k
         row_start = prefix + first_column
         # ... and never past the block table (a draft level's rows beyond the model's length see less)
         kv_end = tl.minimum(row_start + tl.minimum(n_q, (first_row + BLOCK_M - 1) // GROUP + 1), kv_len_bound)
-        split_len = tl.maximum(min_split_len, tl.cdiv(tl.cdiv(row_start + n_q, num_splits), BLOCK_N) * BLOCK_N)
-        lo = split * split_len
+        offsets_row_ptr = offsets_ptr + req * stride_ob
+        base = 0  # the first position any row of the tile sees
+        q_pos = local_q  # with row_first, read only with POSITIONS
+        row_first = local_q
+        if POSITIONS:
+            q_pos = prefix + tl.load(offsets_row_ptr + first_column + local_q, mask=row_ok, other=0)
+            row_first = tl.maximum(tl.maximum(q_pos - window + 1, q_pos // chunk * chunk), 0)
+            # nothing before it is read: vLLM frees the blocks behind a window, their table entries may be reused
+            base = tl.min(tl.where(row_ok, row_first, kv_len_bound), 0)
+        slope = 0.0
+        if ALIBI:
+            slope = tl.load(slopes_ptr + q_head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        split_len = tl.maximum(min_split_len,
+                               tl.cdiv(tl.cdiv(row_start + n_q - base, num_splits), BLOCK_N) * BLOCK_N)
+        lo = base + split * split_len
         hi = tl.minimum(lo + split_len, kv_end)
         # rows whose own position is not before the range: only they can see a position of it
         row_sees_range = row_ok & (row_start + local_q >= lo)
@@ -211,7 +257,7 @@ def _tree_attention_kernel(out_ptr, partial_acc_ptr, partial_stats_ptr, q_ptr, k
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-        # prefix positions [lo, min(hi, prefix)): every row sees all of them
+        # prefix positions [lo, min(hi, prefix)): every row sees all of them (within its window or chunk)
         prefix_hi = tl.minimum(hi, prefix)
         kv_row_ptr = block_table_ptr + req * stride_bt
         for start in range(lo, prefix_hi, BLOCK_N):
@@ -220,8 +266,9 @@ def _tree_attention_kernel(out_ptr, partial_acc_ptr, partial_stats_ptr, q_ptr, k
             k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, kv_row_ptr, pos, pos_ok, kv_head, d, d_ok,
                                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                  KV_BLOCK_SIZE, UPCAST)
-            m_i, l_i, acc = _online_softmax_step(q, k, v, pos_ok[None, :], m_i, l_i, acc, scale_log2,
-                                                 DOT_PRECISION)
+            allowed, bias = _visible(pos, pos_ok[None, :], row_first, q_pos, slope, POSITIONS, ALIBI)
+            m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, bias, m_i, l_i, acc, scale_log2, soft_cap_log2,
+                                                 DOT_PRECISION, SOFT_CAP, ALIBI)
 
         # tree positions [max(lo, prefix), hi): tree_mask decides per row
         for start in range(tl.maximum(lo, prefix), hi, BLOCK_N):
@@ -232,8 +279,12 @@ def _tree_attention_kernel(out_ptr, partial_acc_ptr, partial_stats_ptr, q_ptr, k
                                  KV_BLOCK_SIZE, UPCAST)
             allowed = tl.load(mask_ptr + token[:, None] * stride_mt + (pos - prefix)[None, :],
                               mask=row_ok[:, None] & pos_ok[None, :], other=0)
-            m_i, l_i, acc = _online_softmax_step(q, k, v, allowed != 0, m_i, l_i, acc, scale_log2,
-                                                 DOT_PRECISION)
+            key_pos = pos
+            if POSITIONS:
+                key_pos = prefix + tl.load(offsets_row_ptr + pos - prefix, mask=pos_ok, other=0)
+            allowed, bias = _visible(key_pos, allowed != 0, row_first, q_pos, slope, POSITIONS, ALIBI)
+            m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, bias, m_i, l_i, acc, scale_log2, soft_cap_log2,
+                                                 DOT_PRECISION, SOFT_CAP, ALIBI)
 
         if SPLIT:
             part = (token * (num_kv_heads * GROUP) + q_head) * num_splits + split
@@ -242,19 +293,26 @@ def _tree_attention_kernel(out_ptr, partial_acc_ptr, partial_stats_ptr, q_ptr, k
             tl.store(partial_stats_ptr + part, m_i, mask=row_ok)
             tl.store(partial_stats_ptr + stats_plane + part, l_i, mask=row_ok)
         else:
+            if SINKS:  # one more base-2 logit per head, with a zero value: in the denominator only
+                sink = tl.load(sinks_ptr + q_head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+                m_new = tl.maximum(m_i, sink)
+                alpha = tl.exp2(m_i - m_new)
+                l_i = l_i * alpha + tl.exp2(sink - m_new)
+                acc = acc * alpha[:, None]
             acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             tl.store(out_ptr + token[:, None] * stride_ot + q_head[:, None] * stride_oh + d[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
-def _merge_splits_kernel(out_ptr, partial_acc_ptr, partial_stats_ptr, stride_ot, stride_oh, stats_plane, num_q_heads,
-                         num_splits, HEADS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
+def _merge_splits_kernel(out_ptr, partial_acc_ptr, partial_stats_ptr, sinks_ptr, stride_ot, stride_oh, stats_plane,
+                         num_q_heads, num_splits, HEADS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_D: tl.constexpr, SINKS: tl.constexpr):
     """Log-sum-exp merge of ``num_splits`` partial results for ``HEADS`` query heads of one token.
 
     Splits whose max is ``-inf`` (no visible position in their range) get weight 0 and their accumulator,
-    possibly never written, is not read. A row with no visible position at all is written as 0.
+    possibly never written, is not read. A row with no visible position at all is written as 0. ``SINKS``: each
+    head's sink is one more term (max ``sink * log2(e)``, sum 1, no accumulator).
     """
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
@@ -265,9 +323,14 @@ def _merge_splits_kernel(out_ptr, partial_acc_ptr, partial_stats_ptr, stride_ot,
     m = tl.load(partial_stats_ptr + part, mask=part_ok, other=float("-inf"))
     sums = tl.load(partial_stats_ptr + stats_plane + part, mask=part_ok, other=0.0)
     m_max = tl.max(m, 1)
+    if SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=heads < num_q_heads, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sink)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     weight = tl.exp2(m - m_safe[:, None])
     denominator = tl.sum(weight * sums, 1)
+    if SINKS:
+        denominator += tl.exp2(sink - m_safe)
     acc = tl.load(partial_acc_ptr + part[:, :, None] * HEAD_DIM + d[None, None, :],
                   mask=(weight > 0.0)[:, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0)
     merged = tl.sum(acc * weight[:, :, None], 1) / tl.where(denominator == 0.0, 1.0, denominator)[:, None]
@@ -324,27 +387,55 @@ def _check_arguments(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
 
 
 def _merge_splits(out: torch.Tensor, partial_acc: torch.Tensor, partial_stats: torch.Tensor, num_splits: int,
-                  block_d: int) -> None:
+                  block_d: int, sinks: torch.Tensor | None) -> None:
     """Launches :func:`_merge_splits_kernel` over every (token, block of query heads) of ``out``."""
     num_tokens, num_q_heads, head_dim = out.shape
     block_s = triton.next_power_of_2(num_splits)
     heads_per_program = max(1, min(triton.next_power_of_2(num_q_heads), 8192 // (block_s * block_d)))
     _merge_splits_kernel[(num_tokens, triton.cdiv(num_q_heads, heads_per_program))](
-        out, partial_acc, partial_stats, out.stride(0), out.stride(1), partial_stats[0].numel(),
-        num_q_heads, num_splits,
-        HEADS=heads_per_program, BLOCK_S=block_s, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        out, partial_acc, partial_stats, partial_stats if sinks is None else sinks, out.stride(0), out.stride(1),
+        partial_stats[0].numel(), num_q_heads, num_splits,
+        HEADS=heads_per_program, BLOCK_S=block_s, HEAD_DIM=head_dim, BLOCK_D=block_d, SINKS=sinks is not None,
         num_warps=8 if heads_per_program * block_s * block_d > 8192 else 4,
     )
+
+
+NO_REACH = 1 << 30  # the window and chunk of a layer without them (positions stay far below)
+
+
+def _feature_arguments(features: AttentionFeatures, column_offsets: torch.Tensor | None, batch: int,
+                       num_q_heads: int, dummy: torch.Tensor) -> tuple[tuple, dict]:
+    """The kernel's feature arguments (pointers, then window, chunk, base-2 soft cap) and constexpr flags; unused
+    pointers are ``dummy`` and never dereferenced."""
+    positions = features.uses_positions
+    if positions and (column_offsets is None or column_offsets.dim() != 2 or column_offsets.shape[0] != batch):
+        raise ValueError("windows, chunks and ALiBi need column_offsets [B, W], the tree columns' logical offsets")
+    for name in ("alibi_slopes", "sinks"):
+        vector = getattr(features, name)
+        if vector is not None and (vector.numel() != num_q_heads or vector.stride(-1) != 1):
+            raise ValueError(f"{name} must be a contiguous [Hq] = [{num_q_heads}] tensor; got {tuple(vector.shape)}")
+    offsets = column_offsets if positions and column_offsets.stride(1) == 1 else \
+        column_offsets.contiguous() if positions else dummy
+    pointers = (offsets, dummy if features.alibi_slopes is None else features.alibi_slopes,
+                dummy if features.sinks is None else features.sinks)
+    cap = (features.soft_cap or 1.0) * math.log2(math.e)
+    flags = dict(POSITIONS=positions, SOFT_CAP=bool(features.soft_cap), ALIBI=features.alibi_slopes is not None,
+                 SINKS=features.sinks is not None)
+    return (*pointers, cap, features.window or NO_REACH, features.chunk or NO_REACH, offsets.stride(0)), flags
 
 
 def tree_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                           block_table: torch.Tensor, prefix_lens: torch.Tensor, cu_query_lens: torch.Tensor,
                           tree_mask: torch.Tensor, softmax_scale: float, out: torch.Tensor | None = None,
                           max_query_len: int | None = None, *, first_column: int = 0,
+                          features: AttentionFeatures = PLAIN, column_offsets: torch.Tensor | None = None,
                           launch: TreeAttentionLaunch | None = None, fp32_precision: str = "ieee") -> torch.Tensor:
     """Tree attention (the contract is in the module docstring).
 
     ``first_column``: the tree column of each request's first query (a host value, the same for every request).
+    ``features``: the layer's (:class:`~vllm_easyspec.tree.attention.AttentionFeatures`; ALiBi slopes and sinks
+    ``[Hq]`` on the query's device); ``column_offsets`` ``[B, W]`` int32, needed when they use positions (windows,
+    chunks, ALiBi): tree column ``c`` of request ``b`` is at logical position ``prefix_lens[b] + column_offsets[b, c]``.
     ``max_query_len`` (the largest number of query rows of one request) sizes the grid; pass it to avoid
     a device-to-host sync: the launch then depends on host values only (shapes, ``max_query_len``, the
     block table's width). ``launch`` overrides :func:`choose_launch` (tests force many small splits and
@@ -389,23 +480,23 @@ def tree_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     partial_acc = torch.empty((*scratch, head_dim), dtype=torch.float32, device=query.device) if split else kernel_out
     partial_stats = torch.empty((2, *scratch), dtype=torch.float32, device=query.device) if split else kernel_out
     row_tiles = triton.cdiv(max_query_len * group, launch.block_m)
+    (*pointers, cap, window, chunk, stride_ob), flags = _feature_arguments(features, column_offsets, batch,
+                                                                           num_q_heads, prefix_lens)
     _tree_attention_kernel[(batch * num_kv_heads * launch.num_splits * row_tiles,)](
         kernel_out, partial_acc, partial_stats, query, key_cache, value_cache, block_table, prefix_lens,
-        cu_query_lens, mask,
-        float(softmax_scale) * math.log2(math.e),
+        cu_query_lens, mask, *pointers, float(softmax_scale) * math.log2(math.e), cap, window, chunk,
         query.stride(0), query.stride(1), kernel_out.stride(0), kernel_out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_table.stride(0), mask.stride(0),
+        block_table.stride(0), mask.stride(0), stride_ob,
         num_tokens * num_q_heads * launch.num_splits, num_kv_heads, row_tiles, launch.num_splits,
         launch.min_split_len, first_column, kv_len_bound,
         KV_BLOCK_SIZE=block_size, GROUP=group, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT=split, UPCAST=upcast,
-        DOT_PRECISION=precision,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT=split, UPCAST=upcast, DOT_PRECISION=precision, **flags,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if split:
-        _merge_splits(kernel_out, partial_acc, partial_stats, launch.num_splits, block_d)
+        _merge_splits(kernel_out, partial_acc, partial_stats, launch.num_splits, block_d, features.sinks)
     if kernel_out is not out:
         out.copy_(kernel_out)
     return out
