@@ -1,7 +1,8 @@
 """Slow: token trees on the default real pair (SmolLM2-135M-Instruct drafting for Qwen2.5-Coder-0.5B-Instruct
 across vocabularies): greedy float32 output equals no speculation, static and dynamic trees, exact and
-fuzzy drafting, at batch 1 and in a batch of 4; and the committed EAGLE-3 head drafting trees for the default
-target. Run with ``pytest -m slow tests/tree/test_real_pair_tree.py``."""
+fuzzy drafting, at batch 1 and in a batch of 4; the committed EAGLE-3 head drafting trees for the default
+target; and Gemma-3-270M's sliding windows with a text-bridged draft. Run with
+``pytest -m slow tests/tree/test_real_pair_tree.py``."""
 
 from __future__ import annotations
 
@@ -87,3 +88,29 @@ def test_committed_eagle3_head_trees_equal_vanilla(llm_pool, real_pair, heldout_
     assert greedy_tokens(llm, heldout_ids, MAX_TOKENS) == vanilla
     stats = llm.collective_rpc(read_tree_stats)[0]
     assert stats["steps"] > 0 and 0 < stats["accepted"] < stats["nodes_verified"]
+
+
+def test_gemma3_270m_trees_equal_vanilla_past_its_sliding_window(llm_pool):
+    """Gemma-3-270M (15 of 18 layers in 512-token sliding windows) served with a tree drafted by SmolLM2-135M-Instruct
+    and bridged by text, merged with prompt lookup: float32 greedy output equals vanilla's on prompts of 600+ tokens
+    whose outputs run past the window. vLLM 0.32 needs a draft's layers in one KV cache group, and SmolLM2's 30
+    layers fit beside Gemma 3's sliding and full groups only with the hybrid KV cache manager off (one group, the
+    windows applied per layer), for vLLM's draft_model chain as for trees."""
+    from transformers import AutoTokenizer
+
+    from vllm_easyspec.models import fetch_model
+
+    target, draft = fetch_model("gemma3-270m"), fetch_model("smollm2-135m-instruct")
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    sources = [Path(__file__).resolve().parents[2] / "vllm_easyspec" / "tree" / name
+               for name in ("building.py", "sampling.py")]
+    prompts = [prompt_token_ids(tokenizer, path.read_text()[:2600]) for path in sources]
+    assert all(len(p) > 600 for p in prompts)
+    engine = dict(max_model_len=2048, block_size=32, disable_hybrid_kv_cache_manager=True)
+    vanilla = greedy_tokens(llm_pool.get(target, **engine), prompts, 48)
+    tree = {"top_k": 2, "depth": 3, "budget": 6, "retokenize": True, "sources": {"prompt_lookup": {"nodes": 4}}}
+    llm = llm_pool.get(target, **engine, additional_config={"easyspec": {"tree": tree}},
+                       speculative_config={"method": "draft_model", "model": str(draft), "use_heterogeneous_vocab": True})
+    assert greedy_tokens(llm, prompts, 48) == vanilla
+    stats = llm.collective_rpc(read_tree_stats)[0]
+    assert stats["tree_requests"] - stats["path_requests"] > 0 and stats["accepted"] > 0
