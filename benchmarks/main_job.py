@@ -31,6 +31,7 @@ Invariants:
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -224,6 +225,9 @@ def main(argv: list[str], prog: str = "python -m benchmarks main") -> int:
     )  # fmt: skip
     parser.add_argument("--json", action="store_true",
                         help="the prompts ask for a JSON answer, served with vLLM structured output (stem main_job_json)")
+    parser.add_argument("--engine-args", type=json.loads, default={},
+                        help='more LLM() arguments for every setup, as JSON (e.g. \'{"disable_hybrid_kv_cache_manager": '
+                             'true}\' for Gemma 3 with a draft model: vLLM 0.32 needs a draft\'s layers in one KV cache group)')
     parser.add_argument("--plain", action=argparse.BooleanOptionalAction, default=True,
                         help="with --json, also time the prompts without JSON in the same processes (default)")
     args = parser.parse_args(argv)
@@ -241,6 +245,7 @@ def main(argv: list[str], prog: str = "python -m benchmarks main") -> int:
         max_tokens=args.max_tokens,
         batch_size=args.batch_size[0],
         dtype=args.dtype,
+        engine_options=args.engine_args,
     )
     models = [args.target, args.draft] if needs_draft else [args.target]
     to_fetch = [name for name in models if name in MODELS and not is_fetched(name)]

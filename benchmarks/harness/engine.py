@@ -112,7 +112,7 @@ def _start_engine(setup: Setup, workload: Workload) -> tuple[Any, float]:
 
     from benchmarks.harness.step_timers import WORKER_EXTENSION_CLS
 
-    engine_options: dict[str, Any] = {}
+    engine_options: dict[str, Any] = dict(workload.engine_options)
     if setup.name == VANILLA:
         # Every vanilla run gets the same engine; without a logprobs request this mode costs nothing.
         engine_options["logprobs_mode"] = "raw_logits"

@@ -67,6 +67,7 @@ class Workload:
     dtype: str = "bfloat16"
     temperature: float = 0.0
     kv_cache_gib: int = 2
+    engine_options: dict[str, Any] = field(default_factory=dict)  # more LLM() arguments, the same for every setup
 
 
 @dataclass
