@@ -25,7 +25,7 @@ def depth_offsets(tree_mask: torch.Tensor, cu_query_lens: torch.Tensor) -> torch
     return offsets
 
 
-def _featured_row(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_pos: torch.Tensor,
+def featured_row(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_pos: torch.Tensor,
                   query_pos: torch.Tensor, scale: float, features: AttentionFeatures) -> torch.Tensor:
     """One row ``[H, D]`` in float64 over the keys it may see, as vLLM computes a causal row under ``features``:
     the scaled score soft-capped, then masked to the row's window and chunk, ALiBi added, each head's sink one more
@@ -63,7 +63,7 @@ def tree_attention_reference(query: torch.Tensor, key_cache: torch.Tensor, value
             key_pos = torch.cat([torch.arange(prefix), prefix + offsets[branch]])
             k = gather_positions(key_cache.cpu(), block_table[b].cpu(), positions).repeat_interleave(group, dim=1)
             v = gather_positions(value_cache.cpu(), block_table[b].cpu(), positions).repeat_interleave(group, dim=1)
-            row = _featured_row(query[t].cpu(), k, v, key_pos, prefix + offsets[t - cu[b]], softmax_scale, features)
+            row = featured_row(query[t].cpu(), k, v, key_pos, prefix + offsets[t - cu[b]], softmax_scale, features)
             out[t] = row.to(out.dtype)
     return out
 

@@ -28,9 +28,10 @@ from unittest import mock
 
 import torch
 
-from tests.tree.attention_reference import tree_attention_reference
+from tests.tree.attention_reference import depth_offsets, featured_row, tree_attention_reference
 from tests.tree.tree_testlib import random_parents
 from tests.tree.tree_views import ancestor_mask_from_parents
+from vllm_easyspec.tree.attention import PLAIN, AttentionFeatures
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 LAYER = "model.layers.0.self_attn.attn"
@@ -118,6 +119,34 @@ def stub_layer(device: str = "cpu"):
                                  _k_scale_float=1.0, _v_scale_float=1.0)
 
 
+def featured_impl(backend: str, num_heads: int, head_size: int, num_kv_heads: int, features: str, device: str):
+    """The GPU tree impl of ``backend`` built as vLLM's models build it with the features a test names (``window``:
+    a sliding window of 16, ``sinks``: one per head, from -1 to 4, ``soft_cap``: 1.5; joined by ``+``), its
+    ``tree_features`` read at start-up (``assign_layer_features``, through a stub config holding its layer)."""
+    from vllm.model_executor.layers.attention import Attention
+
+    from vllm_easyspec.integration.gpu import attention_backend
+    from vllm_easyspec.integration.tree_attention import assign_layer_features
+
+    tree_backend = attention_backend.TreeFlashAttentionBackend if backend == "FLASH_ATTN" else \
+        attention_backend.TreeTritonAttentionBackend
+    options = {"sliding_window": 16 if "window" in features else None}
+    if "sinks" in features:
+        options["sinks"] = torch.linspace(-1.0, 4.0, num_heads, device=device)
+    if "soft_cap" in features:
+        options["logits_soft_cap"] = 1.5
+    with contextlib.ExitStack() as stack:
+        if backend == "FLASH_ATTN" and not torch.cuda.is_available():  # vLLM's FlashAttention-3 check, absent on CPU
+            stack.enter_context(mock.patch("vllm.v1.attention.backends.flash_attn.flash_attn_supports_sinks",
+                                           lambda: True, create=True))
+        impl = tree_backend.get_impl_cls()(num_heads, head_size, 1 / math.sqrt(head_size), num_kv_heads,
+                                           alibi_slopes=None, kv_cache_dtype="auto", **options)
+    layer = Attention.__new__(Attention)  # only isinstance and .impl are read
+    layer.impl = impl
+    assign_layer_features(stub_vllm_config(num_heads, num_kv_heads, head_size, layers={LAYER: layer}), [LAYER])
+    return impl
+
+
 def make_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
                   layout: str, generator: torch.Generator, device: str = "cpu") -> torch.Tensor:
     """A layer's cache as vLLM 0.32 hands it to the Triton impl: logical ``[num_blocks, Hkv, block_size,
@@ -137,33 +166,34 @@ def fa_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torc
 
 
 def causal_reference(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     block_row: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+                     block_row: torch.Tensor, seq_len: int, scale: float,
+                     features: AttentionFeatures = PLAIN) -> torch.Tensor:
     """float64 causal attention of a request's last ``n`` positions (``query`` ``[n, Hq, D]``) over its
-    first ``seq_len`` cached positions."""
+    first ``seq_len`` cached positions, under the layer's ``features``."""
     n, num_heads = query.shape[:2]
-    positions = torch.arange(seq_len, device=query.device)
-    blocks = block_row.long()[positions // key_cache.shape[1]]
-    key = key_cache[blocks, positions % key_cache.shape[1]].double()  # [L, Hkv, D]
-    value = value_cache[blocks, positions % key_cache.shape[1]].double()
+    positions = torch.arange(seq_len)
+    blocks = block_row.long().cpu()[positions // key_cache.shape[1]]
+    key = key_cache[blocks.to(key_cache.device), (positions % key_cache.shape[1]).to(key_cache.device)].cpu()
+    value = value_cache[blocks.to(key_cache.device), (positions % key_cache.shape[1]).to(key_cache.device)].cpu()
     group = num_heads // key.shape[1]
     key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
-    scores = torch.einsum("nhd,lhd->hnl", query.double(), key) * scale
-    allowed = torch.ones(n, seq_len, dtype=torch.bool, device=query.device).tril(seq_len - n)
-    weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-    return torch.einsum("hnl,lhd->nhd", weights, value)
+    rows = [featured_row(query[i].cpu(), key, value, positions, torch.tensor(seq_len - n + i), scale, features)
+            for i in range(n)]
+    return torch.stack(rows).to(query.device)
 
 
 def _torch_chain_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                          output_block_scale=None):
     """Stand-in for ``TritonAttentionImpl.forward`` (bf16 under the interpreter): causal attention of each
-    request over its cached positions, driven by the same ``TritonAttentionMetadata``."""
+    request over its cached positions under the layer's features, driven by the same ``TritonAttentionMetadata``."""
     key_cache, value_cache = fa_views(kv_cache, self.head_size)
     starts = attn_metadata.query_start_loc.tolist()
     seq_lens = attn_metadata.seq_lens.tolist()
     for r, seq_len in enumerate(seq_lens):
         if starts[r + 1] > starts[r]:
             out = causal_reference(query[starts[r]: starts[r + 1]], key_cache, value_cache,
-                                   attn_metadata.block_table[r], seq_len, self.scale)
+                                   attn_metadata.block_table[r], seq_len, self.scale,
+                                   getattr(self, "tree_features", PLAIN))
             output[starts[r]: starts[r + 1]] = out.to(output.dtype)
     return output
 
@@ -179,7 +209,7 @@ def _error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: tuple[int, int] = (4, 2),
                    head_size: int = 32, trees: tuple = ((7, 4, 37), (9, 9, 21)), plain: tuple = (11, 5),
                    path: tuple | None = (4, 26), pad_tokens: int = 3, pad_request: bool = True,
-                   backend: str = "TRITON_ATTN", uniform: bool = False) -> dict:
+                   backend: str = "TRITON_ATTN", uniform: bool = False, features: str = "plain") -> dict:
     """One verify forward of a batch [tree A, plain request, tree B, path C] (+ CUDA-graph padding) through the
     GPU tree backend, the way the engine runs it; returns errors and checks for the test to assert on.
 
@@ -189,6 +219,7 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
     ``backend``: the vLLM backend the tree backend subclasses (``TRITON_ATTN`` or ``FLASH_ATTN``).
     ``uniform``: the engine has ``tree.uniform`` (the batch must then give every request the same row count):
     every row goes through the tree kernel from persistent buffers (a build repeated reuses them).
+    ``features``: the layer's (:func:`featured_impl`), for vLLM's kernel and the tree kernel alike.
     """
     _enable_vllm_triton()
     from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -265,12 +296,11 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
     tree_backend = attention_backend.TreeFlashAttentionBackend if backend == "FLASH_ATTN" else \
         attention_backend.TreeTritonAttentionBackend
     vllm_metadata = FlashAttentionMetadata if backend == "FLASH_ATTN" else TritonAttentionMetadata
-    impl = tree_backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads, alibi_slopes=None,
-                                       sliding_window=None, kv_cache_dtype="auto")
+    impl = featured_impl(backend, num_heads, head_size, num_kv_heads, features, dev)
     layer = stub_layer(dev)
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dt)
     tree_config = {"choices": [[0] * depth for depth in range(1, int(scheduled.max()))], "uniform": True} \
-        if uniform else None
+        if uniform else {"choices": [[0]]}  # a tree engine's builder
     builder = tree_backend.get_builder_cls()(spec, [LAYER], stub_vllm_config(num_heads, num_kv_heads, head_size,
                                                                              tree_config), torch.device(dev))
     builder.mark_target([LAYER])  # as the runner marks the target's builders
@@ -352,14 +382,17 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
     # request-local query parents (root = query 0, node i = query i + 1), not TreeVerifyStep's mask
     query_parents = torch.tensor([q for r in masked_requests for q in [-1] + [p + 1 for p in r.parents]])
     mask = ancestor_mask_from_parents(query_parents, cu)
-    tree_ref = tree_attention_reference(
-        query[tree_rows].cpu(), key_cache.cpu(), value_cache.cpu(), block_table[[r.batch_row for r in masked_requests]],
-        torch.tensor([r.prefix_len for r in masked_requests]), cu, mask, scale, out_dtype=torch.float32)
+    reference_args = (query[tree_rows].cpu(), key_cache.cpu(), value_cache.cpu(),
+                      block_table[[r.batch_row for r in masked_requests]],
+                      torch.tensor([r.prefix_len for r in masked_requests]), cu, mask, scale)
+    tree_ref = tree_attention_reference(*reference_args, out_dtype=torch.float32, features=impl.tree_features,
+                                        column_offsets=depth_offsets(mask, cu))
+    plain_ref = tree_attention_reference(*reference_args, out_dtype=torch.float32)
     chain_errors = []  # the plain request and the path: causal attention over their whole sequence
     for r in [1] + ([3] if path is not None else []):
         s, e = int(starts[r]), int(starts[r + 1])
         reference = causal_reference(query[s:e].cpu(), key_cache.cpu(), value_cache.cpu(), block_table[r],
-                                     int(seq_lens[r]), scale)
+                                     int(seq_lens[r]), scale, impl.tree_features)
         chain_errors.append(_error(output[s:e], reference))
 
     # the path C through the tree kernel, with the precision the backend gives tree rows: it must agree with
@@ -373,7 +406,8 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
         chain_mask = ancestor_mask_from_parents(torch.arange(-1, e - s - 1), chain_cu)
         path_out = tree_attention_triton(
             query[s:e], key_cache, value_cache, block_table[3:4].to(dev), torch.tensor([path[1]]).to(dev),
-            chain_cu.to(dev), chain_mask.to(dev), scale, max_query_len=e - s,
+            chain_cu.to(dev), chain_mask.to(dev), scale, max_query_len=e - s, features=impl.tree_features,
+            column_offsets=torch.arange(e - s, dtype=torch.int32, device=dev)[None],
             fp32_precision=triton_default_fp32_precision(dev))
         path_agreement = _error(path_out, output[s:e].float().cpu())
         path_vllm_error = chain_errors[-1]
@@ -401,6 +435,7 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
         "captured_in_buffers": captured_in_buffers,
         "drafter_metadata_is_vllms": drafter_metadata_is_vllms,
         "tree_error": _error(output[tree_rows.to(dev)], tree_ref),
+        "tree_error_if_ignored": _error(output[tree_rows.to(dev)], plain_ref),  # the features' weight in the rows
         "chain_error": max(chain_errors),
         "path_agreement": path_agreement,
         "path_vllm_error": path_vllm_error,
@@ -429,13 +464,14 @@ def _depth(parents: list[int], node: int) -> int:
     return depth
 
 
-def draft_levels(dtype: str, backend: str, seed: int, max_model_len: int = 1000) -> dict:
+def draft_levels(dtype: str, backend: str, seed: int, max_model_len: int = 1000, features: str = "plain") -> dict:
     """Two drafter levels through the GPU tree impl, as ``TreeDrafting`` runs them: each level's K/V written by
     the impl's own cache write at ``TreeLevelMetadata.slots`` (vLLM's ``unified_kv_cache_update``, two padding
     rows at vLLM's padding slot), then the impl's forward. Returns the rows' error against a float64 reference
-    (the request's cached prefix, its ancestors among earlier levels, itself) and the checks on the cache."""
+    (the request's cached prefix, its ancestors among earlier levels, itself; under the layer's ``features``,
+    :func:`featured_impl`, a node of depth ``d`` at logical position ``root + d``), the error against the plain
+    reference, and the checks on the cache."""
     _enable_vllm_triton()
-    from vllm_easyspec.integration.gpu import attention_backend
     from vllm_easyspec.integration.tree_attention import DraftTreeAttention, TreeLevelMetadata
 
     dev, dt = _device(), DTYPES[dtype]
@@ -448,17 +484,14 @@ def draft_levels(dtype: str, backend: str, seed: int, max_model_len: int = 1000)
     kv_cache = make_kv_cache(13, block_size, kv_heads, dim, dt, "NHD", gen, dev)
     before = kv_cache.clone()
     scale = 1 / math.sqrt(dim)
-    tree_backend = attention_backend.TreeFlashAttentionBackend if backend == "FLASH_ATTN" else \
-        attention_backend.TreeTritonAttentionBackend
-    impl = tree_backend.get_impl_cls()(heads, dim, scale, kv_heads, alibi_slopes=None, sliding_window=None,
-                                       kv_cache_dtype="auto")
+    impl = featured_impl(backend, heads, dim, kv_heads, features, dev)
     state = DraftTreeAttention(prefix_lens=prefix_lens.to(dev), block_table=block_table.to(dev))
     level_one = torch.eye(2, dtype=torch.bool).expand(batch, 2, 2)
     parents = torch.randint(0, 2, (batch, 3), generator=gen)  # level-two node -> level-one node
     level_two = torch.zeros(batch, 3, 5, dtype=torch.bool)
     level_two.scatter_(2, parents[..., None], True)
     level_two[:, :, 2:] = torch.eye(3, dtype=torch.bool)
-    keys, values, errors, padding_untouched, slots_seen = [], [], [], True, []
+    keys, values, errors, ignored, padding_untouched, slots_seen = [], [], [], [], True, []
     with _cpu_adjustments(dt, backend):
         for width, mask in ((2, level_one), (3, level_two)):
             count = batch * width
@@ -483,16 +516,20 @@ def draft_levels(dtype: str, backend: str, seed: int, max_model_len: int = 1000)
                     columns = mask[b, f].nonzero()[:, 0]
                     if int(prefix_lens[b]) + columns.max() >= max_model_len:
                         continue  # past the model's length: nothing written, nothing to compare
-                    k = torch.cat([key_cache[blocks, positions % block_size], all_keys[b, columns]]).double()
-                    v = torch.cat([value_cache[blocks, positions % block_size], all_values[b, columns]]).double()
+                    k = torch.cat([key_cache[blocks, positions % block_size], all_keys[b, columns]])
+                    v = torch.cat([value_cache[blocks, positions % block_size], all_values[b, columns]])
                     k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
-                    scores = torch.einsum("hd,lhd->hl", query[b * width + f].double(), k) * scale
-                    expected = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
-                    errors.append(_error(output[b * width + f], expected))
+                    depths = torch.tensor(state.column_depths[: mask.shape[2]])[columns]
+                    key_pos = torch.cat([positions, int(prefix_lens[b]) - 1 + depths])
+                    for layer_features, found in ((impl.tree_features, errors), (PLAIN, ignored)):
+                        expected = featured_row(query[b * width + f], k, v, key_pos, key_pos[-1], scale,
+                                                layer_features)
+                        found.append(_error(output[b * width + f], expected))
     key_after, _ = fa_views(kv_cache.cpu(), dim)
     key_before, _ = fa_views(before.cpu(), dim)
     prefix_kept = all(torch.equal(key_after[block_table[b].long()[p // block_size], p % block_size],
                                   key_before[block_table[b].long()[p // block_size], p % block_size])
                       for b in range(batch) for p in range(int(prefix_lens[b])))
-    return {"error": max(errors), "compared": len(errors), "padding_untouched": padding_untouched,
+    return {"error": max(errors), "error_if_ignored": max(ignored), "compared": len(errors),
+            "padding_untouched": padding_untouched,
             "prefix_kept": prefix_kept, "slots": slots_seen}

@@ -111,6 +111,31 @@ def test_a_uniform_step_runs_every_row_through_the_tree_kernel_from_persistent_b
     assert not eager["uniform"] and eager["path_served_by_vllm"]
 
 
+@pytest.mark.parametrize("features", ["window+sinks", "soft_cap"])
+@pytest.mark.parametrize(("backend", "dtype"), [("TRITON_ATTN", "float32"), ("FLASH_ATTN", "float16")])
+def test_verify_forward_under_the_layers_attention_features(kernel_runner, features, backend, dtype):
+    """A layer with a sliding window of 16 and sinks, and one with a soft cap, as vLLM builds its impl: the impl's
+    features read at start-up reach vLLM's kernel (the other requests; on CPU FlashAttention's stand-in) and the tree
+    kernel (trees at their depths, roots at 37 and 21), and each row equals its float64 reference under them, where
+    the rows without the features are more than 0.1 off; on the path the two kernels agree."""
+    result = kernel_runner(gpu_backend_cases.verify_forward, dtype, 16, "NHD", seed=16, backend=backend,
+                           features=features)
+    print(f"{features}: tree rows {result['tree_error']:.2e}, features ignored {result['tree_error_if_ignored']:.2e}")
+    _check_verify(result, dtype)
+    assert result["tree_error_if_ignored"] > 0.1
+
+
+def test_a_uniform_step_under_a_window_and_sinks(kernel_runner):
+    """``tree.uniform`` with a windowed layer with sinks: trees at their depths and causal rows (the prefill chunk,
+    the path) at their columns, all through the tree kernel from the buffers (``UniformTreeRows.column_offsets``)."""
+    result = kernel_runner(gpu_backend_cases.verify_forward, "float16", 16, "NHD", seed=3,
+                           trees=((6, 6, 37), (9, 6, 21)), plain=(11, 7), path=(6, 26), pad_tokens=0,
+                           pad_request=False, uniform=True, features="window+sinks")
+    assert result["uniform"] and result["tree_error_if_ignored"] > 0.1
+    assert result["tree_error"] < TOLERANCE["float16"] and result["chain_error"] < TOLERANCE["float16"]
+    assert result["num_moves"] > 0 and result["write_matches"]
+
+
 def test_verify_forward_with_a_plain_decode_and_no_padding(kernel_runner):
     result = kernel_runner(gpu_backend_cases.verify_forward, "float32", 16, "NHD", seed=5,
                            trees=((3, 3, 16), (12, 6, 47)), plain=(30, 1), pad_tokens=0, pad_request=False)
@@ -179,6 +204,37 @@ def test_cpu_builder_hands_the_split_sub_batch_to_vllm(monkeypatch):
         assert getattr(sub, name) == getattr(cpu.chain, name), name
 
 
+def test_the_commit_reads_each_layers_kept_rows_by_its_own_kind():
+    """One forward may hold layers built uniform (``tree.uniform``: every request's rows kept, by batch row) and layers
+    built per tree (Llama 4's chunked layers, never uniform: the masked trees' rows): the commit picks each layer's
+    accepted rows by its own kind, so both write the same K/V to the same slots."""
+    from vllm_easyspec.integration.node_policy import TreeBudget
+    from vllm_easyspec.integration.runner import TreeRunnerMixin
+    from vllm_easyspec.integration.tree_sampler import TreeVerdict
+    from vllm_easyspec.integration.tree_step import TreeVerifier, TreeVerifyForward, VerifyKV
+    from vllm_easyspec.tree.verify_step import TreeRequest, TreeVerifyStep
+
+    step = TreeVerifyStep([TreeRequest(batch_row=0, query_start=0, prefix_len=5, tokens=[1], parents=[-1]),  # a path
+                           *(TreeRequest(batch_row=r, query_start=4 * r, prefix_len=3 + 4 * r, tokens=[1, 2, 3],
+                                         parents=[-1, -1, -1]) for r in (1, 2))])
+    forward = TreeVerifyForward(step)
+    columns = torch.arange(step.width, dtype=torch.float32)
+    by_batch_row = (100 * torch.arange(3)[:, None] + columns)[:, None, :, None]  # [R, Hkv, W, D]: 100 * row + column
+    writes = {}
+    for name, keys, table, kind in (("uniform", by_batch_row, torch.tensor([[1], [2], [3]]), True),
+                                    ("chunked", by_batch_row[1:], torch.tensor([[2], [3]]), False)):
+        forward.kept_kv[name] = VerifyKV(keys, keys, 16, lambda k, v, slots, name=name: writes.update({name: (k, slots)}),
+                                         table, by_batch_row=kind)
+    accepted = step.accepted_moves(torch.tensor([[-1], [2], [1]]), torch.tensor([0, 1, 1]))  # columns 3 and 2
+    runner = types.SimpleNamespace(input_ids=types.SimpleNamespace(gpu=torch.zeros(12, dtype=torch.int32)),
+                                   positions=torch.zeros(12, dtype=torch.int64),
+                                   tree_verifier=TreeVerifier(requests={}, policy=TreeBudget()))
+    TreeRunnerMixin._commit(runner, forward, TreeVerdict(sampler_output=None, branch=accepted))
+    for keys, slots in writes.values():
+        assert keys.flatten().tolist() == [103.0, 202.0] and slots.tolist() == [2 * 16 + 8, 3 * 16 + 12]
+    assert set(writes) == {"uniform", "chunked"}
+
+
 def test_tree_rows_attend_with_the_fp32_precision_of_vllms_attention(monkeypatch):
     """The backend asks the tree kernel for the float32 ``tl.dot`` precision vLLM's ``unified_attention`` gets
     from Triton (TF32 on NVIDIA, or ``TRITON_F32_DEFAULT``), not exact products: on an H200 the exact tree rows
@@ -195,7 +251,7 @@ def test_tree_rows_attend_with_the_fp32_precision_of_vllms_attention(monkeypatch
     impl = TreeTritonAttentionImpl.__new__(TreeTritonAttentionImpl)
     impl.head_size, impl.scale = 8, 0.3
     meta = types.SimpleNamespace(tree_rows=torch.arange(3), block_table=None, prefix_lens=None, cu_query_lens=None,
-                                 tree_mask=None, max_query_len=3, query_rows=torch.arange(3)[None],
+                                 tree_mask=None, column_offsets=None, max_query_len=3, query_rows=torch.arange(3)[None],
                                  forward=types.SimpleNamespace(kept_kv={}), uniform=None)
     key = torch.zeros(3, 2, 8)
 
@@ -253,14 +309,18 @@ def test_split_slices_every_per_request_field_and_skips_empty_sub_batches():
                               _step([0, 1], [0, 4], [20, 33], [3, 2])) == (None, None)
 
 
-@pytest.mark.parametrize(("dtype", "backend"), [("float32", "TRITON_ATTN"), ("bfloat16", "TRITON_ATTN"),
-                                              ("float16", "FLASH_ATTN")])
-def test_draft_levels_attend_through_the_paged_cache(kernel_runner, dtype, backend):
+@pytest.mark.parametrize(("dtype", "backend", "features"), [
+    ("float32", "TRITON_ATTN", "plain"), ("bfloat16", "TRITON_ATTN", "plain"), ("float16", "FLASH_ATTN", "plain"),
+    ("float32", "TRITON_ATTN", "window+sinks"), ("bfloat16", "TRITON_ATTN", "soft_cap"),
+    ("float16", "FLASH_ATTN", "window+sinks")])
+def test_draft_levels_attend_through_the_paged_cache(kernel_runner, dtype, backend, features):
     """Two drafter levels: each level's K/V written to its lookahead slots by the impl's cache write, its rows
     through the tree kernel from the level's first column; every row sees its request's cached prefix and its
-    ancestors from earlier levels (float64 reference); the prefix stays as it was, padding rows untouched."""
-    result = kernel_runner(gpu_backend_cases.draft_levels, dtype, backend, seed=2)
+    ancestors from earlier levels (float64 reference, under the layer's features at the nodes' depths, roots at 19,
+    32 and 4: the window of 16 cuts two prefixes); the prefix stays as it was, padding rows untouched."""
+    result = kernel_runner(gpu_backend_cases.draft_levels, dtype, backend, seed=2, features=features)
     assert result["compared"] == 15 and result["error"] < TOLERANCE[dtype]
+    assert (result["error_if_ignored"] > 0.1) == (features != "plain")
     assert result["padding_untouched"] and result["prefix_kept"]
     # request 1 (prefix 33, block size 16): level one's columns 0-1 at positions 33, 34 of its third block
     assert [slot % 16 for slot in result["slots"][0][2:4]] == [1, 2]
@@ -328,13 +388,21 @@ def test_tree_mode_limits_cuda_graphs_and_refuses_what_the_kernel_lacks():
             is AttentionCGSupport.UNIFORM_BATCH)  # uniform batches replay graphs over the tree buffers
     plain = _attention_layers(sliding_window=None, kv_cache_dtype="auto")
     Builder(spec, [LAYER], stub_vllm_config(4, 2, 32, tree, plain), device)
-    windowed = _attention_layers(sliding_window=64, kv_cache_dtype="auto")
-    Builder(spec, [LAYER], stub_vllm_config(4, 2, 32, None, windowed), device)  # no tree: vLLM's builder
-    with pytest.raises(EasySpecConfigError, match="uses a sliding window"):
-        Builder(spec, [LAYER], stub_vllm_config(4, 2, 32, tree, windowed), device)
+    # the tree kernel computes windows, soft caps and sinks: the builder serves the layer and hands it its features
+    sinks = torch.zeros(4)
+    featured = _attention_layers(sliding_window=64, kv_cache_dtype="auto", logits_soft_cap=30.0, sinks=sinks)
+    Builder(spec, [LAYER], stub_vllm_config(4, 2, 32, tree, featured), device)
+    features = featured[LAYER].impl.tree_features
+    assert features.window == 64 and features.soft_cap == 30.0 and features.sinks is sinks
     fp8 = _attention_layers(sliding_window=None, kv_cache_dtype="fp8")
     with pytest.raises(EasySpecConfigError, match="only unquantized KV caches"):
         Builder(spec, [LAYER], stub_vllm_config(4, 2, 32, tree, fp8), device)
+    square_root_alibi = _attention_layers(sliding_window=None, kv_cache_dtype="auto", use_alibi_sqrt=True)
+    square_root_alibi[LAYER].use_alibi_sqrt = True  # vLLM's layer keeps it too (step1)
+    look_back = _attention_layers(sliding_window=64, kv_cache_dtype="auto", chunk_lookback=1)  # rnj1
+    for layers in (square_root_alibi, look_back):
+        with pytest.raises(EasySpecConfigError, match="square-root ALiBi or chunk look-back"):
+            Builder(spec, [LAYER], stub_vllm_config(4, 2, 32, tree, layers), device)
 
 
 def test_the_lookahead_holds_the_slots_a_drafting_steps_levels_write(tiny_llama_dir, tiny_llama_draft_dir):

@@ -277,13 +277,14 @@ class TreeRunnerMixin:
         if len(moves) and forward.kept_kv:
             device = next(iter(forward.kept_kv.values())).key.device
             moved = moves.to(device)  # the host's moves go to the cache's device once
-            kept_rows = step.batch_rows if forward.kept_by_batch_row else forward.masked_index
-            masked_request = _onto(kept_rows, moved.destination)[moved.request_index]
+            kept_rows = {kind: _onto(step.batch_rows if kind else forward.masked_index, moved.destination)[
+                moved.request_index] for kind in {kept.by_batch_row for kept in forward.kept_kv.values()}}
             for kept in forward.kept_kv.values():  # each layer through its own KV cache group's block table
-                blocks = kept.block_table[masked_request, moved.destination // kept.block_size].long()
+                request = kept_rows[kept.by_batch_row]  # and its own kind of kept rows
+                blocks = kept.block_table[request, moved.destination // kept.block_size].long()
                 slots = blocks * kept.block_size + moved.destination % kept.block_size
-                kept.write(kept.key[masked_request, :, moved.source_column],
-                           kept.value[masked_request, :, moved.source_column], slots)
+                kept.write(kept.key[request, :, moved.source_column], kept.value[request, :, moved.source_column],
+                           slots)
         rows = self.tree_verifier.branch_rows[1]
         input_ids = self.input_ids.gpu
         input_ids[_onto(rows, input_ids)] = _onto(branch.tokens, input_ids, input_ids.dtype)

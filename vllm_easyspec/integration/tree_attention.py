@@ -206,6 +206,13 @@ class TreeLevelMetadata:
         """``[S + F]`` tree column ``c`` (a node) at logical position ``prefix_lens + column_offsets[c]``."""
         return torch.tensor(self.state.column_depths[: self.tree_mask.shape[2]], dtype=torch.int32) - 1
 
+    @functools.cached_property
+    def batch_column_offsets(self) -> torch.Tensor:
+        """``[B, S + F]`` int32 :meth:`column_offsets` of every request on the mask's device (the tree kernel's
+        ``column_offsets``), built once per level for its layers."""
+        offsets = self.column_offsets().to(self.tree_mask.device, torch.int32, non_blocking=True)
+        return offsets.expand(int(self.state.prefix_lens.shape[0]), -1)
+
     def positions(self, starts: torch.Tensor) -> TreePositions:
         """Logical positions of the level's rows and of every tree column so far (prefix read from ``starts``)."""
         prefix = self.state.prefix_lens.long()

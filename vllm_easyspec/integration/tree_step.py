@@ -142,6 +142,9 @@ class VerifyKV:
     block_size: int
     write: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]  # (keys, values [A, Hkv, D], slots [A])
     block_table: torch.Tensor  # [R, max_blocks]: the rows' requests in the layer's KV cache group
+    # R: the step's requests by batch row (a uniform build, every row through the tree kernel), else by their index
+    # among the masked trees; one forward may hold both (Llama 4's chunked layers are never built uniform)
+    by_batch_row: bool = False
 
 
 @dataclass
@@ -150,8 +153,7 @@ class TreeVerifyForward:
     path; they alone get tree attention and kept K/V (a path's rows sit at their linear positions: vLLM's kernel)."""
 
     step: TreeVerifyStep
-    kept_kv: dict[str, VerifyKV] = field(default_factory=dict)  # by layer name, rows of ``masked``
-    kept_by_batch_row: bool = False  # kept K/V and block tables of every request by batch row (a uniform step)
+    kept_kv: dict[str, VerifyKV] = field(default_factory=dict)  # by layer name (VerifyKV.by_batch_row: whose rows)
     masked: TreeVerifyStep | None = field(init=False)  # None: every tree is a path
     masked_index: torch.Tensor | None = field(init=False)  # [R] each request's index in ``masked``, -1: a path
 

@@ -15,6 +15,9 @@ forward (:mod:`~vllm_easyspec.integration.tree_attention`); both keep the same l
   attend through the same kernel from the level's first tree column on (``first_column``); vLLM's scheduler
   reserves those slots (:func:`install` raises ``num_lookahead_tokens`` to the nodes a drafting step forwards).
 
+Both pass the layer's attention features (``impl.tree_features``: windows, chunks, soft caps, ALiBi, sinks) and
+each tree column's logical offset to the kernel, which computes every row as vLLM computes a causal row there.
+
 While ``easyspec.tree`` is configured, the builders report at most ``UNIFORM_SINGLE_TOKEN_DECODE`` CUDA
 graph support (a full graph of a uniform ``1 + n``-token batch would replay captured chain metadata), and with
 ``tree.uniform`` at most ``UNIFORM_BATCH``: the target's builders then serve every uniform batch, tree or not,
@@ -92,6 +95,7 @@ class TreeGPUVerifyMetadata:
     tree_mask: torch.Tensor  # [T, W] bool: request-local ancestor-or-self (root = column 0)
     prefix_lens: torch.Tensor  # [R] int32 = P; query j of request r sits at position P + j of its cache
     block_table: torch.Tensor  # [R, max_blocks] int32 of the masked tree requests
+    column_offsets: torch.Tensor  # [R, W] int32: column c at logical position P + column_offsets[r, c] (its depth)
     max_query_len: int  # 1 + the largest n
     query_rows: torch.Tensor  # [R, W] flattened row of each query (padding repeats the root), for kept K/V
     uniform: UniformTreeRows | None = None  # a uniform step: R is the batch, its K/V kept in these buffers
@@ -110,6 +114,7 @@ class UniformTreeRows:
         self.cu_query_lens = torch.arange(0, (max_requests + 1) * width, width, dtype=torch.int32, device=device)
         self.tree_mask = torch.zeros(max_requests * width, width, dtype=torch.bool, device=device)
         self.prefix_lens = torch.zeros(max_requests, dtype=torch.int32, device=device)
+        self.column_offsets = torch.zeros(max_requests, width, dtype=torch.int32, device=device)
         self.kept_rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # the target's layers (allocate_kept)
         self.kept: dict[str, tuple[torch.Tensor, torch.Tensor, int, Any]] = {}  # layer -> (keys, values, block, write)
         self._causal = torch.ones(width, width, dtype=torch.bool).tril()
@@ -127,12 +132,16 @@ class UniformTreeRows:
                 and cm.num_reqs <= self.max_requests and (step is None or step.width == self.width))
 
     def fill(self, cm, step) -> int:
-        """Refill the buffers for ``cm``'s requests (``step``'s trees under their ancestor masks); returns how many."""
+        """Refill the buffers for ``cm``'s requests (``step``'s trees under their ancestor masks, their columns at
+        their depths; a causal row at its column); returns how many."""
         count, rows = cm.num_reqs, cm.num_reqs * self.width
         mask = self._causal.repeat(count, 1)
+        offsets = torch.arange(self.width).repeat(count, 1)
         if step is not None:
             mask[step.attention_rows()[step.valid_rows]] = step.attention_mask[step.valid_rows]
+            offsets[step.batch_rows] = step.column_positions() - step.prefix_lens[:, None]
         self.tree_mask[:rows].copy_(mask, non_blocking=True)
+        self.column_offsets[:count].copy_(offsets, non_blocking=True)
         self.prefix_lens[:count].copy_((cm.seq_lens[:count] - self.width).clamp(min=0))
         return count
 
@@ -147,12 +156,12 @@ class UniformTreeRows:
         rows = count * self.width
         keys[:count].copy_(key[:rows].view(count, self.width, *key.shape[1:]).transpose(1, 2))
         values[:count].copy_(value[:rows].view(count, self.width, *value.shape[1:]).transpose(1, 2))
-        return VerifyKV(keys[:count], values[:count], block_size, write, block_table)
+        return VerifyKV(keys[:count], values[:count], block_size, write, block_table, by_batch_row=True)
 
     def kept_kv(self, count: int, block_table: torch.Tensor) -> dict[str, VerifyKV]:
         """The layers' kept K/V of a step's ``count`` requests, as the runner's commit reads them (``block_table``:
         this builder's KV cache group's)."""
-        return {name: VerifyKV(keys[:count], values[:count], block_size, write, block_table)
+        return {name: VerifyKV(keys[:count], values[:count], block_size, write, block_table, by_batch_row=True)
                 for name, (keys, values, block_size, write) in self.kept.items()}
 
 
@@ -220,18 +229,15 @@ class TreeGPUBuilderMixin(TreeVerifyBuilderMixin):
             raise EasySpecConfigError("easyspec.tree: this model uses reference sliding-window attention, "
                                       "which tree attention does not implement; remove easyspec.tree to use "
                                       "chain speculation with this model")
-        for layer in get_layers_from_vllm_config(vllm_config, Attention, layer_names).values():
+        for name, layer in get_layers_from_vllm_config(vllm_config, Attention, layer_names).items():
             if is_quantized_kv_cache(layer.impl.kv_cache_dtype):
                 raise EasySpecConfigError("easyspec.tree supports only unquantized KV caches, got "
                                           f"kv_cache_dtype {layer.impl.kv_cache_dtype!r}")
+            if getattr(layer, "use_alibi_sqrt", False) or getattr(layer.impl, "chunk_lookback", -1) > -1:
+                raise EasySpecConfigError(f"easyspec.tree: attention layer {name} uses square-root ALiBi or chunk "
+                                          "look-back, which the tree kernel does not implement; remove "
+                                          "easyspec.tree to use chain speculation")
         assign_layer_features(vllm_config, layer_names)
-        for name, layer in get_layers_from_vllm_config(vllm_config, Attention, layer_names).items():
-            features = layer.impl.tree_features
-            if features.reach != (None, None) or features.soft_cap or features.sinks is not None \
-                    or features.alibi_slopes is not None:
-                raise EasySpecConfigError(f"easyspec.tree: attention layer {name} uses a sliding window, "
-                                          "chunks, soft caps, sinks or ALiBi, which the GPU tree kernel does not "
-                                          "implement yet; remove easyspec.tree to use chain speculation")
 
     def build_verify(self, common_prefix_len, cm, forward: TreeVerifyForward) -> TreeGPUVerifyMetadata:
         step = forward.masked
@@ -241,6 +247,7 @@ class TreeGPUBuilderMixin(TreeVerifyBuilderMixin):
         cu_query_lens = torch.zeros(len(step) + 1, dtype=torch.int32)
         cu_query_lens[1:] = step.num_queries.cpu().cumsum(0)
         block_table = cm.block_table_tensor[step.batch_rows.to(cm.block_table_tensor.device, non_blocking=True)]
+        column_offsets = step.column_positions() - step.prefix_lens[:, None]  # depths: shared by the layers
         return TreeGPUVerifyMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             chain=chain,
@@ -252,6 +259,7 @@ class TreeGPUBuilderMixin(TreeVerifyBuilderMixin):
             tree_mask=step.attention_mask[step.valid_rows].to(device, non_blocking=True),
             prefix_lens=step.prefix_lens.to(device, torch.int32, non_blocking=True),
             block_table=block_table.to(device, torch.int32, non_blocking=True),
+            column_offsets=column_offsets.to(device, torch.int32, non_blocking=True),
             max_query_len=step.width,
             query_rows=rows.to(device, non_blocking=True),
         )
@@ -264,12 +272,12 @@ class TreeGPUBuilderMixin(TreeVerifyBuilderMixin):
         rows = uniform.rows[: count * uniform.width]
         block_table = cm.block_table_tensor[:count]
         if forward is not None:
-            forward.kept_by_batch_row = True
             forward.kept_kv.update(uniform.kept_kv(count, block_table))  # filled by the forward (or a graph replay)
         return TreeGPUVerifyMetadata(
             num_actual_tokens=cm.num_actual_tokens, chain=None, chain_rows=None, forward=forward, tree_rows=rows,
             cu_query_lens=uniform.cu_query_lens[: count + 1], tree_mask=uniform.tree_mask[: count * uniform.width],
-            prefix_lens=uniform.prefix_lens[:count], block_table=block_table, max_query_len=uniform.width,
+            prefix_lens=uniform.prefix_lens[:count], block_table=block_table,
+            column_offsets=uniform.column_offsets[:count], max_query_len=uniform.width,
             query_rows=rows.view(count, uniform.width), uniform=uniform)
 
 
@@ -292,7 +300,8 @@ class TreeGPUImplMixin(TreeAttentionImplMixin):
         rows = meta.tree_rows
         out = tree_attention_triton(
             query[rows], key_cache, value_cache, meta.block_table, meta.prefix_lens, meta.cu_query_lens,
-            meta.tree_mask, self.scale, max_query_len=meta.max_query_len,
+            meta.tree_mask, self.scale, max_query_len=meta.max_query_len, features=self.tree_features,
+            column_offsets=meta.column_offsets,
             # the precision vLLM's unified_attention computes the other rows in (TF32 for float32 on NVIDIA
             # by default; exact with TRITON_F32_DEFAULT=ieee, see reduced_fp32_precision_warning)
             fp32_precision=triton_default_fp32_precision(query.device),
@@ -322,10 +331,11 @@ class TreeGPUImplMixin(TreeAttentionImplMixin):
         precede them; the rows attend as a verify's do, from that column on."""
         from vllm_easyspec.kernels.tree_attention import tree_attention_triton, triton_default_fp32_precision
 
-        count, state = meta.num_actual_tokens, meta.state
+        count, state, features = meta.num_actual_tokens, meta.state, self.tree_features
         out = tree_attention_triton(
             query[:count], *self._fa_caches(kv_cache), state.block_table, state.prefix_lens, meta.query_starts,
             meta.tree_mask.flatten(0, 1), self.scale, max_query_len=meta.width, first_column=meta.first_column,
+            features=features, column_offsets=meta.batch_column_offsets if features.uses_positions else None,
             fp32_precision=triton_default_fp32_precision(query.device))
         output[:count] = out.to(output.dtype)
         return output
