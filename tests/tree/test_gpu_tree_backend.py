@@ -23,7 +23,8 @@ cache write run (the write through vLLM's Triton reshape-and-cache op, FlashAtte
 CPU), and its kernel, for the non-tree sub-batch, is the float64 torch stand-in.
 
 Draft levels (their K/V written by the impl's cache write, their rows through the tree kernel) run in the same
-worker. The level slots, the batch split, the CUDA-graph limit, the lookahead, the start-up check and ``install()``
+worker. Layers with a sliding window and sinks, or a soft cap, go through both impls (their features read from the
+impl at start-up) for a verify forward, a uniform step and draft levels, against the float64 reference under them. The level slots, the batch split, the CUDA-graph limit, the lookahead, the start-up check and ``install()``
 need no Triton and run in this process.
 """
 

@@ -269,6 +269,19 @@ def test_launch_rejects_bad_parameters():
         TreeAttentionLaunch(block_m=16, block_n=16, num_splits=0, min_split_len=16, num_warps=4, num_stages=2)
 
 
+def test_features_need_their_column_offsets_and_one_value_per_head():
+    from vllm_easyspec.kernels.tree_attention import tree_attention_triton
+    from vllm_easyspec.tree.attention import AttentionFeatures
+
+    args = make_paged_batch([[-1, 0, 0]], [5], 16, 4, 2, 16, torch.float32, seed=0)
+    for offsets in (None, torch.zeros(1, 2, dtype=torch.int32), torch.zeros(2, 3, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="need column_offsets"):
+            tree_attention_triton(**args, softmax_scale=0.1, features=AttentionFeatures(chunk=4),
+                                  column_offsets=offsets)
+    with pytest.raises(ValueError, match=r"sinks must be a contiguous \[Hq\] = \[4\]"):
+        tree_attention_triton(**args, softmax_scale=0.1, features=AttentionFeatures(sinks=torch.zeros(2)))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("block_size", [16, 32])

@@ -403,19 +403,21 @@ def _merge_splits(out: torch.Tensor, partial_acc: torch.Tensor, partial_stats: t
 NO_REACH = 1 << 30  # the window and chunk of a layer without them (positions stay far below)
 
 
-def _feature_arguments(features: AttentionFeatures, column_offsets: torch.Tensor | None, batch: int,
+def _feature_arguments(features: AttentionFeatures, column_offsets: torch.Tensor | None, shape: tuple[int, int],
                        num_q_heads: int, dummy: torch.Tensor) -> tuple[tuple, dict]:
-    """The kernel's feature arguments (pointers, then window, chunk, base-2 soft cap) and constexpr flags; unused
-    pointers are ``dummy`` and never dereferenced."""
+    """The kernel's feature arguments (pointers, the base-2 soft cap, window, chunk, the offsets' row stride) and
+    constexpr flags; unused pointers are ``dummy`` and never dereferenced. ``shape``: (B, the columns read)."""
     positions = features.uses_positions
-    if positions and (column_offsets is None or column_offsets.dim() != 2 or column_offsets.shape[0] != batch):
-        raise ValueError("windows, chunks and ALiBi need column_offsets [B, W], the tree columns' logical offsets")
+    if positions and (column_offsets is None or column_offsets.dim() != 2 or column_offsets.shape[0] != shape[0]
+                      or column_offsets.shape[1] < shape[1]):
+        raise ValueError(f"windows, chunks and ALiBi need column_offsets {list(shape)} or wider, the tree columns' "
+                         f"logical offsets; got {None if column_offsets is None else list(column_offsets.shape)}")
     for name in ("alibi_slopes", "sinks"):
         vector = getattr(features, name)
         if vector is not None and (vector.numel() != num_q_heads or vector.stride(-1) != 1):
             raise ValueError(f"{name} must be a contiguous [Hq] = [{num_q_heads}] tensor; got {tuple(vector.shape)}")
-    offsets = column_offsets if positions and column_offsets.stride(1) == 1 else \
-        column_offsets.contiguous() if positions else dummy
+    offsets = dummy if not positions else column_offsets if column_offsets.stride(1) == 1 else \
+        column_offsets.contiguous()
     pointers = (offsets, dummy if features.alibi_slopes is None else features.alibi_slopes,
                 dummy if features.sinks is None else features.sinks)
     cap = (features.soft_cap or 1.0) * math.log2(math.e)
@@ -480,8 +482,8 @@ def tree_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     partial_acc = torch.empty((*scratch, head_dim), dtype=torch.float32, device=query.device) if split else kernel_out
     partial_stats = torch.empty((2, *scratch), dtype=torch.float32, device=query.device) if split else kernel_out
     row_tiles = triton.cdiv(max_query_len * group, launch.block_m)
-    (*pointers, cap, window, chunk, stride_ob), flags = _feature_arguments(features, column_offsets, batch,
-                                                                           num_q_heads, prefix_lens)
+    (*pointers, cap, window, chunk, stride_ob), flags = _feature_arguments(
+        features, column_offsets, (batch, first_column + max_query_len), num_q_heads, prefix_lens)
     _tree_attention_kernel[(batch * num_kv_heads * launch.num_splits * row_tiles,)](
         kernel_out, partial_acc, partial_stats, query, key_cache, value_cache, block_table, prefix_lens,
         cu_query_lens, mask, *pointers, float(softmax_scale) * math.log2(math.e), cap, window, chunk,
