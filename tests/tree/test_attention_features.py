@@ -178,9 +178,9 @@ def test_a_path_through_the_paged_cache_equals_vllms_cpu_kernel(name):
     cache.view(6, -1)[0] = float("nan")  # block 0: where vLLM's freed blocks point
     freed = table.clone()
     freed[0, : features.first_visible(torch.tensor(prefix)) // block_size] = 0
-    layer = type("Layer", (), {"isa": isa})()
+    layer = type("Layer", (), {"isa": isa, "kv_cache_dtype": "auto", "_k_scale_float": 1.0, "_v_scale_float": 1.0})()
     prefix_key, prefix_value, starts = gather_cpu_prefix(layer, cache, freed, torch.tensor([prefix]), {}, features,
-                                                         torch.tensor([prefix]))
+                                                         torch.tensor([prefix]), dtype)
     positions = (prefix + torch.arange(1 + nodes))[None]
     out = attention_over_prefix_and_tree(
         query[None], prefix_key, prefix_value, torch.tensor([prefix]), keys[prefix:].transpose(0, 1)[None],

