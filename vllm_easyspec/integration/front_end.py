@@ -146,10 +146,6 @@ def _validate_tree_engine_config(vllm_config, tree) -> None:
                                   f"forward, {level_rows} rows at --max-num-seqs {scheduler.max_num_seqs}, more "
                                   f"than --max-num-batched-tokens {scheduler.max_num_batched_tokens}; raise "
                                   f"--max-num-batched-tokens to {level_rows} or lower --max-num-seqs")
-    if vllm_config.model_config.uses_mrope:
-        raise EasySpecConfigError("easyspec.tree gives tree nodes RoPE positions prefix + depth, which "
-                                  "M-RoPE targets do not support; remove easyspec.tree to use chain "
-                                  "speculation with this model")
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise EasySpecConfigError("easyspec.tree does not support pipeline parallelism; remove "
                                   "easyspec.tree or use --pipeline-parallel-size 1")

@@ -259,6 +259,9 @@ class TreeRunnerMixin:
         rows, positions = step.row_positions()
         self.positions[_onto(rows, self.positions)] = _onto(positions, self.positions, self.positions.dtype)
         verifier.forward = TreeVerifyForward(step)
+        if self.uses_mrope:  # the M-RoPE streams vLLM gave row P + j, moved to P + depth (text advances them together)
+            verifier.forward.mrope_shift = step.row_shifts()
+            self._shift_mrope_positions(*verifier.forward.mrope_shift)
         stats.path_requests += len(step) - (0 if verifier.forward.masked is None else len(verifier.forward.masked))
         stats.steps += 1
         stats.tree_requests += len(requests)
@@ -271,6 +274,9 @@ class TreeRunnerMixin:
         must be the branch at linear positions, not tree nodes at ``P + depth``)."""
         step, branch = forward.step, verdict.branch
         self.tree_verifier.record_branch(step, branch)
+        if forward.mrope_shift is not None:  # every tree row back at vLLM's linear M-RoPE positions
+            rows, shift = forward.mrope_shift
+            self._shift_mrope_positions(rows, -shift)
         if not len(branch):
             return
         moves = branch.out_of_place(step.prefix_lens)  # only nodes of masked requests (paths are in place)
@@ -289,6 +295,11 @@ class TreeRunnerMixin:
         input_ids = self.input_ids.gpu
         input_ids[_onto(rows, input_ids)] = _onto(branch.tokens, input_ids, input_ids.dtype)
         self.positions[_onto(rows, self.positions)] = _onto(branch.destination, self.positions, self.positions.dtype)
+
+    def _shift_mrope_positions(self, rows: torch.Tensor, shift: torch.Tensor) -> None:
+        """Every M-RoPE stream of forward ``rows`` moved by ``shift`` (vLLM's device buffer the forward reads)."""
+        mrope = self.mrope_positions.gpu
+        mrope[:, _onto(rows, mrope)] += _onto(shift, mrope, mrope.dtype)
 
 
 def _onto(values: torch.Tensor, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -314,7 +314,9 @@ class TreeDrafting:
             output = proposer.model(**model_kwargs)
         hidden, feed = output if proposer.model_returns_tuple() else (output, None)
         root_feed = None if feed is None else feed[token_indices_to_sample]
-        return hidden[token_indices_to_sample], root_feed, proposer.positions[token_indices_to_sample], cad
+        # a draft with M-RoPE holds its positions in mrope_positions (text: every stream equal)
+        positions = proposer.mrope_positions[0] if proposer.uses_mrope else proposer.positions
+        return hidden[token_indices_to_sample], root_feed, positions[token_indices_to_sample], cad
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits over the draft vocabulary: an EAGLE-3 head's reduced one (:attr:`output_ids`), a draft

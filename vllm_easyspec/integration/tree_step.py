@@ -154,6 +154,8 @@ class TreeVerifyForward:
 
     step: TreeVerifyStep
     kept_kv: dict[str, VerifyKV] = field(default_factory=dict)  # by layer name (VerifyKV.by_batch_row: whose rows)
+    # M-RoPE targets: (forward rows, depth - column) by which each row's streams moved from vLLM's linear positions
+    mrope_shift: tuple[torch.Tensor, torch.Tensor] | None = None
     masked: TreeVerifyStep | None = field(init=False)  # None: every tree is a path
     masked_index: torch.Tensor | None = field(init=False)  # [R] each request's index in ``masked``, -1: a path
 

@@ -129,6 +129,13 @@ class TreeVerifyStep:
         """(flattened rows, positions ``P + depth``) of every root and node."""
         return self.attention_rows()[self.valid_rows], self.column_positions()[self.valid_rows]
 
+    def row_shifts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flattened rows, ``depth - column``) of every root and node: how far each row's position moves from its
+        linear ``P + column`` to ``P + depth``."""
+        columns = torch.arange(self.width)[None, :].expand(len(self.requests), -1)
+        return self.attention_rows()[self.valid_rows], (self.column_positions() - self.prefix_lens[:, None]
+                                                        - columns)[self.valid_rows]
+
     def banned_stop_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(step-local query ``[request, column]`` pairs, token) where a stop token must be masked: the
         rows of depth ``< stop_tokens_banned_below_depth`` (root depth 0) of requests under min_tokens."""
