@@ -8,6 +8,7 @@ build crashed at the first verify step (trees built on the host, gathered with d
 
 from __future__ import annotations
 
+import functools
 import types
 
 import pytest
@@ -134,7 +135,7 @@ def test_the_runners_commit_on_a_second_device_moves_the_branch_into_place():
 
 
 def test_the_runners_tree_step_start_writes_device_positions():
-    """``_start_tree_step`` with the runner's positions on the device: tree rows get P + depth."""
+    """``_start_tree_step`` with the runner's positions on the device: tree rows get P + depth, in every M-RoPE stream too."""
     import numpy as np
     from vllm import SamplingParams
 
@@ -153,9 +154,13 @@ def test_the_runners_tree_step_start_writes_device_positions():
             tree_verifier=verifier, requests=requests, positions=torch.arange(6, device=device) + 10,
             query_start_loc=types.SimpleNamespace(np=np.array([0, 6])),
             input_batch=types.SimpleNamespace(req_id_to_index={"a": 0}, num_computed_tokens_cpu=np.array([10])),
+            uses_mrope=True, mrope_positions=types.SimpleNamespace(gpu=(torch.arange(6, device=device) + 7)
+                                                                   .repeat(3, 1)),  # M-RoPE delta -3
         )
+        runner._shift_mrope_positions = functools.partial(TreeRunnerMixin._shift_mrope_positions, runner)
         TreeRunnerMixin._start_tree_step(runner, scheduler_output)
         assert verifier.forward is not None
+        assert torch.equal(on_host(runner.mrope_positions.gpu), (on_host(runner.positions) - 3).repeat(3, 1))
         return on_host(runner.positions).tolist()
 
     expected = start(torch.device("cpu"))
