@@ -303,3 +303,14 @@ def test_distribution_test_rejects_a_biased_eagle_tree_verifier(llm_pool, tiny_l
     finally:
         llm.collective_rpc(restore_tree_sampler)
     assert result.p_value < ALPHA, f"biased verifier not detected: chi2={result.statistic:.1f} p={result.p_value:.2e}"
+
+
+@pytest.mark.slow  # two ranks in processes of their own (issue 70, item 5; the draft-model sources: tests/tree)
+def test_eagle3_trees_at_tp2_equal_vanilla(llm_pool, monkeypatch, tiny_llama_dir, trained_tiny_heads):
+    from tests.tree.test_engine_tree_tp import assert_both_ranks_verified_trees, tp2_tree_engine
+
+    expected = _vanilla(llm_pool, tiny_llama_dir, "single", SINGLE) + _vanilla(llm_pool, tiny_llama_dir, "mixed", MIXED)
+    llm = tp2_tree_engine(llm_pool, monkeypatch, tiny_llama_dir,
+                          {"method": "eagle3", "model": str(trained_tiny_heads("eagle3"))}, TREES["dynamic"])
+    assert generate(llm, SINGLE) + generate(llm, MIXED) == expected
+    assert_both_ranks_verified_trees(llm)

@@ -1,0 +1,54 @@
+"""Token trees at tensor-parallel size 2 for every draft-model source (issue 70, item 5): a dynamic tree, a tree
+merged with prompt lookup, a tree bridged by text across vocabularies, and ``tree.auto``; the EAGLE head's is in
+``tests/eagle/test_eagle_tree.py``. Greedy output at TP 2 equals vanilla's at TP 1, both ranks verified the same
+trees. Each engine runs its two ranks in processes of their own (one core each), so these are ``slow``."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.request_batches import MIXED, SINGLE, generate
+from vllm_easyspec.instruments.worker_extension import read_tree_stats
+
+pytestmark = pytest.mark.slow
+
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+SOURCES = {
+    "dynamic": {"top_k": 3, "depth": 3, "budget": 8},
+    "prompt_lookup": {"top_k": 2, "depth": 2, "budget": 4, "sources": {"prompt_lookup": {"nodes": 4, "min_match": 1}}},
+    "auto": {"top_k": 2, "depth": 3, "budget": 6, "auto": True},
+}
+
+
+def tp2_tree_engine(llm_pool, monkeypatch, target, speculative_config: dict, tree: dict):
+    for key, value in TP2_ENV.items():
+        monkeypatch.setenv(key, value)
+    return llm_pool.get(target, speculative_config=speculative_config, additional_config={"easyspec": {"tree": tree}},
+                        tensor_parallel_size=2, distributed_executor_backend="mp", multiprocess=True)
+
+
+def assert_both_ranks_verified_trees(llm) -> None:
+    ranks = llm.collective_rpc(read_tree_stats)
+    assert len(ranks) == 2 and ranks[0] == ranks[1], ranks
+    assert ranks[0]["steps"] > 0 and ranks[0]["accepted"] > 0, ranks[0]
+
+
+@pytest.mark.parametrize("source", list(SOURCES))
+def test_draft_model_trees_at_tp2_equal_vanilla(llm_pool, monkeypatch, tree_llama_dir, tiny_llama_draft_dir, source):
+    vanilla = llm_pool.get(tree_llama_dir)
+    expected = generate(vanilla, SINGLE) + generate(vanilla, MIXED)
+    llm = tp2_tree_engine(llm_pool, monkeypatch, tree_llama_dir,
+                          {"method": "draft_model", "model": str(tiny_llama_draft_dir)}, SOURCES[source])
+    assert generate(llm, SINGLE) + generate(llm, MIXED) == expected
+    assert_both_ranks_verified_trees(llm)
+
+
+def test_trees_bridged_by_text_at_tp2_equal_vanilla(llm_pool, monkeypatch, byte_level_pair):
+    target, draft = byte_level_pair
+    vanilla = llm_pool.get(target)
+    expected = generate(vanilla, SINGLE) + generate(vanilla, MIXED)
+    llm = tp2_tree_engine(llm_pool, monkeypatch, target,
+                          {"method": "draft_model", "model": str(draft), "use_heterogeneous_vocab": True},
+                          {"choices": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]], "retokenize": True})
+    assert generate(llm, SINGLE) + generate(llm, MIXED) == expected
+    assert_both_ranks_verified_trees(llm)
