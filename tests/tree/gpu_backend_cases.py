@@ -9,7 +9,11 @@ Two adjustments make vLLM's own Triton code run in that worker (neither applies 
   sub-batch) and its reshape-and-cache kernel (vLLM's K/V write, and ``VerifyKV.write``) run in the
   interpreter. This module therefore imports nothing from vLLM at module level.
 * ``triton_reshape_and_cache_flash`` asks ``torch.cuda.get_device_capability`` for a tile size; on CPU
-  tensors that call is answered with (9, 0).
+  tensors that call is answered with (9, 0), and ``current_platform.has_device_capability`` (whether it may store
+  fp8) as that device answers: yes.
+* The interpreter converts fp32 / fp16 / bf16 to fp8 with a rounding of its own (1.97 becomes 1.0 in e4m3); GPUs
+  round to nearest even. :func:`_fp8_rounding_as_gpus` makes those conversions (vLLM's fp8 cache write, its
+  kernel's fp8 softmax weights) round as torch does, to nearest even. Nothing else converts to fp8.
 
 And one monkeypatch: with bf16 under the interpreter, vLLM's unified attention kernel returns garbage
 (``tl.dot`` misreads bf16 operands in the interpreter, triton-lang/triton#11584; the tree kernel upcasts
@@ -57,17 +61,44 @@ def _enable_vllm_triton() -> None:
                            "it use the real triton; run these cases in a fresh interpreter worker")
 
 
+def _fp8_rounding_as_gpus(original):
+    """Triton's interpreter's ``_convert_float``, except that conversions of fp32 / fp16 / bf16 to an fp8 type (round
+    to nearest even, the default) go through torch's, which rounds as GPUs do."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    fp8 = {tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2, tl.float8e4b8: torch.float8_e4m3fnuz,
+           tl.float8e5b16: torch.float8_e5m2fnuz}
+    wide = {tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16}
+
+    def convert(data, input_dtype, output_dtype, rounding_mode):
+        if output_dtype not in fp8 or input_dtype not in wide or rounding_mode not in (
+                None, interpreter._ir.ROUNDING_MODE.RTNE):
+            return original(data, input_dtype, output_dtype, rounding_mode)
+        values = torch.from_numpy(np.ascontiguousarray(data)).view(wide[input_dtype])
+        return values.to(fp8[output_dtype]).view(torch.uint8).numpy().reshape(data.shape)
+
+    return convert
+
+
 @contextlib.contextmanager
 def _cpu_adjustments(dtype: torch.dtype, backend: str):
     """The capability answer and the stand-ins of the module docstring (nothing on a GPU)."""
     if torch.cuda.is_available():
         yield "vllm-triton" if backend == "TRITON_ATTN" else "vllm-flash-attn"
         return
+    from vllm.platforms import current_platform
     from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
     from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)))
+        stack.enter_context(mock.patch.object(current_platform, "has_device_capability", lambda *args: True))
+        from triton.runtime import interpreter
+
+        stack.enter_context(mock.patch.object(interpreter, "_convert_float",
+                                              _fp8_rounding_as_gpus(interpreter._convert_float)))
         if backend == "FLASH_ATTN":  # no FlashAttention on CPU: vLLM's Triton cache write op, a torch kernel
             from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
 
@@ -83,9 +114,9 @@ def _cpu_adjustments(dtype: torch.dtype, backend: str):
 
 
 def stub_vllm_config(num_heads: int, num_kv_heads: int, head_size: int, tree: dict | None = None,
-                     layers: dict | None = None):
+                     layers: dict | None = None, dtype: torch.dtype = torch.float32):
     """What the Triton and FlashAttention builders and the tree builder read from a ``VllmConfig`` (a real one
-    needs a model)."""
+    needs a model); ``dtype``: the model's."""
     from vllm.config import CUDAGraphMode
 
     model_config = types.SimpleNamespace(
@@ -93,7 +124,7 @@ def stub_vllm_config(num_heads: int, num_kv_heads: int, head_size: int, tree: di
         get_num_kv_heads=lambda parallel_config=None: num_kv_heads,
         get_head_size=lambda: head_size,
         rswa_window=None,
-        dtype=torch.float32,
+        dtype=dtype,
         hf_config=types.SimpleNamespace(model_type="llama"),
         is_mm_prefix_lm=False,
     )
@@ -112,14 +143,18 @@ def stub_vllm_config(num_heads: int, num_kv_heads: int, head_size: int, tree: di
     )
 
 
-def stub_layer(device: str = "cpu"):
-    """The attributes of vLLM's ``Attention`` layer that the Triton impl reads."""
-    one = torch.tensor(1.0, dtype=torch.float32, device=device)
-    return types.SimpleNamespace(layer_name=LAYER, _k_scale=one, _v_scale=one, _q_scale=one,
-                                 _k_scale_float=1.0, _v_scale_float=1.0)
+FP8_SCALES = (0.375, 1.25, 0.3)  # k, v, q: an fp8 cache's test layer (``stub_layer``)
 
 
-def featured_impl(backend: str, num_heads: int, head_size: int, num_kv_heads: int, features: str, device: str):
+def stub_layer(device: str = "cpu", scales: tuple[float, float, float] = (1.0, 1.0, 1.0)):
+    """The attributes of vLLM's ``Attention`` layer that the Triton impl reads; ``scales``: (k, v, q)."""
+    k, v, q = (torch.tensor(scale, dtype=torch.float32, device=device) for scale in scales)
+    return types.SimpleNamespace(layer_name=LAYER, _k_scale=k, _v_scale=v, _q_scale=q,
+                                 _k_scale_float=scales[0], _v_scale_float=scales[1])
+
+
+def featured_impl(backend: str, num_heads: int, head_size: int, num_kv_heads: int, features: str, device: str,
+                  kv_cache_dtype: str = "auto"):
     """The GPU tree impl of ``backend`` built as vLLM's models build it with the features a test names (``window``:
     a sliding window of 16, ``sinks``: one per head, from -1 to 4, ``soft_cap``: 1.5; joined by ``+``), its
     ``tree_features`` read at start-up (``assign_layer_features``, through a stub config holding its layer)."""
@@ -140,7 +175,7 @@ def featured_impl(backend: str, num_heads: int, head_size: int, num_kv_heads: in
             stack.enter_context(mock.patch("vllm.v1.attention.backends.flash_attn.flash_attn_supports_sinks",
                                            lambda: True, create=True))
         impl = tree_backend.get_impl_cls()(num_heads, head_size, 1 / math.sqrt(head_size), num_kv_heads,
-                                           alibi_slopes=None, kv_cache_dtype="auto", **options)
+                                           alibi_slopes=None, kv_cache_dtype=kv_cache_dtype, **options)
     layer = Attention.__new__(Attention)  # only isinstance and .impl are read
     layer.impl = impl
     assign_layer_features(stub_vllm_config(num_heads, num_kv_heads, head_size, layers={LAYER: layer}), [LAYER])
@@ -151,13 +186,16 @@ def make_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_size
                   layout: str, generator: torch.Generator, device: str = "cpu") -> torch.Tensor:
     """A layer's cache as vLLM 0.32 hands it to the Triton impl: logical ``[num_blocks, Hkv, block_size,
     2 * D]``, physically ``NHD`` (``[num_blocks, block_size, Hkv, 2D]`` in memory, vLLM's FlashAttention
-    layout) or ``HND`` (the logical order)."""
+    layout) or ``HND`` (the logical order). ``dtype`` uint8: an fp8 cache (random e4m3 bytes), as vLLM allocates it."""
+    def filled(*shape: int) -> torch.Tensor:
+        values = torch.randn(*shape, generator=generator)
+        return (values.to(torch.float8_e4m3fn).view(torch.uint8) if dtype == torch.uint8 else values.to(dtype)
+                ).to(device)
+
     if layout == "NHD":
-        physical = torch.randn(num_blocks, block_size, num_kv_heads, 2 * head_size, generator=generator)
-        return physical.to(dtype).to(device).permute(0, 2, 1, 3)
+        return filled(num_blocks, block_size, num_kv_heads, 2 * head_size).permute(0, 2, 1, 3)
     if layout == "HND":
-        return torch.randn(num_blocks, num_kv_heads, block_size, 2 * head_size, generator=generator
-                           ).to(dtype).to(device)
+        return filled(num_blocks, num_kv_heads, block_size, 2 * head_size)
     raise ValueError(layout)
 
 
@@ -209,7 +247,8 @@ def _error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: tuple[int, int] = (4, 2),
                    head_size: int = 32, trees: tuple = ((7, 4, 37), (9, 9, 21)), plain: tuple = (11, 5),
                    path: tuple | None = (4, 26), pad_tokens: int = 3, pad_request: bool = True,
-                   backend: str = "TRITON_ATTN", uniform: bool = False, features: str = "plain") -> dict:
+                   backend: str = "TRITON_ATTN", uniform: bool = False, features: str = "plain",
+                   kv_cache_dtype: str = "auto", quantized_query: bool = True) -> dict:
     """One verify forward of a batch [tree A, plain request, tree B, path C] (+ CUDA-graph padding) through the
     GPU tree backend, the way the engine runs it; returns errors and checks for the test to assert on.
 
@@ -220,12 +259,15 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
     ``uniform``: the engine has ``tree.uniform`` (the batch must then give every request the same row count):
     every row goes through the tree kernel from persistent buffers (a build repeated reuses them).
     ``features``: the layer's (:func:`featured_impl`), for vLLM's kernel and the tree kernel alike.
+    ``kv_cache_dtype`` ``fp8``: a uint8 cache written in e4m3 with the layer's scales (:data:`FP8_SCALES`), the query
+    quantized as vLLM's layer quantizes it on CUDA (``quantized_query``; not on ROCm); references read the bytes
+    dequantized.
     """
     _enable_vllm_triton()
     from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadata
     from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_quant_mode
 
     from vllm_easyspec.integration.gpu import attention_backend
     from vllm_easyspec.integration.gpu.attention_backend import TreeGPUVerifyMetadata
@@ -269,7 +311,8 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
     for r, count in enumerate(needed):
         block_table[r, :count] = order[used: used + count]
         used += count
-    kv_cache = make_kv_cache(pool, block_size, num_kv_heads, head_size, dt, layout, gen, dev)
+    fp8 = kv_cache_dtype != "auto"
+    kv_cache = make_kv_cache(pool, block_size, num_kv_heads, head_size, torch.uint8 if fp8 else dt, layout, gen, dev)
 
     # ---- the forward's rows: linear slots, tree positions P + depth (as the runner sets them) ------------
     linear = torch.cat([computed[r] + torch.arange(int(scheduled[r])) for r in range(num_reqs)])
@@ -292,17 +335,21 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
     query = torch.randn(num_tokens_padded, num_heads, head_size, generator=gen).to(dt).to(dev)
     key = torch.randn(num_tokens_padded, num_kv_heads, head_size, generator=gen).to(dt).to(dev)
     value = torch.randn(num_tokens_padded, num_kv_heads, head_size, generator=gen).to(dt).to(dev)
+    if fp8 and quantized_query:  # vLLM's Attention.forward on CUDA: QuantFP8, static per tensor (query / q_scale)
+        finite = torch.finfo(torch.float8_e4m3fn).max
+        query = (query.float() / FP8_SCALES[2]).clamp(-finite, finite).to(torch.float8_e4m3fn)
 
     tree_backend = attention_backend.TreeFlashAttentionBackend if backend == "FLASH_ATTN" else \
         attention_backend.TreeTritonAttentionBackend
     vllm_metadata = FlashAttentionMetadata if backend == "FLASH_ATTN" else TritonAttentionMetadata
-    impl = featured_impl(backend, num_heads, head_size, num_kv_heads, features, dev)
-    layer = stub_layer(dev)
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dt)
+    impl = featured_impl(backend, num_heads, head_size, num_kv_heads, features, dev, kv_cache_dtype)
+    layer = stub_layer(dev, FP8_SCALES if fp8 else (1.0, 1.0, 1.0))
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
+                             dtype=torch.uint8 if fp8 else dt, kv_quant_mode=get_kv_quant_mode(kv_cache_dtype))
     tree_config = {"choices": [[0] * depth for depth in range(1, int(scheduled.max()))], "uniform": True} \
         if uniform else {"choices": [[0]]}  # a tree engine's builder
     builder = tree_backend.get_builder_cls()(spec, [LAYER], stub_vllm_config(num_heads, num_kv_heads, head_size,
-                                                                             tree_config), torch.device(dev))
+                                                                             tree_config, dtype=dt), torch.device(dev))
     builder.mark_target([LAYER])  # as the runner marks the target's builders
     query_start_loc = torch.full((num_reqs_padded + 1,), num_tokens, dtype=torch.int32)
     query_start_loc[: num_reqs + 1] = starts
@@ -377,21 +424,40 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
 
     # ---- expectations ------------------------------------------------------------------------------------
     key_cache, value_cache = fa_views(written, head_size)
+    reference_query, stored = query, (key_cache, value_cache)  # stored: the bytes as written
+    if fp8:  # the references read the bytes (and the quantized query) dequantized
+        key_cache, value_cache = (cache.view(torch.float8_e4m3fn).double() * scale for cache, scale
+                                  in zip(stored, FP8_SCALES))
+        reference_query = query.double() * (FP8_SCALES[2] if quantized_query else 1.0)
     tree_rows = torch.cat([r.query_start + torch.arange(1 + r.num_nodes) for r in masked_requests])
     cu = torch.tensor([0] + [1 + r.num_nodes for r in masked_requests]).cumsum(0).int()
     # request-local query parents (root = query 0, node i = query i + 1), not TreeVerifyStep's mask
     query_parents = torch.tensor([q for r in masked_requests for q in [-1] + [p + 1 for p in r.parents]])
     mask = ancestor_mask_from_parents(query_parents, cu)
-    reference_args = (query[tree_rows].cpu(), key_cache.cpu(), value_cache.cpu(),
+    reference_args = (reference_query[tree_rows].cpu(), key_cache.cpu(), value_cache.cpu(),
                       block_table[[r.batch_row for r in masked_requests]],
                       torch.tensor([r.prefix_len for r in masked_requests]), cu, mask, scale)
     tree_ref = tree_attention_reference(*reference_args, out_dtype=torch.float32, features=impl.tree_features,
                                         column_offsets=depth_offsets(mask, cu))
     plain_ref = tree_attention_reference(*reference_args, out_dtype=torch.float32)
+    fp8_errors = {}
+    if fp8:  # the tree rows against references that ignore the scales, or the round trip of their own K/V
+        def tree_error(query_rows, keys, values) -> float:
+            return _error(output[tree_rows.to(dev)], tree_attention_reference(
+                query_rows.cpu(), keys.cpu(), values.cpu(), *reference_args[3:], out_dtype=torch.float32,
+                features=impl.tree_features, column_offsets=depth_offsets(mask, cu)))
+
+        raw = [cache.view(torch.float8_e4m3fn).double() for cache in stored]
+        own = slots[tree_rows]  # the tree rows' linear slots, as vLLM's forward wrote them
+        unrounded = [cache.clone() for cache in (key_cache, value_cache)]
+        for cache, rows in zip(unrounded, (key, value)):
+            cache[own // block_size, own % block_size] = rows[tree_rows.to(dev)].double().cpu()
+        fp8_errors = {"unscaled_error": tree_error(query[tree_rows.to(dev)].double(), *raw),
+                      "no_round_trip_error": tree_error(reference_query[tree_rows], *unrounded)}
     chain_errors = []  # the plain request and the path: causal attention over their whole sequence
     for r in [1] + ([3] if path is not None else []):
         s, e = int(starts[r]), int(starts[r + 1])
-        reference = causal_reference(query[s:e].cpu(), key_cache.cpu(), value_cache.cpu(), block_table[r],
+        reference = causal_reference(reference_query[s:e].cpu(), key_cache.cpu(), value_cache.cpu(), block_table[r],
                                      int(seq_lens[r]), scale, impl.tree_features)
         chain_errors.append(_error(output[s:e], reference))
 
@@ -405,8 +471,10 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
         chain_cu = torch.tensor([0, e - s], dtype=torch.int32)
         chain_mask = ancestor_mask_from_parents(torch.arange(-1, e - s - 1), chain_cu)
         path_out = tree_attention_triton(
-            query[s:e], key_cache, value_cache, block_table[3:4].to(dev), torch.tensor([path[1]]).to(dev),
-            chain_cu.to(dev), chain_mask.to(dev), scale, max_query_len=e - s, features=impl.tree_features,
+            query[s:e], *impl._fa_caches(written), block_table[3:4].to(dev), torch.tensor([path[1]]).to(dev),
+            chain_cu.to(dev), chain_mask.to(dev), scale, torch.empty(e - s, num_heads, head_size, dtype=dt,
+                                                                     device=dev),
+            max_query_len=e - s, features=impl.tree_features, **impl._scales(layer, query),
             column_offsets=torch.arange(e - s, dtype=torch.int32, device=dev)[None],
             fp32_precision=triton_default_fp32_precision(dev))
         path_agreement = _error(path_out, output[s:e].float().cpu())
@@ -414,10 +482,11 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
 
     expected = written.clone()
     expected_keys, expected_values = fa_views(expected, head_size)
-    for source_row, batch_row, destination in moves:
+    for source_row, batch_row, destination in moves:  # the bytes vLLM's write put at the row's linear slot
         block = int(block_table[batch_row, destination // block_size])
-        expected_keys[block, destination % block_size] = key[source_row]
-        expected_values[block, destination % block_size] = value[source_row]
+        source = int(slots[source_row])
+        expected_keys[block, destination % block_size] = stored[0][source // block_size, source % block_size]
+        expected_values[block, destination % block_size] = stored[1][source // block_size, source % block_size]
     kept = forward.kept_kv[LAYER]
     masked = TreeVerifyStep(masked_requests)
     query_rows = masked.attention_rows()
@@ -453,6 +522,7 @@ def verify_forward(dtype: str, block_size: int, layout: str, seed: int, heads: t
         "write_matches": bool(torch.equal(kv_cache.cpu(), expected.cpu())),
         "write_changed_cache": not torch.equal(kv_cache.cpu(), written.cpu()),
         "expected_shape": (num_reqs if uniform else len(masked_requests), num_kv_heads, masked.width, head_size),
+        **fp8_errors,
     }
 
 

