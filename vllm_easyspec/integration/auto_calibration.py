@@ -55,7 +55,20 @@ def start_auto_budget(runner: Any, tree: TreeConfig) -> AutoBudget:
     publish = None
     if get_tensor_model_parallel_rank() == 0:
         publish = ControllerPublisher(controller, runner.vllm_config.instance_id).publish
-    return AutoBudget(tree, controller, DeviceClock(runner.device), publish)
+    return AutoBudget(tree, controller, DeviceClock(runner.device), publish, agree=_rank_zeros_decision())
+
+
+def _rank_zeros_decision():
+    """With tensor-parallel ranks, each decision becomes rank 0's (one small object broadcast over the ranks' CPU
+    group per decision); alone, the decision as it is."""
+    from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
+
+    from vllm_easyspec.integration.node_policy import alone
+
+    if get_tensor_model_parallel_world_size() == 1:
+        return alone
+    group = get_tp_group()
+    return lambda decision: group.broadcast_object(decision, src=0)
 
 
 def _forward_timings(runner: Any, rows: list[int], draft: bool) -> ForwardTimings:

@@ -123,18 +123,26 @@ class TreeBudget:
     def publish(self) -> None: pass
 
 
+def alone(decision: Any) -> Any:
+    """A decision one process takes for itself (one rank): as it is."""
+    return decision
+
+
 class AutoBudget:
     """``tree.auto``: the controller plans each step's depth and cuts each request's tree to the nodes that
-    pay; the step's spans keep its cost model current (module docstring)."""
+    pay; the step's spans keep its cost model current (module docstring). ``agree`` turns each rank's decision
+    into the one every rank takes: tensor-parallel ranks draft the same trees with collectives in every level,
+    and each rank's own timings would plan differently (a rank drafting one level more hangs the others)."""
 
     keeps_drafted_order = False  # the controller hands nodes over best first
 
     def __init__(self, tree: TreeConfig, controller: SpeculationController, clock: DeviceClock,
-                 publish: Callable[[], None] | None = None) -> None:
+                 publish: Callable[[], None] | None = None, agree: Callable[[Any], Any] = alone) -> None:
         self.tree = tree
         self.controller = controller
         self.clock = clock
         self._publish = publish
+        self._agree = agree
         self._verify: tuple[Any, VerifyShape, Any] | None = None  # (mark, shape, the controller's cycle)
 
     def budget(self, batch_size: int) -> StepBudget:
@@ -143,8 +151,8 @@ class AutoBudget:
     def plan_depth(self, req_ids: Sequence[str], first_pass_rows: int, requests: Mapping[str, Any],
                    path_lengths: list[int] | None) -> int:
         self.clock.poll()  # spans the device has finished reach the controller before it plans
-        return self.controller.plan_depth(list(req_ids), first_pass_rows, horizon_steps(req_ids, requests),
-                                          path_lengths)
+        return self._agree(self.controller.plan_depth(list(req_ids), first_pass_rows,
+                                                      horizon_steps(req_ids, requests), path_lengths))
 
     def choose(self, candidates: list[CandidateTree], node_limit: int, batch_size: int,
                logprobs: torch.Tensor | None) -> dict[str, PendingTree]:
@@ -158,7 +166,7 @@ class AutoBudget:
             features = node_features(tree.parents, tree.from_lookup, values)
             offered.append(RequestTree(tree.req_id, tree.tokens, tree.parents, features,
                                        keeps_order=tree.draw_mode is ChildDrawMode.IID_FROM_DRAFT))
-        choices = self.controller.choose(offered, batch_size)
+        choices = self._agree(self.controller.choose(offered, batch_size))
         return {tree.req_id: PendingTree.within(choice.count, choice.tokens, choice.parents, tree.draw_mode,
                                                 tree.draft_probs, tuple(f.from_lookup for f in choice.features),
                                                 choice.features)
