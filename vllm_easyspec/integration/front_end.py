@@ -60,7 +60,7 @@ def prepare_tree_engine_args(engine_args, easyspec: EasySpecConfig | None) -> No
     if method not in TREE_METHODS:
         raise EasySpecConfigError(
             f"easyspec.tree needs --speculative-config with \"method\" one of {', '.join(TREE_METHODS)} (a draft "
-            f"model or an EAGLE head drafts the tree), got method {method!r}; use one of those, or remove "
+            f"model, an EAGLE head or an MTP head drafts the tree), got method {method!r}; use one of those, or remove "
             "easyspec.tree"
         )
     rule = spec.get("rejection_sample_method")

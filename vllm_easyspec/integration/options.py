@@ -19,8 +19,9 @@ from vllm_easyspec.easyspec.config import EasySpecConfig, parse_easyspec_config
 from vllm_easyspec.easyspec.layer_grouping import LayerGrouping, resolve_layer_groups
 from vllm_easyspec.tree.config import TreeConfig
 
-TREE_METHODS = ("draft_model", "eagle", "eagle3")  # speculative methods whose drafter can draft trees
-TREE_EAGLE_METHODS = ("eagle", "eagle3")  # ... of which an EAGLE head drafts them
+# speculative methods whose drafter can draft trees, as given ("deepseek_mtp": vLLM's older name of "mtp")
+TREE_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "deepseek_mtp")
+TREE_EAGLE_METHODS = ("eagle", "eagle3", "mtp")  # ... of which an EAGLE or MTP head (vLLM's EagleProposer) drafts them
 # id(VllmConfig) -> (a reference to that config, its options); the entry goes when the config does
 _RESOLVED: dict[int, tuple[Any, EasySpecOptions | None]] = {}
 

@@ -10,6 +10,7 @@ import copy
 
 import torch
 
+from vllm_easyspec.easyspec.config import EasySpecConfigError
 from vllm_easyspec.instruments.step_trace import step_trace_path, trace_tree_step
 from vllm_easyspec.integration.auto_calibration import start_auto_budget
 from vllm_easyspec.integration.compat import plugin_logger
@@ -53,6 +54,9 @@ class TreeRunnerMixin:
             self._plugin_drafter = drafter
         if options is None or options.tree is None or drafter is None:
             return
+        if not isinstance(drafter, PluginProposerMixin):  # vLLM's own proposer of some "mtp" models (Gemma 4, ...)
+            raise EasySpecConfigError(f"easyspec.tree: vLLM drafts for this model with {type(drafter).__name__}, "
+                                      "which drafts no trees; remove easyspec.tree")
         drafting = drafter.tree_drafting
         self.tree_sampler = TreeRejectionSampler(self.sampler, self.speculative_config, self.device)
         self.tree_verifier = TreeVerifier(self.requests, TreeBudget(options.tree), drafting.unshared_target_tokens,
