@@ -51,13 +51,14 @@ def wait_healthy(process: subprocess.Popen, port: int, timeout: float = 240.0) -
 
 
 @contextlib.contextmanager
-def serving(command: list[str], port: int, log_path: Path, env: dict[str, str] | None = None):
-    """A running ``vllm-easyspec serve`` (healthy on ``port``), stopped on exit; its output goes to ``log_path``;
-    ``env``: its environment (default: this process's)."""
+def serving(command: list[str], port: int, log_path: Path, env: dict[str, str] | None = None,
+            start_timeout: float = 240.0):
+    """A running ``vllm-easyspec serve`` (healthy on ``port`` within ``start_timeout`` seconds), stopped on exit;
+    its output goes to ``log_path``; ``env``: its environment (default: this process's)."""
     with log_path.open("w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env or os.environ.copy())
         try:
-            wait_healthy(process, port)
+            wait_healthy(process, port, start_timeout)
             yield process
         finally:
             process.terminate()

@@ -24,3 +24,16 @@ def test_vanilla_two_stages_equal_one(llm_pool, monkeypatch, tiny_qwen2_dir):
         monkeypatch.setenv(key, value)
     llm = llm_pool.get(tiny_qwen2_dir, pipeline_parallel_size=2, distributed_executor_backend="mp")
     assert (greedy_tokens(llm, PROMPTS, MAX_TOKENS), greedy_tokens(llm, PROMPTS[:1], 40)) == expected  # batch, alone
+
+
+def test_trees_are_refused_with_two_stages(tiny_llama_dir, tiny_llama_draft_dir):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_easyspec.easyspec.config import EasySpecConfigError
+
+    args = EngineArgs(model=str(tiny_llama_dir), pipeline_parallel_size=2, distributed_executor_backend="mp",
+                      speculative_config={"method": "draft_model", "model": str(tiny_llama_draft_dir)},
+                      additional_config={"easyspec": {"tree": {"top_k": 2, "depth": 2, "budget": 4}}})
+    with pytest.raises(EasySpecConfigError, match="easyspec.tree does not support pipeline parallelism; remove "
+                                                  "easyspec.tree or use --pipeline-parallel-size 1"):
+        args.create_engine_config()

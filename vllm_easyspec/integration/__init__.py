@@ -35,10 +35,17 @@ def install() -> None:
     tree_grammar.install()
     runner.install()
     if current_platform.is_cpu():
-        from vllm_easyspec.integration.cpu import attention_backend, mla_backend, pipeline_fix, sampler_fix
+        from vllm_easyspec.integration.cpu import (
+            attention_backend,
+            data_parallel_fix,
+            mla_backend,
+            pipeline_fix,
+            sampler_fix,
+        )
 
         sampler_fix.install()
         pipeline_fix.install()
+        data_parallel_fix.install()
         attention_backend.install()
         mla_backend.install()
     elif current_platform.is_cuda_alike():

@@ -78,7 +78,9 @@ def _forward_timings(runner: Any, rows: list[int], draft: bool) -> ForwardTiming
 
     drafter = runner.drafter
     model = drafter.model if draft else runner.model
+    in_step = _in_step_across_data_parallel_ranks(runner)
 
+    @in_step
     def forward(count: int) -> tuple[float, float]:
         inputs = {"input_ids": runner.input_ids.gpu[:count], "positions": runner.positions[:count]}
         if draft and drafter.pass_hidden_states_to_model:  # an EAGLE head reads a hidden state per row
@@ -95,6 +97,24 @@ def _forward_timings(runner: Any, rows: list[int], draft: bool) -> ForwardTiming
         return time.perf_counter() - started, forwarded - started
 
     return time_forwards(rows, forward)
+
+
+def _in_step_across_data_parallel_ranks(runner: Any):
+    """Under data parallelism (MoE targets) each rank's forwards meet the others' (vLLM coordinates their row
+    counts, an MoE layer gathers every rank's tokens), so every rank must time the same forwards: each forward's
+    seconds become the slowest rank's, and :func:`time_forwards` decides alike everywhere."""
+    if runner.vllm_config.parallel_config.data_parallel_size == 1:
+        return lambda forward: forward
+    from vllm.distributed import get_dp_group
+
+    def in_step(forward):
+        def timed(count: int) -> tuple[float, float]:
+            seconds = torch.tensor(forward(count), dtype=torch.float64)
+            torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX, group=get_dp_group().cpu_group)
+            return tuple(seconds.tolist())
+        return timed
+
+    return in_step
 
 
 def _wait_for(tensor: torch.Tensor) -> None:

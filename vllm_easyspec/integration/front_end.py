@@ -149,6 +149,13 @@ def _validate_tree_engine_config(vllm_config, tree) -> None:
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         raise EasySpecConfigError("easyspec.tree does not support pipeline parallelism; remove "
                                   "easyspec.tree or use --pipeline-parallel-size 1")
+    draft = getattr(vllm_config.speculative_config, "draft_model_config", None)
+    dp_size = vllm_config.parallel_config.data_parallel_size
+    if dp_size > 1 and vllm_config.model_config.is_moe and draft is not None and draft.is_moe:
+        raise EasySpecConfigError(f"easyspec.tree at --data-parallel-size {dp_size} needs a draft without MoE layers: "
+                                  "an MoE draft's forwards meet the other ranks', which run vLLM's chain drafting "
+                                  "when idle, and a tree drafts one forward per level; use a dense draft or an "
+                                  "EAGLE head, or remove easyspec.tree")
     kv_cache_dtype = vllm_config.cache_config.cache_dtype
     # both tree paths read fp8 caches as vLLM's kernels do (integration/cpu/kv_layout.py, kernels/tree_attention.py)
     readable = ("auto", None, "fp8", "fp8_e4m3", "fp8_e5m2")

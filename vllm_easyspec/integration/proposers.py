@@ -35,6 +35,7 @@ from vllm_easyspec.integration.tree_drafting import TreeDrafting
 logger = plugin_logger(__name__)
 
 PROPOSE_SIGNATURE = inspect.signature(SpecDecodeBaseProposer.propose)
+DP_SYNCS_PER_STAGE = 2  # vLLM's dummy_run coordinates its first two draft forwards with the other DP ranks
 
 
 @contextlib.contextmanager
@@ -99,6 +100,7 @@ class PluginProposerMixin:
     tree_drafting: TreeDrafting | None
     drafting_batch: DraftingBatch | None = None  # this step's, from the runner (begin_step)
     chain_masks = NO_GRAMMAR  # a chain step's grammar masks (draft_grammar.ChainMasks), set by its tree drafting
+    dp_syncs: int | None = None  # in a tree engine's stage under data parallelism: its DP coordinations so far
 
     def _set_up_plugin(self, options: EasySpecOptions) -> None:
         self.options = options
@@ -120,11 +122,48 @@ class PluginProposerMixin:
         arguments = {name: value for name, value in bound.arguments.items() if name != "self"}
         self.start_drafting_step(arguments)
         if self.tree_drafting is not None:
-            draft_token_ids = self.tree_drafting.propose(**arguments)
+            with self.dp_stage():
+                draft_token_ids = self.tree_drafting.propose(**arguments)
         else:
             draft_token_ids = super().propose(**arguments)
         self.drafting_stats.count_step(mark, draft_token_ids.shape[0])
         return draft_token_ids
+
+    @contextlib.contextmanager
+    def dp_stage(self) -> Iterator[None]:
+        """A tree engine's drafting stage, or dummy run, under data parallelism (MoE targets; dense ranks run
+        alone): exactly :data:`DP_SYNCS_PER_STAGE` coordinations with the other ranks, whatever depth this rank
+        drafts (none, when ``auto`` or ``budget_by_batch`` drafts nothing). A rank without requests runs vLLM's
+        ``dummy_run`` meanwhile, and a rank that coordinated more or less often than the others waits forever."""
+        if self.tree_drafting is None or self.vllm_config.parallel_config.data_parallel_size == 1:
+            yield
+            return
+        self.dp_syncs = 0
+        try:
+            yield
+        finally:
+            while self.dp_syncs < DP_SYNCS_PER_STAGE:
+                self._determine_batch_execution_and_padding(1)  # as a rank without requests would
+            self.dp_syncs = None
+
+    # Replaces vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer._determine_batch_execution_and_padding
+    # within a dp_stage past its coordinations: the row count padded locally, without asking the other ranks
+    # (a tree engine's draft has no MoE layer under data parallelism: the front end refuses one).
+    def _determine_batch_execution_and_padding(self, num_tokens: int, use_cudagraphs: bool = True):
+        if self.dp_syncs is None or self.dp_syncs < DP_SYNCS_PER_STAGE:
+            if self.dp_syncs is not None:
+                self.dp_syncs += 1
+            return super()._determine_batch_execution_and_padding(num_tokens, use_cudagraphs)
+        from vllm.config import CUDAGraphMode
+
+        mode, batch = self.cudagraph_dispatcher.dispatch(
+            num_tokens, valid_modes=None if use_cudagraphs else {CUDAGraphMode.NONE})
+        sizes = torch.full((self.vllm_config.parallel_config.data_parallel_size,), batch.num_tokens, dtype=torch.int32)
+        return mode, batch.num_tokens, sizes
+
+    def dummy_run(self, *args: Any, **kwargs: Any) -> None:
+        with self.dp_stage():
+            super().dummy_run(*args, **kwargs)
 
     # Extends vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer._sample_draft_tokens (one position of
     # vLLM's chain drafting): the draft logits masked by the chain step's grammars, which follow the drawn tokens.
