@@ -204,6 +204,7 @@ def _worker_plugin_state(worker) -> dict:
     return plugin_state() | {"drafter": type(getattr(worker.model_runner, "drafter", None)).__name__}
 
 
+@pytest.mark.slow  # in the default suite the server tests (tests/test_serve.py) run the plugin in engine processes
 def test_plugin_is_loaded_in_worker_processes(llm_pool, tiny_llama_dir, tiny_llama_draft_dir):
     """Observed from the front end of ``LLM()`` as users start it (engine core and worker in processes of
     their own): the worker reports the plugin registered, and its runner built the plugin's proposer class for

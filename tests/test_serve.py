@@ -42,6 +42,7 @@ def test_vllm_serve_with_plugin_is_greedy_exact(tmp_path, llm_pool, tiny_llama_d
         assert drafts and float(drafts[0].split()[-1]) > 0
 
 
+@pytest.mark.slow  # a refusal through the server in the default suite: test_vllm_serve_rejects_a_bad_tree_in_one_line
 def test_vllm_serve_rejects_bad_options_in_one_line(tiny_llama_dir, tiny_llama_draft_dir):
     easyspec, message = {"layer_groups": [[0, 1]]}, "contains layer 0, the first layer"
     spec = {"method": "draft_model", "model": str(tiny_llama_draft_dir), "num_speculative_tokens": 3}

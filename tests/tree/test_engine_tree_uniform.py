@@ -33,8 +33,8 @@ def trace_to(worker, path: str) -> None:
     worker.model_runner._step_trace = path
 
 
-# the static tree with budget_by_batch (chain steps too) is the heaviest run: slow
-@pytest.mark.parametrize("shape", [pytest.param(shape, marks=pytest.mark.slow) if shape == "static" else shape
+# dynamic-lookup in the default suite; the static tree with budget_by_batch (chain steps too) and auto: slow
+@pytest.mark.parametrize("shape", [shape if shape == "dynamic-lookup" else pytest.param(shape, marks=pytest.mark.slow)
                                    for shape in UNIFORM_TREES])
 def test_uniform_tree_steps_schedule_n_nodes_per_request_and_equal_vanilla(llm_pool, tree_llama_dir,
                                                                            tiny_llama_draft_dir, tmp_path, shape):
