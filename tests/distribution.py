@@ -50,17 +50,22 @@ def exact_two_token_law(model_dir: Path, prompt: list[int], temperature: float) 
     return p1[:, None] * p2
 
 
-def sample_two_tokens(llm, prompt: list[int], temperature: float, num_samples: int) -> list[tuple[int, int]]:
+def sample_two_tokens(llm, prompt: list[int], temperature: float, num_samples: int,
+                      n: int = 1) -> list[tuple[int, int]]:
+    """``num_samples`` first two tokens after ``prompt``: one seeded request each, or, with ``n`` > 1,
+    ``num_samples / n`` requests of ``n`` completions each (vLLM's parallel sampling, unseeded)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = [
-        SamplingParams(temperature=temperature, max_tokens=2, min_tokens=2, seed=seed, ignore_eos=True)
-        for seed in range(num_samples)
-    ]
-    prompts = [TokensPrompt(prompt_token_ids=prompt)] * num_samples
+    if n > 1:
+        params = [SamplingParams(temperature=temperature, max_tokens=2, min_tokens=2, n=n, ignore_eos=True)
+                  for _ in range(num_samples // n)]
+    else:
+        params = [SamplingParams(temperature=temperature, max_tokens=2, min_tokens=2, seed=seed, ignore_eos=True)
+                  for seed in range(num_samples)]
+    prompts = [TokensPrompt(prompt_token_ids=prompt)] * len(params)
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    return [tuple(output.outputs[0].token_ids[:2]) for output in outputs]
+    return [tuple(completion.token_ids[:2]) for output in outputs for completion in output.outputs]
 
 
 def chi_square_against(law: torch.Tensor, samples: list[tuple[int, int]]) -> ChiSquareResult:
@@ -87,11 +92,12 @@ def chi_square_against(law: torch.Tensor, samples: list[tuple[int, int]]) -> Chi
 
 
 def run_distribution_test(
-    llm, model_dir: Path, temperature: float = 1.0, num_samples: int = 4000, prompt: list[int] | None = None
+    llm, model_dir: Path, temperature: float = 1.0, num_samples: int = 4000, prompt: list[int] | None = None,
+    n: int = 1,
 ) -> ChiSquareResult:
     prompt = PROMPT_TOKEN_IDS if prompt is None else prompt
     law = exact_two_token_law(model_dir, prompt, temperature)
-    samples = sample_two_tokens(llm, prompt, temperature, num_samples)
+    samples = sample_two_tokens(llm, prompt, temperature, num_samples, n)
     return chi_square_against(law, samples)
 
 

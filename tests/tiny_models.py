@@ -110,6 +110,30 @@ def build_tiny_model(
     return out
 
 
+
+def build_tiny_lora(out: Path, model_dir: Path, rank: int = 4, seed: int = 5, scale: float = 0.5) -> Path:
+    """Write a random PEFT LoRA adapter for the Llama or Qwen2 at ``model_dir`` to ``out``: rank ``rank`` on
+    every layer's q_proj and v_proj, large enough (``scale``) that greedy output with it differs from the base's."""
+    from safetensors.torch import save_file
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_size = hidden // heads
+    widths = {"q_proj": heads * head_size, "v_proj": config["num_key_value_heads"] * head_size}
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for projection, width in widths.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{projection}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator) * scale
+            tensors[f"{name}.lora_B.weight"] = torch.randn(width, rank, generator=generator) * scale
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    adapter = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
+               "target_modules": list(widths), "fan_in_fan_out": False, "base_model_name_or_path": str(model_dir)}
+    (out / "adapter_config.json").write_text(json.dumps(adapter) + "\n")
+    return out
+
 BYTE_CORPUS = [
     "def add(a, b):\n    return a + b\n",
     "for item in items:\n    print(item)\n",
