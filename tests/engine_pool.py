@@ -26,6 +26,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+from unittest import mock
 
 ENGINE_DEFAULTS: dict[str, Any] = {
     "dtype": "float32",
@@ -127,18 +128,10 @@ def shutdown_engine(engine: Any) -> None:
     """Stop ``engine`` and free what it held. An engine core that ran in this process froze the heap as it
     started (vLLM's ``freeze_gc_heap``) and unfreezes it as it stops, then collects twice; here its reference
     cycles are collected once, after it has stopped, and the heap is frozen again (module docstring)."""
-    collect = gc.collect
-    gc.collect = _no_collection
-    try:
+    with mock.patch.object(gc, "collect", return_value=0):
         engine.llm_engine.engine_core.shutdown()
-    finally:
-        gc.collect = collect
     gc.collect()
     gc.freeze()
-
-
-def _no_collection(generation: int = 2) -> int:
-    return 0
 
 
 def greedy_tokens(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

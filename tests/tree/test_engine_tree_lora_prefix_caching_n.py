@@ -76,8 +76,8 @@ def vanilla_runs(llm_pool, tree_llama_dir, lora_dir):
     return _run(_engine(llm_pool, tree_llama_dir, None, None), lora_dir)
 
 
-def test_lora_prefix_caching_and_parallel_sampling_with_trees_are_exact(llm_pool, tree_llama_dir, tiny_llama_draft_dir,
-                                                            lora_dir, vanilla_runs):
+def test_lora_prefix_caching_and_parallel_sampling_with_trees_are_exact(
+        llm_pool, tree_llama_dir, tiny_llama_draft_dir, lora_dir, vanilla_runs):
     assert vanilla_runs["lora"][0] != vanilla_runs["base"][0], "the adapter must change the output"
     llm = _engine(llm_pool, tree_llama_dir, tiny_llama_draft_dir, "tree")
     runs = _run(llm, lora_dir)
