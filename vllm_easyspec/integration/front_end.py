@@ -11,6 +11,7 @@ from vllm_easyspec.easyspec.config import EasySpecConfig, EasySpecConfigError, p
 from vllm_easyspec.integration.compat import plugin_logger, vllm_release
 from vllm_easyspec.integration.metrics import export_controller_metrics
 from vllm_easyspec.integration.options import TREE_METHODS, EasySpecOptions, attach_options
+from vllm_easyspec.tree.attention import FP8_KV_CACHE_DTYPES
 
 logger = plugin_logger(__name__)
 
@@ -158,7 +159,7 @@ def _validate_tree_engine_config(vllm_config, tree) -> None:
                                   "EAGLE head, or remove easyspec.tree")
     kv_cache_dtype = vllm_config.cache_config.cache_dtype
     # both tree paths read fp8 caches as vLLM's kernels do (integration/cpu/kv_layout.py, kernels/tree_attention.py)
-    readable = ("auto", None, "fp8", "fp8_e4m3", "fp8_e5m2")
+    readable = ("auto", None, *FP8_KV_CACHE_DTYPES)
     if kv_cache_dtype not in readable:
         raise EasySpecConfigError(f"easyspec.tree reads the paged KV cache for tree attention, in "
                                   f"{', '.join(filter(None, readable))} caches, but --kv-cache-dtype "

@@ -36,6 +36,7 @@ from vllm_easyspec.tree.attention import (
     attention_over_prefix_and_tree,
     prefix_and_tree_bias,
 )
+from vllm_easyspec.tree.compaction import paged_slots
 from vllm_easyspec.tree.verify_step import TreeVerifyStep
 
 _ACTIVE_VERIFY: contextvars.ContextVar[TreeVerifyForward | None] = contextvars.ContextVar(
@@ -256,8 +257,7 @@ class TreeLevelMetadata:
         table = self.state.block_table
         positions = (self.state.prefix_lens[:, None].long() + self.first_column
                      + torch.arange(self.width, device=table.device))
-        blocks = table.gather(1, (positions // block_size).clamp(max=table.shape[1] - 1)).long()
-        slots = torch.where(positions < max_model_len, blocks * block_size + positions % block_size, PADDING_SLOT_ID)
+        slots = torch.where(positions < max_model_len, paged_slots(table, positions, block_size), PADDING_SLOT_ID)
         return slots.flatten()
 
 

@@ -8,7 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PLAIN", "AttentionFeatures", "TreePositions", "attention_over_prefix_and_tree", "prefix_and_tree_bias"]
+__all__ = ["FP8_KV_CACHE_DTYPES", "PLAIN", "AttentionFeatures", "TreePositions", "attention_over_prefix_and_tree",
+           "prefix_and_tree_bias"]
+
+# the per-tensor fp8 KV caches (vLLM's --kv-cache-dtype) both tree attention paths read as vLLM's kernels do
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True, eq=False)

@@ -11,7 +11,15 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["compact_kv", "compact_kv_torch", "tree_compaction_slots"]
+__all__ = ["compact_kv", "compact_kv_torch", "paged_slots", "tree_compaction_slots"]
+
+
+def paged_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slots ``[B, N]`` int64 of ``positions`` ``[B, N]`` of each request of ``block_table`` ``[B, blocks]``;
+    a position past the table's width reads its last block (callers mask such positions)."""
+    table = block_table.long()
+    blocks = table.gather(1, (positions // block_size).clamp(max=table.shape[1] - 1))
+    return blocks * block_size + positions % block_size
 
 
 def tree_compaction_slots(block_table: torch.Tensor, block_size: int, prefix_lens: torch.Tensor,
@@ -26,12 +34,11 @@ def tree_compaction_slots(block_table: torch.Tensor, block_size: int, prefix_len
     src_pos = prefix + query_offset + nodes
     dst_pos = prefix + query_offset - 1 + depth
     move = (nodes >= 0) & (src_pos != dst_pos)
-    table = block_table.to(nodes.device).long()
+    table = block_table.to(nodes.device)
 
     def to_slot(pos: torch.Tensor) -> torch.Tensor:
         safe = torch.where(move, pos, torch.zeros_like(pos))
-        block = table.gather(1, safe // block_size)
-        return torch.where(move, block * block_size + safe % block_size, torch.full_like(pos, -1))
+        return torch.where(move, paged_slots(table, safe, block_size), torch.full_like(pos, -1))
 
     return to_slot(src_pos), to_slot(dst_pos)
 

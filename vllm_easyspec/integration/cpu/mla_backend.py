@@ -42,6 +42,7 @@ from vllm_easyspec.integration.tree_attention import (
 )
 from vllm_easyspec.integration.tree_step import TreeVerifyForward, VerifyKV
 from vllm_easyspec.tree.attention import PLAIN
+from vllm_easyspec.tree.compaction import paged_slots
 
 BACKEND_PATH = "vllm_easyspec.integration.cpu.mla_backend.TreeCPUMLABackend"
 
@@ -176,11 +177,8 @@ def gather_latent_prefix(cache: torch.Tensor, block_table: torch.Tensor, lengths
     """The latent rows ``[R, L, C]`` of positions ``0 .. L - 1`` (``L`` the longest of ``lengths``) of each request of
     ``block_table`` in a ``[num_blocks, block_size, C]`` cache; rows past a request's length are read from whatever
     its table names (callers mask them)."""
-    block_size = cache.shape[1]
-    positions = torch.arange(int(lengths.max()), device=cache.device)
-    blocks = block_table.to(cache.device).long().gather(
-        1, (positions // block_size).clamp(max=block_table.shape[1] - 1).expand(block_table.shape[0], -1))
-    return cache.flatten(0, 1)[blocks * block_size + positions % block_size]
+    positions = torch.arange(int(lengths.max()), device=cache.device).expand(block_table.shape[0], -1)
+    return cache.flatten(0, 1)[paged_slots(block_table.to(cache.device), positions, cache.shape[1])]
 
 
 def _write_latent_rows(impl: TreeCPUMLAImpl, cache: torch.Tensor, k_scale: torch.Tensor, keys: torch.Tensor,

@@ -56,8 +56,8 @@ from vllm_easyspec.integration.tree_attention import (
     assign_layer_features,
 )
 from vllm_easyspec.integration.tree_step import TreeVerifyForward, VerifyKV
+from vllm_easyspec.tree.attention import FP8_KV_CACHE_DTYPES
 
-FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")  # the per-tensor fp8 caches the tree kernel reads
 BACKEND_PATHS = {name: f"vllm_easyspec.integration.gpu.attention_backend.Tree{kind}AttentionBackend"
                  for name, kind in (("TRITON_ATTN", "Triton"), ("FLASH_ATTN", "Flash"))}
 
