@@ -24,6 +24,7 @@ def install() -> None:
     from vllm_easyspec.integration import (
         front_end,
         model_runner_choice,
+        pipeline_trees,
         request_options,
         runner,
         tree_grammar,
@@ -33,6 +34,7 @@ def install() -> None:
     front_end.install()
     request_options.install()
     tree_grammar.install()
+    pipeline_trees.install()
     runner.install()
     if current_platform.is_cpu():
         from vllm_easyspec.integration.cpu import (

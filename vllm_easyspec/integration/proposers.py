@@ -30,6 +30,7 @@ from vllm_easyspec.instruments.device_clock import DeviceClock, DraftingStats
 from vllm_easyspec.integration.compat import plugin_logger
 from vllm_easyspec.integration.draft_grammar import NO_GRAMMAR
 from vllm_easyspec.integration.options import EasySpecOptions, easyspec_options
+from vllm_easyspec.integration.pipeline_trees import single_stage_pipeline
 from vllm_easyspec.integration.tree_drafting import TreeDrafting
 
 logger = plugin_logger(__name__)
@@ -109,6 +110,15 @@ class PluginProposerMixin:
         if options.tree is not None:
             self.tree_drafting = TreeDrafting(self, options, draft_chain=super().propose)
 
+    @property
+    def _held_whole(self) -> bool:
+        """Under pipeline parallelism the drafter lives on the last stage, whole (integration/pipeline_trees.py)."""
+        return self.vllm_config.parallel_config.pipeline_parallel_size > 1
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        with single_stage_pipeline(self._held_whole):
+            super().load_model(*args, **kwargs)
+
     def begin_step(self, batch: DraftingBatch) -> None:
         """The runner, before each drafting step: the batch it drafts for."""
         self.drafting_batch = batch
@@ -121,11 +131,12 @@ class PluginProposerMixin:
         bound = PROPOSE_SIGNATURE.bind(self, *args, **kwargs)
         arguments = {name: value for name, value in bound.arguments.items() if name != "self"}
         self.start_drafting_step(arguments)
-        if self.tree_drafting is not None:
-            with self.dp_stage():
-                draft_token_ids = self.tree_drafting.propose(**arguments)
-        else:
-            draft_token_ids = super().propose(**arguments)
+        with single_stage_pipeline(self._held_whole):
+            if self.tree_drafting is not None:
+                with self.dp_stage():
+                    draft_token_ids = self.tree_drafting.propose(**arguments)
+            else:
+                draft_token_ids = super().propose(**arguments)
         self.drafting_stats.count_step(mark, draft_token_ids.shape[0])
         return draft_token_ids
 
@@ -162,7 +173,7 @@ class PluginProposerMixin:
         return mode, batch.num_tokens, sizes
 
     def dummy_run(self, *args: Any, **kwargs: Any) -> None:
-        with self.dp_stage():
+        with self.dp_stage(), single_stage_pipeline(self._held_whole):
             super().dummy_run(*args, **kwargs)
 
     # Extends vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer._sample_draft_tokens (one position of

@@ -16,6 +16,14 @@ from vllm_easyspec.integration.auto_calibration import start_auto_budget
 from vllm_easyspec.integration.compat import plugin_logger
 from vllm_easyspec.integration.node_policy import TreeBudget, VerifyShape
 from vllm_easyspec.integration.options import easyspec_options
+from vllm_easyspec.integration.pipeline_trees import (
+    SCHEDULED_PARENTS,
+    UncommittedTrees,
+    attach_step_output,
+    branch_moves,
+    catch_up_accepted_tokens,
+    pipeline_stages,
+)
 from vllm_easyspec.integration.proposers import DraftingBatch, PluginProposerMixin, plugin_proposers
 from vllm_easyspec.integration.tree_attention import (
     mark_target_builders,
@@ -25,7 +33,7 @@ from vllm_easyspec.integration.tree_attention import (
 from vllm_easyspec.integration.tree_sampler import TreeRejectionSampler, TreeVerdict
 from vllm_easyspec.integration.tree_step import TreeVerifier, TreeVerifyForward, chain_sampler_serves
 from vllm_easyspec.tree.building import ChildDrawMode
-from vllm_easyspec.tree.verify_step import TreeRequest, TreeVerifyStep
+from vllm_easyspec.tree.verify_step import AcceptedBranch, TreeRequest, TreeVerifyStep
 
 logger = plugin_logger(__name__)
 MAX_DRAFTING_PAUSE = 31  # steps without calling a drafter that keeps raising, at most, before it is tried again
@@ -43,16 +51,28 @@ class TreeRunnerMixin:
     paused_drafting_steps: int = 0  # steps whose drafter was not called after failures in a row (no drafts)
     _failures_in_a_row: int = 0
     _drafting_pause: int = 0  # steps left whose drafter is not called
+    # pipeline parallelism (integration/pipeline_trees.py): an earlier stage's tree forwards awaiting their branches,
+    # and the last stage's accepted nodes out of place this step, for the earlier stages
+    uncommitted_trees: UncommittedTrees | None = None
+    _sends_stage_messages: bool = False
+    _drafterless_stage: bool = False  # a pipeline stage before the last of a speculating engine
+    _branch_moves: dict[str, list[tuple[int, int]]]
 
     def __init__(self, vllm_config, device) -> None:
         options = easyspec_options(vllm_config)
+        self._branch_moves = {}
         with plugin_proposers(options):
             super().__init__(vllm_config, device)
         self._guards_drafting = options is not None
+        self._drafterless_stage = self.speculative_config is not None and not hasattr(self, "drafter")
         drafter = getattr(self, "drafter", None)
         if isinstance(drafter, PluginProposerMixin):
             self._plugin_drafter = drafter
-        if options is None or options.tree is None or drafter is None:
+        if options is None or options.tree is None or self.speculative_config is None:
+            return
+        if drafter is None:  # a pipeline stage before the last: it verifies the trees the last stage drafts
+            self.tree_verifier = TreeVerifier(self.requests, TreeBudget(options.tree))
+            self.uncommitted_trees = UncommittedTrees()
             return
         if not isinstance(drafter, PluginProposerMixin):  # vLLM's own proposer of some "mtp" models (Gemma 4, ...)
             raise EasySpecConfigError(f"easyspec.tree: vLLM drafts for this model with {type(drafter).__name__}, "
@@ -64,6 +84,7 @@ class TreeRunnerMixin:
                                           uniform_nodes=options.tree.num_nodes if options.tree.uniform else 0)
         drafting.verifier = self.tree_verifier
         self._step_trace = step_trace_path()
+        self._sends_stage_messages = self.tree_verifier.sends_all_parents = pipeline_stages(vllm_config) > 1
 
     # Extends GPUModelRunner.initialize_kv_cache (CPUModelRunner's too): a tree engine refuses layers no tree backend
     # serves before any cache exists; the target's GPU tree builders are marked (uniform batches through their
@@ -72,6 +93,17 @@ class TreeRunnerMixin:
     def initialize_kv_cache(self, *args, **kwargs):
         if self.tree_verifier is not None:
             refuse_layers_without_tree_attention(self.vllm_config)
+        if self._drafterless_stage:
+            # A pipeline stage before the last has no drafter, but vLLM reads one wherever speculative_config is set:
+            # hidden from GPUModelRunner.initialize_metadata_builders, _check_and_update_cudagraph_mode and
+            # initialize_kv_cache_tensors, and None from here on (its step's reads, _build_attention_metadata's
+            # isinstance checks, take it for a proposer of none of vLLM's kinds).
+            spec, self.speculative_config = self.speculative_config, None
+            try:
+                return super().initialize_kv_cache(*args, **kwargs)
+            finally:
+                self.speculative_config = spec
+                self.drafter = None
         result = super().initialize_kv_cache(*args, **kwargs)
         mark_target_builders(getattr(self, "attn_groups", ()),
                              getattr(getattr(self, "drafter", None), "_draft_attn_layer_names", None) or ())
@@ -80,10 +112,18 @@ class TreeRunnerMixin:
             self.tree_verifier.policy = start_auto_budget(self, tree)
         return result
 
+    # Extends GPUModelRunner._update_states: a stage before the last first learns the drafts its requests accepted.
+    def _update_states(self, scheduler_output):
+        if self._drafterless_stage:
+            catch_up_accepted_tokens(scheduler_output, self.requests, self.input_batch)
+        return super()._update_states(scheduler_output)
+
     # Extends GPUModelRunner._prepare_inputs: tree rows get the positions P + depth.
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         if self.tree_verifier is None:
             return super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        if self.uncommitted_trees is not None:  # the branches of this stage's last trees, before any forward
+            self.uncommitted_trees.commit(scheduler_output, self._write_moves)
         policy = self.tree_verifier.policy
         mark = policy.start()  # the verify span opens before its inputs are prepared
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
@@ -141,10 +181,29 @@ class TreeRunnerMixin:
 
     # Extends GPUModelRunner.sample_tokens (verify, then draft): with easyspec.tree.auto the controller's figures
     # go to vLLM's metrics before the step's outputs leave the engine.
+    # Under pipeline parallelism the last stage's output also carries the step's drafts and branch moves
+    # (integration/pipeline_trees.py): vLLM's batch queue never takes drafts from the workers.
     def sample_tokens(self, grammar_output):
         output = super().sample_tokens(grammar_output)
         if self.tree_verifier is not None:
             self.tree_verifier.policy.publish()
+        if self._sends_stage_messages:
+            attach_step_output(output, self.take_draft_token_ids(), self._branch_moves)
+            self._draft_token_req_ids = None  # taken: vLLM's own take_draft_token_ids finds none
+            self._branch_moves = {}
+        return output
+
+    # Extends GPUModelRunner.execute_model: a stage before the last keeps its tree forward's K/V until the
+    # scheduler sends the accepted branch (it samples nothing).
+    def execute_model(self, *args, **kwargs):
+        output = super().execute_model(*args, **kwargs)
+        forward = None if self.uncommitted_trees is None else self.tree_verifier.forward
+        if forward is not None:
+            if forward.mrope_shift is not None:  # every tree row back at vLLM's linear M-RoPE positions
+                rows, shift = forward.mrope_shift
+                self._shift_mrope_positions(rows, -shift)
+            self.uncommitted_trees.keep(forward)
+            self.tree_verifier.forward = None
         return output
 
     # Extends GPUModelRunner.propose_draft_token_ids: with easyspec options, a drafter that raises costs the
@@ -204,6 +263,8 @@ class TreeRunnerMixin:
         batch = self.input_batch
         query_start = self.query_start_loc.np
         stats = verifier.stats
+        # a stage before the last verifies the trees whose parents the scheduler sends; the last, its own
+        given_parents = {} if self.uncommitted_trees is None else getattr(scheduler_output, SCHEDULED_PARENTS, {})
         requests: list[TreeRequest] = []
         all_chains = True
         for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
@@ -225,6 +286,9 @@ class TreeRunnerMixin:
                 mode = pending.draw_mode
                 probs = None if pending.draft_probs is None else pending.draft_probs[: real + 1]
                 all_chains &= pending.is_chain
+            elif len(given_parents.get(req_id, ())) == n:  # the last stage's tree, verified over this stage's layers
+                parents, mode, probs, from_lookup = list(given_parents[req_id]), ChildDrawMode.WITHOUT_REPLACEMENT, None, ()
+                all_chains = False
             else:  # not drafted by this drafter as a tree: any fixed drafts verify exactly as a chain
                 stats.chain_fallbacks += 1
                 parents, mode, probs, from_lookup = list(range(-1, n - 1)), ChildDrawMode.WITHOUT_REPLACEMENT, None, ()
@@ -284,21 +348,30 @@ class TreeRunnerMixin:
         if not len(branch):
             return
         moves = branch.out_of_place(step.prefix_lens)  # only nodes of masked requests (paths are in place)
-        if len(moves) and forward.kept_kv:
-            device = next(iter(forward.kept_kv.values())).key.device
-            moved = moves.to(device)  # the host's moves go to the cache's device once
-            kept_rows = {kind: _onto(step.batch_rows if kind else forward.masked_index, moved.destination)[
-                moved.request_index] for kind in {kept.by_batch_row for kept in forward.kept_kv.values()}}
-            for kept in forward.kept_kv.values():  # each layer through its own KV cache group's block table
-                request = kept_rows[kept.by_batch_row]  # and its own kind of kept rows
-                blocks = kept.block_table[request, moved.destination // kept.block_size].long()
-                slots = blocks * kept.block_size + moved.destination % kept.block_size
-                kept.write(kept.key[request, :, moved.source_column], kept.value[request, :, moved.source_column],
-                           slots)
+        self._write_moves(forward, moves)
+        if self._sends_stage_messages:
+            self._branch_moves = branch_moves(step, moves)
         rows = self.tree_verifier.branch_rows[1]
         input_ids = self.input_ids.gpu
         input_ids[_onto(rows, input_ids)] = _onto(branch.tokens, input_ids, input_ids.dtype)
         self.positions[_onto(rows, self.positions)] = _onto(branch.destination, self.positions, self.positions.dtype)
+
+    @staticmethod
+    def _write_moves(forward: TreeVerifyForward, moves: AcceptedBranch) -> None:
+        """The kept K/V of each accepted node out of place (``moves``: request index in ``forward.step``, source
+        column, destination position) written to its destination slot in every layer of this stage."""
+        if not len(moves) or not forward.kept_kv:
+            return
+        step = forward.step
+        device = next(iter(forward.kept_kv.values())).key.device
+        moved = moves.to(device)  # the host's moves go to the cache's device once
+        kept_rows = {kind: _onto(step.batch_rows if kind else forward.masked_index, moved.destination)[
+            moved.request_index] for kind in {kept.by_batch_row for kept in forward.kept_kv.values()}}
+        for kept in forward.kept_kv.values():  # each layer through its own KV cache group's block table
+            request = kept_rows[kept.by_batch_row]  # and its own kind of kept rows
+            blocks = kept.block_table[request, moved.destination // kept.block_size].long()
+            slots = blocks * kept.block_size + moved.destination % kept.block_size
+            kept.write(kept.key[request, :, moved.source_column], kept.value[request, :, moved.source_column], slots)
 
     def _shift_mrope_positions(self, rows: torch.Tensor, shift: torch.Tensor) -> None:
         """Every M-RoPE stream of forward ``rows`` moved by ``shift`` (vLLM's device buffer the forward reads)."""

@@ -5,7 +5,8 @@ vLLM keeps a request's matcher in the scheduler, which validates a chain of draf
 draft position after the request's root row (0.32 packs each request's rows back to back, 0.33 gives each a block of
 ``1 + num_speculative_tokens`` rows: ``compat.RELEASES``); the worker applies them to the request's logit rows in
 order. For a tree, the worker hands each structured-output request's node parents over with its drafts
-(:data:`~vllm_easyspec.integration.tree_step.DRAFT_PARENTS` on vLLM's ``DraftTokenIds``); ``update_draft_token_ids``
+(:data:`~vllm_easyspec.integration.tree_step.DRAFT_PARENTS` on vLLM's ``DraftTokenIds``; under pipeline parallelism
+every tree request's, kept on the request for the earlier stages: ``pipeline_trees``); ``update_draft_token_ids``
 (seam) keeps the whole tree (in an open reasoning section, the nodes before the first that ends it), and
 ``grammar_bitmask`` (seam) fills vLLM's rows with the trees left out, then after each root row one row per node: the
 matcher's mask after the node's path (:func:`walk_paths`), a full mask after the grammar's end, the root's row for a
@@ -24,7 +25,7 @@ from vllm_easyspec.integration.compat import plugin_logger, vllm_release
 from vllm_easyspec.integration.tree_step import DRAFT_PARENTS
 
 logger = plugin_logger(__name__)
-_REQUEST_PARENTS = "easyspec_draft_parents"  # on the scheduler's Request: the parents of its spec_token_ids
+REQUEST_PARENTS = "easyspec_draft_parents"  # on the scheduler's Request: the parents of its spec_token_ids
 
 
 def install() -> None:
@@ -48,7 +49,7 @@ def _update_draft_token_ids(original):
         for req_id in draft_token_ids.req_ids:
             request = self.requests.get(req_id)
             if request is not None:
-                setattr(request, _REQUEST_PARENTS, None)
+                setattr(request, REQUEST_PARENTS, None)
         if not trees:
             return original(self, draft_token_ids)
         plain = type(draft_token_ids)([], [])
@@ -57,6 +58,8 @@ def _update_draft_token_ids(original):
             if req_id not in trees or request is None or not request.use_structured_output:
                 plain.req_ids.append(req_id)
                 plain.draft_token_ids.append(tokens)
+                if req_id in trees and request is not None:  # under pipeline parallelism: for the earlier stages
+                    setattr(request, REQUEST_PARENTS, list(trees[req_id]))
             elif request.is_finished():
                 continue
             elif request.is_prefill_chunk:
@@ -64,7 +67,7 @@ def _update_draft_token_ids(original):
             else:
                 kept = _kept_nodes(self.structured_output_manager, request, list(tokens), list(trees[req_id]))
                 request.spec_token_ids = list(tokens[:kept])
-                setattr(request, _REQUEST_PARENTS, list(trees[req_id][:kept]))
+                setattr(request, REQUEST_PARENTS, list(trees[req_id][:kept]))
         original(self, plain)
 
     update_draft_token_ids._easyspec_patched = True
@@ -94,7 +97,7 @@ def _grammar_bitmask(original):
     def grammar_bitmask(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens):
         trees = {}
         for req_id in structured_output_request_ids:
-            parents = getattr(requests[req_id], _REQUEST_PARENTS, None)
+            parents = getattr(requests[req_id], REQUEST_PARENTS, None)
             tokens = scheduled_spec_decode_tokens.get(req_id)
             if parents is not None and tokens:
                 trees[req_id] = (list(tokens), parents[: len(tokens)])

@@ -173,6 +173,7 @@ class TreeVerifier:
     unshared_target_tokens: torch.Tensor | None = None  # tree.retokenize: bool [target vocab] the draft lacks
     processed_logprobs: bool = False  # the engine's logprobs_mode is a processed one
     uniform_nodes: int = 0  # tree.uniform: every request of a tree step verifies this many nodes (0: off)
+    sends_all_parents: bool = False  # pipeline parallelism: every tree's parents go to the scheduler, not only grammars'
     pending: dict[str, PendingTree] = field(default_factory=dict)
     no_drafts: set[str] = field(default_factory=set)
     drafted_this_step: bool = False
@@ -224,7 +225,8 @@ class TreeVerifier:
     def trim_drafts(self, drafts) -> None:
         """``take_draft_token_ids``: requests without speculation (or a step without drafting) get none, a tree
         its own nodes, padding included; structured-output requests' node parents go with their drafts to the
-        scheduler (:data:`DRAFT_PARENTS`)."""
+        scheduler (:data:`DRAFT_PARENTS`), every tree's under pipeline parallelism (a chain's go nowhere: every stage
+        verifies a request without parents as a chain)."""
         parents: dict[str, list[int]] = {}
         for index, req_id in enumerate(drafts.req_ids):
             if not self.drafted_this_step or req_id in self.no_drafts:
@@ -234,7 +236,8 @@ class TreeVerifier:
                 real = pending.real_nodes
                 drafts.draft_token_ids[index] = list(drafts.draft_token_ids[index][:real]) + pending.tokens[real:]
                 params = getattr(self.requests.get(req_id), "sampling_params", None)
-                if params is not None and params.structured_outputs is not None:
+                if (params is not None and params.structured_outputs is not None
+                        or self.sends_all_parents and not pending.is_chain):
                     parents[req_id] = pending.parents
         if parents:
             setattr(drafts, DRAFT_PARENTS, parents)

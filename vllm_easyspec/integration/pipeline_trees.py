@@ -1,0 +1,224 @@
+"""Token trees under pipeline parallelism: what only the last stage knows reaches the scheduler and the earlier
+stages (docs/design.md, "Trees under pipeline parallelism").
+
+The drafter, the tree sampler and the target's logits live on the last stage; every stage verifies each tree over its
+own layers and commits the accepted branch in its own layers' KV. Under PP vLLM runs the engine core's batch queue,
+which never asks the workers for drafts at the right time, so the channel is the two messages every step already
+carries:
+
+* **last stage → scheduler** (``ModelRunnerOutput``, pickled by vLLM's message queue, extra attributes included):
+  the step's drafts with each tree's node parents (:data:`OUTPUT_DRAFTS`), and each tree request's accepted nodes
+  that sit out of place (:data:`BRANCH_MOVES`). The seam on ``Scheduler.update_from_output`` applies the drafts as
+  vLLM's ``post_step`` would and keeps each request's moves on it.
+* **scheduler → every stage** (``SchedulerOutput``): the seam on ``Scheduler.schedule`` hands over the parents of the
+  drafts it scheduled (:data:`SCHEDULED_PARENTS`, cut to the scheduled count: a prefix of a tree is a tree) and the
+  moves of each request scheduled again (:data:`BRANCH_MOVES`). An earlier stage keeps a tree forward's K/V until
+  its requests' moves arrive (:class:`UncommittedTrees`), which is before their next forward: under PP a request is
+  scheduled again only once its last step's output is in.
+
+A draft model runs under a pipeline group of the last rank alone (:func:`single_stage_pipeline`): it holds all its
+layers there and embeds its own tokens.
+
+Invariant: without pipeline parallelism nothing here runs, and every message is what vLLM sends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm_easyspec.integration.tree_grammar import REQUEST_PARENTS
+from vllm_easyspec.integration.tree_step import TreeVerifyForward
+from vllm_easyspec.tree.verify_step import AcceptedBranch
+
+OUTPUT_DRAFTS = "easyspec_draft_token_ids"  # on ModelRunnerOutput: the step's DraftTokenIds (parents included)
+BRANCH_MOVES = "easyspec_branch_moves"  # {request id: [(source column, depth)]} on ModelRunnerOutput / SchedulerOutput
+SCHEDULED_PARENTS = "easyspec_scheduled_parents"  # on SchedulerOutput: {request id: parents of its scheduled drafts}
+RECENT_TOKENS = "easyspec_recent_tokens"  # on SchedulerOutput: {request id: its last tokens before this step's}
+_REQUEST_MOVES = "easyspec_branch_moves"  # on the scheduler's Request: the moves of its last tree step, until sent
+
+Moves = list[tuple[int, int]]  # (source column, depth) of each accepted node out of place, root side first
+
+
+def pipeline_stages(vllm_config) -> int:
+    return vllm_config.parallel_config.pipeline_parallel_size
+
+
+def is_last_stage() -> bool:
+    from vllm.distributed import get_pp_group
+
+    return get_pp_group().is_last_rank
+
+
+@dataclass(frozen=True)
+class _SingleStageGroup:
+    """What model code reads of vLLM's pipeline group (``GroupCoordinator``), for a model held whole by one rank."""
+
+    rank_in_group: int = 0
+    world_size: int = 1
+    is_first_rank: bool = True
+    is_last_rank: bool = True
+
+
+@contextlib.contextmanager
+def single_stage_pipeline(enabled: bool) -> Iterator[None]:
+    """While inside (and ``enabled``): ``get_pp_group()`` is a group of this rank alone, so a draft model built or run
+    here holds and runs all its layers (vLLM's ``make_layers`` would give the last stage only its last layers)."""
+    if not enabled:
+        yield
+        return
+    from vllm.distributed import parallel_state
+
+    # Replaces, while inside, the module global vllm.distributed.parallel_state._PP that get_pp_group() returns.
+    group = parallel_state._PP
+    parallel_state._PP = _SingleStageGroup()
+    try:
+        yield
+    finally:
+        parallel_state._PP = group
+
+
+def branch_moves(step, moves: AcceptedBranch) -> dict[str, Moves]:
+    """Each tree request's accepted nodes out of place (``moves``, :meth:`AcceptedBranch.out_of_place`) as
+    (``source column``, ``depth``), for the earlier stages."""
+    result: dict[str, Moves] = {}
+    depths = moves.destination - step.prefix_lens[moves.request_index]
+    for index, column, depth in zip(moves.request_index.tolist(), moves.source_column.tolist(), depths.tolist(),
+                                    strict=True):
+        result.setdefault(step.requests[index].req_id, []).append((column, depth))
+    return result
+
+
+@dataclass
+class UncommittedTrees:
+    """An earlier stage's tree forwards whose accepted branches have not arrived: each masked request's forward
+    (its K/V kept by the attention backend) until the scheduler sends the request's moves or drops it."""
+
+    forwards: dict[str, TreeVerifyForward] = field(default_factory=dict)
+
+    def keep(self, forward: TreeVerifyForward) -> None:
+        if forward.masked is not None:
+            for request in forward.masked.requests:
+                self.forwards[request.req_id] = forward
+
+    def commit(self, scheduler_output, write: Callable[[TreeVerifyForward, AcceptedBranch], None]) -> None:
+        """Before a stage's forward: the moves that came with ``scheduler_output`` committed through ``write``;
+        requests scheduled again, finished or (re)started forget their kept forward."""
+        moves: dict[str, Moves] = getattr(scheduler_output, BRANCH_MOVES, None) or {}
+        by_forward: dict[int, tuple[TreeVerifyForward, list[tuple[int, int, int]]]] = {}
+        for req_id, request_moves in moves.items():
+            forward = self.forwards.get(req_id)
+            if forward is None:
+                continue
+            index = next(i for i, request in enumerate(forward.step.requests) if request.req_id == req_id)
+            entries = by_forward.setdefault(id(forward), (forward, []))[1]
+            entries.extend((index, column, depth) for column, depth in request_moves)
+        for forward, entries in by_forward.values():
+            index, column, depth = (torch.tensor(values, dtype=torch.long) for values in zip(*entries, strict=True))
+            write(forward, AcceptedBranch(index, column, forward.step.prefix_lens[index] + depth,
+                                          torch.zeros_like(index)))
+        new = {request.req_id for request in scheduler_output.scheduled_new_reqs}
+        done = (set(scheduler_output.num_scheduled_tokens) | scheduler_output.finished_req_ids | new
+                | set(scheduler_output.scheduled_cached_reqs.resumed_req_ids))
+        for req_id in done & set(self.forwards):
+            del self.forwards[req_id]
+
+
+# ---------------------------------------------------------------------------------------------- scheduler seams
+def install() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    if getattr(Scheduler.schedule, "_easyspec_patched", False):
+        return
+    # Replaces vllm.v1.core.sched.scheduler.Scheduler.update_from_output: vLLM's, then (pipeline parallelism only)
+    # the step's drafts applied and each request's branch moves kept (module docstring).
+    Scheduler.update_from_output = _update_from_output(Scheduler.update_from_output)
+    # Replaces vllm.v1.core.sched.scheduler.Scheduler.schedule: vLLM's output, plus (pipeline parallelism only) the
+    # scheduled trees' parents and each request's branch moves for the earlier stages.
+    Scheduler.schedule = _schedule(Scheduler.schedule)
+
+
+def _update_from_output(original):
+    @functools.wraps(original)
+    def update_from_output(self, scheduler_output, model_runner_output):
+        outputs = original(self, scheduler_output, model_runner_output)
+        for req_id, moves in (getattr(model_runner_output, BRANCH_MOVES, None) or {}).items():
+            request = self.requests.get(req_id)
+            if request is not None and not request.is_finished():
+                setattr(request, _REQUEST_MOVES, moves)
+        drafts = getattr(model_runner_output, OUTPUT_DRAFTS, None)
+        if drafts is not None:
+            self.update_draft_token_ids(drafts)
+        return outputs
+
+    return update_from_output
+
+
+def _schedule(original):
+    @functools.wraps(original)
+    def schedule(self, *args, **kwargs):
+        output = original(self, *args, **kwargs)
+        if self.vllm_config.parallel_config.pipeline_parallel_size == 1:
+            return output
+        restarted = ({request.req_id for request in output.scheduled_new_reqs}
+                     | set(output.scheduled_cached_reqs.resumed_req_ids))
+        moves, parents = {}, {}
+        for req_id in output.num_scheduled_tokens:
+            request = self.requests[req_id]
+            request_moves = getattr(request, _REQUEST_MOVES, None)
+            if request_moves is not None:
+                setattr(request, _REQUEST_MOVES, None)
+                if req_id not in restarted:  # a restarted request recomputes into new blocks
+                    moves[req_id] = request_moves
+            tokens = output.scheduled_spec_decode_tokens.get(req_id)
+            request_parents = getattr(request, REQUEST_PARENTS, None)
+            if tokens and request_parents is not None:
+                parents[req_id] = request_parents[: len(tokens)]
+        setattr(output, BRANCH_MOVES, moves)
+        setattr(output, SCHEDULED_PARENTS, parents)
+        spec = self.vllm_config.speculative_config
+        if spec is not None:
+            cached = output.scheduled_cached_reqs
+            setattr(output, RECENT_TOKENS, {
+                req_id: self.requests[req_id].all_token_ids[max(0, computed - spec.num_speculative_tokens): computed]
+                for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True)})
+        return output
+
+    schedule._easyspec_patched = True
+    return schedule
+
+
+def catch_up_accepted_tokens(scheduler_output, requests, input_batch) -> None:
+    """Before vLLM's ``GPUModelRunner._update_states`` on a stage before the last: each running request's accepted
+    drafts appended to its tokens. vLLM sends such a stage only the tokens it computes next (``new_token_ids``, from
+    ``num_computed_tokens``), so without this it counted a step's accepted drafts as one token and filled their
+    places with the bonus token; with them its own update appends the bonus after them."""
+    recent: dict[str, list[int]] = getattr(scheduler_output, RECENT_TOKENS, None) or {}
+    cached = scheduler_output.scheduled_cached_reqs
+    for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+        state = requests.get(req_id)
+        missing = 0 if state is None or req_id in cached.resumed_req_ids else computed - state.num_tokens
+        if missing <= 0 or req_id not in recent:
+            continue
+        tokens = recent[req_id][-missing:]
+        state.output_token_ids.extend(tokens)
+        row = input_batch.req_id_to_index.get(req_id)
+        if row is None:  # out of the persistent batch since its last step: vLLM adds it back from its state
+            continue
+        start = int(input_batch.num_tokens_no_spec[row])
+        input_batch.token_ids_cpu[row, start : start + missing] = tokens
+        input_batch.is_token_ids[row, start : start + missing] = True
+        input_batch.num_tokens_no_spec[row] = start + missing
+
+
+def attach_step_output(output: Any, drafts: Any, moves: dict[str, Moves]) -> None:
+    """The last stage's ``ModelRunnerOutput`` carries the step's drafts (``DraftTokenIds`` or None) and moves."""
+    if output is None:
+        return
+    setattr(output, OUTPUT_DRAFTS, drafts)
+    setattr(output, BRANCH_MOVES, moves)
