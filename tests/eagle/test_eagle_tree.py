@@ -316,3 +316,17 @@ def test_eagle3_trees_at_tp2_equal_vanilla(llm_pool, monkeypatch, tiny_llama_dir
                           {"method": "eagle3", "model": str(trained_tiny_heads("eagle3"))}, TREES["dynamic"])
     assert generate(llm, SINGLE) + generate(llm, MIXED) == expected
     assert_both_ranks_verified_trees(llm)
+
+
+@pytest.mark.slow  # two stages in processes of their own (issue 70, item 3; the draft-model sources: tests/tree)
+@pytest.mark.parametrize("fmt", ["eagle", "eagle3"])
+def test_eagle_trees_at_pp2_equal_vanilla(llm_pool, monkeypatch, tiny_llama_dir, trained_tiny_heads, fmt):
+    """The head on the last stage embeds with the target's embedding (vLLM loads a copy there for EAGLE) and reads
+    the target's hidden states (EAGLE-3's auxiliary layers from the earlier stage in the intermediate tensors)."""
+    from tests.tree.test_engine_tree_pipeline import assert_both_stages_verified_trees, pp2_tree_engine
+
+    expected = _vanilla(llm_pool, tiny_llama_dir, "single", SINGLE) + _vanilla(llm_pool, tiny_llama_dir, "mixed", MIXED)
+    llm = pp2_tree_engine(llm_pool, monkeypatch, tiny_llama_dir,
+                          {"method": fmt, "model": str(trained_tiny_heads(fmt))}, TREES["dynamic"])
+    assert generate(llm, SINGLE) + generate(llm, MIXED) == expected
+    assert assert_both_stages_verified_trees(llm)["accepted"] > 0

@@ -37,3 +37,28 @@ def test_draft_model_trees_at_pp2_equal_vanilla(llm_pool, monkeypatch, tree_llam
                           {"top_k": 3, "depth": 3, "budget": 8})
     assert generate(llm, SINGLE) + generate(llm, MIXED) == expected
     assert_both_stages_verified_trees(llm)
+
+
+@pytest.mark.slow  # one source per layout in the default suite (the dynamic tree above)
+def test_trees_merged_with_prompt_lookup_at_pp2_equal_vanilla(llm_pool, monkeypatch, tree_llama_dir,
+                                                               tiny_llama_draft_dir):
+    vanilla = llm_pool.get(tree_llama_dir)
+    expected = generate(vanilla, SINGLE) + generate(vanilla, MIXED)
+    llm = pp2_tree_engine(llm_pool, monkeypatch, tree_llama_dir,
+                          {"method": "draft_model", "model": str(tiny_llama_draft_dir)},
+                          {"top_k": 2, "depth": 2, "budget": 4,
+                           "sources": {"prompt_lookup": {"nodes": 4, "min_match": 1}}})
+    assert generate(llm, SINGLE) + generate(llm, MIXED) == expected
+    assert assert_both_stages_verified_trees(llm)["source_nodes_accepted"] > 0
+
+
+@pytest.mark.slow
+def test_trees_bridged_by_text_at_pp2_equal_vanilla(llm_pool, monkeypatch, byte_level_pair):
+    target, draft = byte_level_pair
+    vanilla = llm_pool.get(target)
+    expected = generate(vanilla, SINGLE) + generate(vanilla, MIXED)
+    llm = pp2_tree_engine(llm_pool, monkeypatch, target,
+                          {"method": "draft_model", "model": str(draft), "use_heterogeneous_vocab": True},
+                          {"choices": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]], "retokenize": True})
+    assert generate(llm, SINGLE) + generate(llm, MIXED) == expected
+    assert_both_stages_verified_trees(llm)

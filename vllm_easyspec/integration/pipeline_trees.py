@@ -83,6 +83,35 @@ def single_stage_pipeline(enabled: bool) -> Iterator[None]:
         parallel_state._PP = group
 
 
+@contextlib.contextmanager
+def target_layers_counted_whole(model_config, enabled: bool) -> Iterator[None]:
+    """While inside (and ``enabled``): the target's ``ModelConfig.get_num_layers`` counts all its layers, not this
+    stage's. vLLM numbers an EAGLE head's layers after the target's (``start_layer_id``) by that count, which on the
+    last stage names the head's first layer after a target layer of that stage (``Duplicate layer name``)."""
+    if not enabled:
+        yield
+        return
+    # Replaces, while inside, vllm.config.model.ModelConfig.get_num_layers on this config alone.
+    object.__setattr__(model_config, "get_num_layers", lambda parallel_config: model_config.get_total_num_hidden_layers())
+    try:
+        yield
+    finally:
+        object.__delattr__(model_config, "get_num_layers")
+
+
+def eagle3_reads_aux_states(speculative_config) -> bool:
+    """Whether the head reads the target's auxiliary hidden states (EAGLE-3), as vLLM's proposer decides on the last
+    stage (``SpecDecodeBaseProposer._get_eagle3_use_aux_hidden_state_from_config``); every earlier stage must then
+    collect its layers' and send them on, which vLLM sets up only where a drafter exists."""
+    from types import SimpleNamespace
+
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    proposer = SimpleNamespace(method=speculative_config.method,
+                               draft_model_config=speculative_config.draft_model_config)
+    return SpecDecodeBaseProposer._get_eagle3_use_aux_hidden_state_from_config(proposer)
+
+
 def branch_moves(step, moves: AcceptedBranch) -> dict[str, Moves]:
     """Each tree request's accepted nodes out of place (``moves``, :meth:`AcceptedBranch.out_of_place`) as
     (``source column``, ``depth``), for the earlier stages."""

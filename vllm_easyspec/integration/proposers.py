@@ -30,7 +30,7 @@ from vllm_easyspec.instruments.device_clock import DeviceClock, DraftingStats
 from vllm_easyspec.integration.compat import plugin_logger
 from vllm_easyspec.integration.draft_grammar import NO_GRAMMAR
 from vllm_easyspec.integration.options import EasySpecOptions, easyspec_options
-from vllm_easyspec.integration.pipeline_trees import single_stage_pipeline
+from vllm_easyspec.integration.pipeline_trees import single_stage_pipeline, target_layers_counted_whole
 from vllm_easyspec.integration.tree_drafting import TreeDrafting
 
 logger = plugin_logger(__name__)
@@ -116,7 +116,9 @@ class PluginProposerMixin:
         return self.vllm_config.parallel_config.pipeline_parallel_size > 1
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
-        with single_stage_pipeline(self._held_whole):
+        held_whole = self._held_whole
+        with (single_stage_pipeline(held_whole),
+              target_layers_counted_whole(self.vllm_config.model_config, held_whole)):
             super().load_model(*args, **kwargs)
 
     def begin_step(self, batch: DraftingBatch) -> None:
@@ -264,3 +266,20 @@ class EasySpecEagleProposer(PluginProposerMixin, EagleProposer):
         assert options is not None and options.drafts_eagle_trees, "built by plugin_proposers only"
         self._set_up_plugin(options)
         logger.info("EasySpec %s head drafts trees: %s", self.method, options.tree.describe())
+
+    def load_model(self, target_model: nn.Module) -> None:
+        """Under pipeline parallelism the head embeds with the target's embedding on the last stage, which vLLM
+        loads there only for targets that ask for it (``spec_decode_needs_target_embed``: Llama, Qwen2); with
+        any other target the head would embed through a missing layer, so that is refused here, at start-up."""
+        from vllm.model_executor.models.utils import PPMissingLayer
+
+        inner = getattr(getattr(target_model, "get_language_model", lambda: target_model)(), "model", None)
+        if self._held_whole and isinstance(getattr(inner, "embed_tokens", None), PPMissingLayer):
+            from vllm_easyspec.easyspec.config import EasySpecConfigError
+
+            raise EasySpecConfigError(
+                f"easyspec.tree with an {self.method} head at --pipeline-parallel-size "
+                f"{self.vllm_config.parallel_config.pipeline_parallel_size} needs the target's embedding on the last "
+                f"stage, which vLLM loads there for Llama and Qwen2 targets only, not {type(target_model).__name__}; "
+                "use --pipeline-parallel-size 1, or draft with a draft model (\"method\": \"draft_model\")")
+        super().load_model(target_model)

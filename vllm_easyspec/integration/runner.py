@@ -22,6 +22,7 @@ from vllm_easyspec.integration.pipeline_trees import (
     attach_step_output,
     branch_moves,
     catch_up_accepted_tokens,
+    eagle3_reads_aux_states,
     pipeline_stages,
 )
 from vllm_easyspec.integration.proposers import DraftingBatch, PluginProposerMixin, plugin_proposers
@@ -85,6 +86,19 @@ class TreeRunnerMixin:
         drafting.verifier = self.tree_verifier
         self._step_trace = step_trace_path()
         self._sends_stage_messages = self.tree_verifier.sends_all_parents = pipeline_stages(vllm_config) > 1
+
+    # Extends GPUModelRunner.load_model (CPUModelRunner's too): on a pipeline stage before the last, the target
+    # collects its layers' EAGLE-3 auxiliary states for the head, through vLLM's own setup, which runs only where a
+    # drafter exists; they travel in the intermediate tensors (the stage's output stays those tensors alone).
+    def load_model(self, *args, **kwargs):
+        result = super().load_model(*args, **kwargs)
+        if self._drafterless_stage and eagle3_reads_aux_states(self.speculative_config):
+            self.use_aux_hidden_state_outputs = True
+            try:
+                self._setup_eagle3_aux_hidden_state_outputs()
+            finally:
+                self.use_aux_hidden_state_outputs = False
+        return result
 
     # Extends GPUModelRunner.initialize_kv_cache (CPUModelRunner's too): a tree engine refuses layers no tree backend
     # serves before any cache exists; the target's GPU tree builders are marked (uniform batches through their
