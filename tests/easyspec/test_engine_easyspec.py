@@ -199,3 +199,18 @@ def test_unsupported_architecture_error_names_it_and_the_fix():
     assert "layer_parallel_size to 1" in message
     check_fuzzy_architecture(["Qwen2ForCausalLM"])
     check_fuzzy_architecture(["LlamaForCausalLM"])
+
+
+@pytest.mark.slow  # two stages in processes of their own; trees at two stages: tests/tree/test_engine_tree_pipeline.py
+def test_greedy_two_stages_equals_vanilla(llm_pool, monkeypatch, tiny_llama_dir, tiny_llama_draft_dir,
+                                          vanilla_llama_tokens):
+    """EasySpec chains at pipeline-parallel size 2: the fused draft whole on the last stage, its drafts sent to the
+    scheduler with the step's output (integration/pipeline_trees.py)."""
+    for key, value in TP2_ENV.items():
+        monkeypatch.setenv(key, value)
+    llm = llm_pool.get(tiny_llama_dir, speculative_config=_spec(tiny_llama_draft_dir),
+                       additional_config=_easyspec(layer_parallel_size=2, calibration="every_round", mode="fused"),
+                       pipeline_parallel_size=2, distributed_executor_backend="mp", multiprocess=True)
+    assert _greedy(llm) == vanilla_llama_tokens
+    stages = llm.collective_rpc(read_drafting_stats)
+    assert stages[0] is None and stages[1]["fuzzy_forwards"] > 0, stages

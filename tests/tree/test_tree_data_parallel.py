@@ -19,7 +19,8 @@ class _VllmProposer:
     def __init__(self, dp_size: int, num_speculative_tokens: int) -> None:
         self.coordinated: list[int] = []
         self.num_speculative_tokens = num_speculative_tokens
-        self.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=dp_size))
+        self.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=dp_size,
+                                                                                pipeline_parallel_size=1))
         self.cudagraph_dispatcher = SimpleNamespace(
             dispatch=lambda num_tokens, valid_modes=None: ("eager", SimpleNamespace(num_tokens=num_tokens)))
 

@@ -152,6 +152,7 @@ def test_the_runners_tree_step_start_writes_device_positions():
     def start(device) -> list[int]:
         runner = types.SimpleNamespace(
             tree_verifier=verifier, requests=requests, positions=torch.arange(6, device=device) + 10,
+            uncommitted_trees=None,  # the last pipeline stage, or the only one
             query_start_loc=types.SimpleNamespace(np=np.array([0, 6])),
             input_batch=types.SimpleNamespace(req_id_to_index={"a": 0}, num_computed_tokens_cpu=np.array([10])),
             uses_mrope=True, mrope_positions=types.SimpleNamespace(gpu=(torch.arange(6, device=device) + 7)

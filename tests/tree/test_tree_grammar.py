@@ -138,8 +138,8 @@ def test_tree_rows_land_where_each_releases_worker_reads_them(monkeypatch, relea
     request_ids = ["chain", "tree", "none", "tree2"]
     drafts = {"chain": [1, 2], "tree": [3, 4, 5, 6, 7], "tree2": [8]}
     requests = {req_id: types.SimpleNamespace() for req_id in request_ids}
-    setattr(requests["tree"], tree_grammar._REQUEST_PARENTS, [-1, 0, 0, 1, 1])
-    setattr(requests["tree2"], tree_grammar._REQUEST_PARENTS, [-1])
+    setattr(requests["tree"], tree_grammar.REQUEST_PARENTS, [-1, 0, 0, 1, 1])
+    setattr(requests["tree2"], tree_grammar.REQUEST_PARENTS, [-1])
 
     def original(manager, requests, structured_output_request_ids, scheduled_spec_decode_tokens):
         return _vllm_rows(structured_output_request_ids, scheduled_spec_decode_tokens, stride)

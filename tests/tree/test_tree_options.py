@@ -158,6 +158,7 @@ def test_a_tree_engine_refuses_a_drafter_that_drafts_no_trees():
     class VllmRunner:
         def __init__(self, vllm_config, device) -> None:
             self.drafter = types.SimpleNamespace()  # vLLM's own MTP proposer of such a model
+            self.speculative_config = vllm_config.speculative_config
 
     config = types.SimpleNamespace(speculative_config=types.SimpleNamespace(method="mtp"))
     easyspec = parse_easyspec_config({"easyspec": {"tree": {"choices": [[0], [1]]}}})

@@ -112,17 +112,6 @@ def eagle3_reads_aux_states(speculative_config) -> bool:
     return SpecDecodeBaseProposer._get_eagle3_use_aux_hidden_state_from_config(proposer)
 
 
-def branch_moves(step, moves: AcceptedBranch) -> dict[str, Moves]:
-    """Each tree request's accepted nodes out of place (``moves``, :meth:`AcceptedBranch.out_of_place`) as
-    (``source column``, ``depth``), for the earlier stages."""
-    result: dict[str, Moves] = {}
-    depths = moves.destination - step.prefix_lens[moves.request_index]
-    for index, column, depth in zip(moves.request_index.tolist(), moves.source_column.tolist(), depths.tolist(),
-                                    strict=True):
-        result.setdefault(step.requests[index].req_id, []).append((column, depth))
-    return result
-
-
 @dataclass
 class UncommittedTrees:
     """An earlier stage's tree forwards whose accepted branches have not arrived: each masked request's forward

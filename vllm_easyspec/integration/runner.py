@@ -20,7 +20,6 @@ from vllm_easyspec.integration.pipeline_trees import (
     SCHEDULED_PARENTS,
     UncommittedTrees,
     attach_step_output,
-    branch_moves,
     catch_up_accepted_tokens,
     eagle3_reads_aux_states,
     pipeline_stages,
@@ -52,16 +51,14 @@ class TreeRunnerMixin:
     paused_drafting_steps: int = 0  # steps whose drafter was not called after failures in a row (no drafts)
     _failures_in_a_row: int = 0
     _drafting_pause: int = 0  # steps left whose drafter is not called
-    # pipeline parallelism (integration/pipeline_trees.py): an earlier stage's tree forwards awaiting their branches,
-    # and the last stage's accepted nodes out of place this step, for the earlier stages
+    # pipeline parallelism (integration/pipeline_trees.py): an earlier stage's tree forwards awaiting their branches;
+    # the last stage with a plugin drafter sends each step's drafts (and the tree verifier's stage moves)
     uncommitted_trees: UncommittedTrees | None = None
     _sends_stage_messages: bool = False
     _drafterless_stage: bool = False  # a pipeline stage before the last of a speculating engine
-    _branch_moves: dict[str, list[tuple[int, int]]]
 
     def __init__(self, vllm_config, device) -> None:
         options = easyspec_options(vllm_config)
-        self._branch_moves = {}
         with plugin_proposers(options):
             super().__init__(vllm_config, device)
         self._guards_drafting = options is not None
@@ -69,6 +66,7 @@ class TreeRunnerMixin:
         drafter = getattr(self, "drafter", None)
         if isinstance(drafter, PluginProposerMixin):
             self._plugin_drafter = drafter
+            self._sends_stage_messages = pipeline_stages(vllm_config) > 1
         if options is None or options.tree is None or self.speculative_config is None:
             return
         if drafter is None:  # a pipeline stage before the last: it verifies the trees the last stage drafts
@@ -85,7 +83,7 @@ class TreeRunnerMixin:
                                           uniform_nodes=options.tree.num_nodes if options.tree.uniform else 0)
         drafting.verifier = self.tree_verifier
         self._step_trace = step_trace_path()
-        self._sends_stage_messages = self.tree_verifier.sends_all_parents = pipeline_stages(vllm_config) > 1
+        self.tree_verifier.serves_earlier_stages = self._sends_stage_messages
 
     # Extends GPUModelRunner.load_model (CPUModelRunner's too): on a pipeline stage before the last, the target
     # collects its layers' EAGLE-3 auxiliary states for the head, through vLLM's own setup, which runs only where a
@@ -137,7 +135,7 @@ class TreeRunnerMixin:
         if self.tree_verifier is None:
             return super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         if self.uncommitted_trees is not None:  # the branches of this stage's last trees, before any forward
-            self.uncommitted_trees.commit(scheduler_output, self._write_moves)
+            self.uncommitted_trees.commit(scheduler_output, write_moves)
         policy = self.tree_verifier.policy
         mark = policy.start()  # the verify span opens before its inputs are prepared
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
@@ -202,9 +200,9 @@ class TreeRunnerMixin:
         if self.tree_verifier is not None:
             self.tree_verifier.policy.publish()
         if self._sends_stage_messages:
-            attach_step_output(output, self.take_draft_token_ids(), self._branch_moves)
+            moves = {} if self.tree_verifier is None else self.tree_verifier.stage_moves
+            attach_step_output(output, self.take_draft_token_ids(), moves)
             self._draft_token_req_ids = None  # taken: vLLM's own take_draft_token_ids finds none
-            self._branch_moves = {}
         return output
 
     # Extends GPUModelRunner.execute_model: a stage before the last keeps its tree forward's K/V until the
@@ -362,35 +360,33 @@ class TreeRunnerMixin:
         if not len(branch):
             return
         moves = branch.out_of_place(step.prefix_lens)  # only nodes of masked requests (paths are in place)
-        self._write_moves(forward, moves)
-        if self._sends_stage_messages:
-            self._branch_moves = branch_moves(step, moves)
+        write_moves(forward, moves)
         rows = self.tree_verifier.branch_rows[1]
         input_ids = self.input_ids.gpu
         input_ids[_onto(rows, input_ids)] = _onto(branch.tokens, input_ids, input_ids.dtype)
         self.positions[_onto(rows, self.positions)] = _onto(branch.destination, self.positions, self.positions.dtype)
 
-    @staticmethod
-    def _write_moves(forward: TreeVerifyForward, moves: AcceptedBranch) -> None:
-        """The kept K/V of each accepted node out of place (``moves``: request index in ``forward.step``, source
-        column, destination position) written to its destination slot in every layer of this stage."""
-        if not len(moves) or not forward.kept_kv:
-            return
-        step = forward.step
-        device = next(iter(forward.kept_kv.values())).key.device
-        moved = moves.to(device)  # the host's moves go to the cache's device once
-        kept_rows = {kind: _onto(step.batch_rows if kind else forward.masked_index, moved.destination)[
-            moved.request_index] for kind in {kept.by_batch_row for kept in forward.kept_kv.values()}}
-        for kept in forward.kept_kv.values():  # each layer through its own KV cache group's block table
-            request = kept_rows[kept.by_batch_row]  # and its own kind of kept rows
-            blocks = kept.block_table[request, moved.destination // kept.block_size].long()
-            slots = blocks * kept.block_size + moved.destination % kept.block_size
-            kept.write(kept.key[request, :, moved.source_column], kept.value[request, :, moved.source_column], slots)
-
     def _shift_mrope_positions(self, rows: torch.Tensor, shift: torch.Tensor) -> None:
         """Every M-RoPE stream of forward ``rows`` moved by ``shift`` (vLLM's device buffer the forward reads)."""
         mrope = self.mrope_positions.gpu
         mrope[:, _onto(rows, mrope)] += _onto(shift, mrope, mrope.dtype)
+
+
+def write_moves(forward: TreeVerifyForward, moves: AcceptedBranch) -> None:
+    """The kept K/V of each accepted node out of place (``moves``: request index in ``forward.step``, source
+    column, destination position) written to its destination slot in every layer of this stage."""
+    if not len(moves) or not forward.kept_kv:
+        return
+    step = forward.step
+    device = next(iter(forward.kept_kv.values())).key.device
+    moved = moves.to(device)  # the host's moves go to the cache's device once
+    kept_rows = {kind: _onto(step.batch_rows if kind else forward.masked_index, moved.destination)[
+        moved.request_index] for kind in {kept.by_batch_row for kept in forward.kept_kv.values()}}
+    for kept in forward.kept_kv.values():  # each layer through its own KV cache group's block table
+        request = kept_rows[kept.by_batch_row]  # and its own kind of kept rows
+        blocks = kept.block_table[request, moved.destination // kept.block_size].long()
+        slots = blocks * kept.block_size + moved.destination % kept.block_size
+        kept.write(kept.key[request, :, moved.source_column], kept.value[request, :, moved.source_column], slots)
 
 
 def _onto(values: torch.Tensor, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

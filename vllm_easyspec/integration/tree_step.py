@@ -173,7 +173,10 @@ class TreeVerifier:
     unshared_target_tokens: torch.Tensor | None = None  # tree.retokenize: bool [target vocab] the draft lacks
     processed_logprobs: bool = False  # the engine's logprobs_mode is a processed one
     uniform_nodes: int = 0  # tree.uniform: every request of a tree step verifies this many nodes (0: off)
-    sends_all_parents: bool = False  # pipeline parallelism: every tree's parents go to the scheduler, not only grammars'
+    # pipeline parallelism: every tree's parents go to the scheduler (not only grammars'), and each step's accepted
+    # nodes out of place, {request id: [(source column, depth)]}, to the earlier stages (integration/pipeline_trees.py)
+    serves_earlier_stages: bool = False
+    stage_moves: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     pending: dict[str, PendingTree] = field(default_factory=dict)
     no_drafts: set[str] = field(default_factory=set)
     drafted_this_step: bool = False
@@ -237,7 +240,7 @@ class TreeVerifier:
                 drafts.draft_token_ids[index] = list(drafts.draft_token_ids[index][:real]) + pending.tokens[real:]
                 params = getattr(self.requests.get(req_id), "sampling_params", None)
                 if (params is not None and params.structured_outputs is not None
-                        or self.sends_all_parents and not pending.is_chain):
+                        or self.serves_earlier_stages and not pending.is_chain):
                     parents[req_id] = pending.parents
         if parents:
             setattr(drafts, DRAFT_PARENTS, parents)
@@ -251,6 +254,7 @@ class TreeVerifier:
         self.last_branch = {}
         self.branch_rows = None
         self.scheduled = {}
+        self.stage_moves = {}
 
     def record_chain_step(self, output_token_ids: torch.Tensor) -> None:
         """After vLLM's sampler verified a chain step: each request's accepted drafts (its output row up to the
@@ -284,6 +288,12 @@ class TreeVerifier:
         for index, token in zip(branch.request_index.tolist(), branch.tokens.tolist(), strict=True):
             self.last_branch.setdefault(step.requests[index].req_id, []).append(token)
         self.branch_rows = step.branch_rows(branch)
+        if self.serves_earlier_stages:
+            moves = branch.out_of_place(step.prefix_lens)
+            depths = moves.destination - step.prefix_lens[moves.request_index]
+            for index, column, depth in zip(moves.request_index.tolist(), moves.source_column.tolist(),
+                                            depths.tolist(), strict=True):
+                self.stage_moves.setdefault(step.requests[index].req_id, []).append((column, depth))
 
     def _observe(self, req_id: str, accepted: set[int]) -> None:
         """The policy learns what verification accepted of a request's scheduled nodes."""
