@@ -62,3 +62,34 @@ def test_trees_bridged_by_text_at_pp2_equal_vanilla(llm_pool, monkeypatch, byte_
                           {"choices": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]], "retokenize": True})
     assert generate(llm, SINGLE) + generate(llm, MIXED) == expected
     assert_both_stages_verified_trees(llm)
+
+
+@pytest.mark.slow  # a server with two stage workers
+def test_trees_at_pp2_through_the_server_equal_vanilla(tmp_path, llm_pool, tree_llama_dir, tiny_llama_draft_dir):
+    """``vllm-easyspec serve --pipeline-parallel-size 2`` with a draft-model tree: the mixed batch as concurrent
+    completions, each text equal to vanilla ``LLM()``'s, drafts accepted (vLLM's counters)."""
+    import json
+    import os
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.serving import free_port, post, serve_command, serving
+
+    expected = generate(llm_pool.get(tree_llama_dir), MIXED)
+    port = free_port()
+    command = serve_command(tree_llama_dir, port, "--pipeline-parallel-size", "2",
+                            "--distributed-executor-backend", "mp", "--speculative-config",
+                            json.dumps({"method": "draft_model", "model": str(tiny_llama_draft_dir)}),
+                            "--additional-config", json.dumps({"easyspec": {"tree": {"top_k": 3, "depth": 3,
+                                                                                      "budget": 8}}}))
+    model = str(tree_llama_dir)
+    bodies = [{"model": model, "prompt": prompt, "temperature": 0.0} | options for prompt, options in MIXED]
+    with serving(command, port, tmp_path / "serve.log", env=os.environ | PP2_ENV):
+        with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
+            completions = list(pool.map(lambda body: post(port, "/v1/completions", body), bodies))
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+            metrics = response.read().decode()
+    texts = [(choice["text"], choice["finish_reason"]) for choice in (c["choices"][0] for c in completions)]
+    assert texts == [(text, finish) for _, text, finish in expected]
+    accepted = [line for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_accepted_tokens_total")]
+    assert accepted and float(accepted[0].split()[-1]) > 0, accepted
