@@ -93,3 +93,24 @@ def test_trees_at_pp2_through_the_server_equal_vanilla(tmp_path, llm_pool, tree_
     assert texts == [(text, finish) for _, text, finish in expected]
     accepted = [line for line in metrics.splitlines() if line.startswith("vllm:spec_decode_num_accepted_tokens_total")]
     assert accepted and float(accepted[0].split()[-1]) > 0, accepted
+
+
+@pytest.mark.slow
+def test_preempted_and_truncated_trees_at_pp2_keep_outputs_exact(llm_pool, monkeypatch, tree_llama_dir,
+                                                                  tiny_llama_draft_dir):
+    """Six KV blocks of 32 tokens force preemption and recomputation while requests are in flight (a preempted
+    request's drafts and moves are dropped: it recomputes into new blocks), and a token budget of 16 cuts trees
+    short (the earlier stage gets the cut parents)."""
+    vanilla = llm_pool.get(tree_llama_dir)
+    expected = generate(vanilla, MIXED)
+    for key, value in PP2_ENV.items():
+        monkeypatch.setenv(key, value)
+    llm = llm_pool.get(tree_llama_dir, speculative_config={"method": "draft_model", "model": str(tiny_llama_draft_dir)},
+                       additional_config={"easyspec": {"tree": {"top_k": 3, "depth": 3, "budget": 8}}},
+                       pipeline_parallel_size=2, distributed_executor_backend="mp", multiprocess=True,
+                       block_size=32, max_model_len=128, max_num_seqs=3, num_gpu_blocks_override=6,
+                       max_num_batched_tokens=16)
+    assert generate(llm, MIXED) == expected
+    preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    truncated = assert_both_stages_verified_trees(llm)["truncated_trees"]
+    assert preemptions > 0 and truncated > 0, (preemptions, truncated)

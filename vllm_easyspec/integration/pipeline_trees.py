@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from vllm_easyspec.integration.tree_grammar import REQUEST_PARENTS
-from vllm_easyspec.integration.tree_step import TreeVerifyForward
+from vllm_easyspec.integration.tree_step import DRAFT_PARENTS, TreeVerifyForward
 from vllm_easyspec.tree.verify_step import AcceptedBranch
 
 OUTPUT_DRAFTS = "easyspec_draft_token_ids"  # on ModelRunnerOutput: the step's DraftTokenIds (parents included)
@@ -162,19 +162,39 @@ def install() -> None:
 
 
 def _update_from_output(original):
+    from vllm.v1.request import RequestStatus
+
     @functools.wraps(original)
     def update_from_output(self, scheduler_output, model_runner_output):
+        stale = {req_id for req_id in scheduler_output.num_scheduled_tokens  # preempted while in flight
+                 if getattr(self.requests.get(req_id), "num_stale_output_tokens", 0) > 0}
         outputs = original(self, scheduler_output, model_runner_output)
+        live = {req_id for req_id in scheduler_output.num_scheduled_tokens if req_id not in stale
+                and (request := self.requests.get(req_id)) is not None and request.status == RequestStatus.RUNNING
+                and request.num_in_flight_tokens == 0}  # no later prefill chunk of it scheduled meanwhile
         for req_id, moves in (getattr(model_runner_output, BRANCH_MOVES, None) or {}).items():
-            request = self.requests.get(req_id)
-            if request is not None and not request.is_finished():
-                setattr(request, _REQUEST_MOVES, moves)
+            if req_id in live:
+                setattr(self.requests[req_id], _REQUEST_MOVES, moves)
         drafts = getattr(model_runner_output, OUTPUT_DRAFTS, None)
-        if drafts is not None:
-            self.update_draft_token_ids(drafts)
+        if drafts is not None:  # only for requests running on this step's output with nothing else in flight: a
+            # request preempted since recomputes its prompt, one whose next prefill chunk is in flight was drafted
+            # from part of its prompt (vLLM's own post_step never sees either case)
+            self.update_draft_token_ids(_drafts_of(drafts, live))
         return outputs
 
     return update_from_output
+
+
+def _drafts_of(drafts, req_ids: set[str]):
+    """``drafts`` (vLLM's ``DraftTokenIds``, tree parents included) of the requests ``req_ids`` only."""
+    kept = [index for index, req_id in enumerate(drafts.req_ids) if req_id in req_ids]
+    if len(kept) == len(drafts.req_ids):
+        return drafts
+    result = type(drafts)([drafts.req_ids[i] for i in kept], [drafts.draft_token_ids[i] for i in kept])
+    parents = getattr(drafts, DRAFT_PARENTS, None)
+    if parents:
+        setattr(result, DRAFT_PARENTS, {req_id: value for req_id, value in parents.items() if req_id in req_ids})
+    return result
 
 
 def _schedule(original):
