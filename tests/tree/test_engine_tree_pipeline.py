@@ -53,6 +53,33 @@ def test_trees_merged_with_prompt_lookup_at_pp2_equal_vanilla(llm_pool, monkeypa
 
 
 @pytest.mark.slow
+def test_auto_trees_at_pp2_equal_vanilla(llm_pool, monkeypatch, tree_llama_dir, tiny_llama_draft_dir):
+    """``tree.auto``: both stages time their layers' part of each verify row count at start-up (summed), the last
+    stage's controller sizes the trees, the earlier stage verifies whatever it chose."""
+    from vllm_easyspec.instruments.worker_extension import read_controller_stats
+
+    vanilla = llm_pool.get(tree_llama_dir)
+    expected = generate(vanilla, SINGLE) + generate(vanilla, MIXED)
+    llm = pp2_tree_engine(llm_pool, monkeypatch, tree_llama_dir,
+                          {"method": "draft_model", "model": str(tiny_llama_draft_dir)},
+                          {"top_k": 2, "depth": 3, "budget": 6, "auto": True})
+    assert llm.collective_rpc(drafting_costs_nothing_on_the_last_stage) == [False, True]
+    assert generate(llm, SINGLE) + generate(llm, MIXED) == expected
+    assert assert_both_stages_verified_trees(llm)["accepted"] > 0
+    first, last = llm.collective_rpc(read_controller_stats)
+    assert first is None and last["nodes_chosen"] > 0
+    assert last["verify_curve"]["rows"][:2] == [1, 2] and all(t > 0 for t in last["verify_curve"]["seconds"])
+
+
+def drafting_costs_nothing_on_the_last_stage(worker) -> bool:
+    """Worker-side: the last stage's controller drafts as if drafting were free (tests/controller_costs.py: a tiny
+    draft costs what its tiny target does, so the controller rightly drafts little); the earlier stage has none."""
+    from tests.controller_costs import drafting_costs_nothing
+
+    return worker.model_runner.tree_verifier.policy.controller is not None and drafting_costs_nothing(worker)
+
+
+@pytest.mark.slow
 def test_trees_bridged_by_text_at_pp2_equal_vanilla(llm_pool, monkeypatch, byte_level_pair):
     target, draft = byte_level_pair
     vanilla = llm_pool.get(target)

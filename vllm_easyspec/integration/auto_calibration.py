@@ -32,15 +32,14 @@ def start_auto_budget(runner: Any, tree: TreeConfig) -> AutoBudget:
     that uses it, publishing its figures to vLLM's metrics from tensor-parallel rank 0."""
     from vllm.distributed import get_tensor_model_parallel_rank
 
+    from vllm_easyspec.integration.pipeline_trees import single_stage_pipeline
+
     started = time.perf_counter()
-    level_width = tree.top_k if not tree.is_static else max(
-        len(level) for level in tree.template().expansion_levels())
-    max_nodes = tree.num_nodes if tree.auto.max_nodes is None else tree.auto.max_nodes
-    batch = runner.scheduler_config.max_num_seqs
-    verify = _forward_timings(runner, calibration_rows(min(batch * (1 + max_nodes), runner.max_num_tokens)),
-                              draft=False)
-    level = _forward_timings(runner, calibration_rows(min(batch * level_width, runner.max_num_tokens)),
-                             draft=True)
+    level_width, max_nodes = _tree_shape(tree)
+    verify = time_target_verify(runner, tree)
+    with single_stage_pipeline(runner.vllm_config.parallel_config.pipeline_parallel_size > 1):  # the draft, whole
+        level = _forward_timings(runner, calibration_rows(
+            min(runner.scheduler_config.max_num_seqs * level_width, runner.max_num_tokens)), draft=True)
     cost = StepCostModel(
         verify=CostCurve.from_measurements(verify.rows, verify.with_logits),
         draft_level=CostCurve.from_measurements(level.rows, level.with_logits),
@@ -56,6 +55,23 @@ def start_auto_budget(runner: Any, tree: TreeConfig) -> AutoBudget:
     if get_tensor_model_parallel_rank() == 0:
         publish = ControllerPublisher(controller, runner.vllm_config.instance_id).publish
     return AutoBudget(tree, controller, DeviceClock(runner.device), publish, agree=_rank_zeros_decision())
+
+
+def _tree_shape(tree: TreeConfig) -> tuple[int, int]:
+    """(nodes drafted per level, most nodes per request) of ``tree`` under ``auto``."""
+    level_width = tree.top_k if not tree.is_static else max(
+        len(level) for level in tree.template().expansion_levels())
+    return level_width, tree.num_nodes if tree.auto.max_nodes is None else tree.auto.max_nodes
+
+
+def time_target_verify(runner: Any, tree: TreeConfig) -> ForwardTimings:
+    """The target's forward (and logits) over each row count a verify step of ``tree`` can have, timed on
+    ``runner``. Under pipeline parallelism every stage calls this at start-up (a stage before the last drafts
+    nothing, but its layers are part of each verify): each forward's seconds are the sum over the stages, and every
+    stage times the same forwards."""
+    max_nodes = _tree_shape(tree)[1]
+    rows = calibration_rows(min(runner.scheduler_config.max_num_seqs * (1 + max_nodes), runner.max_num_tokens))
+    return _forward_timings(runner, rows, draft=False)
 
 
 def _rank_zeros_decision():
@@ -74,11 +90,15 @@ def _rank_zeros_decision():
 def _forward_timings(runner: Any, rows: list[int], draft: bool) -> ForwardTimings:
     """Forwards of the target, or of the drafter's model, timed as :func:`time_forwards` says; attention runs
     without metadata (no context), as in vLLM's profiling runs."""
+    from vllm.distributed import get_pp_group
     from vllm.forward_context import set_forward_context
 
     drafter = runner.drafter
     model = drafter.model if draft else runner.model
+    stage = get_pp_group()
     in_step = _in_step_across_data_parallel_ranks(runner)
+    if not draft:
+        in_step = _across_pipeline_stages(in_step)
 
     @in_step
     def forward(count: int) -> tuple[float, float]:
@@ -86,10 +106,16 @@ def _forward_timings(runner: Any, rows: list[int], draft: bool) -> ForwardTiming
         if draft and drafter.pass_hidden_states_to_model:  # an EAGLE head reads a hidden state per row
             inputs["hidden_states"] = torch.zeros(count, drafter.hidden_size, dtype=runner.dtype,
                                                   device=runner.device)
+        if not draft and not stage.is_first_rank:  # a later stage's input: the earlier stage's tensors
+            inputs["intermediate_tensors"] = runner.sync_and_gather_intermediate_tensors(count, None, False)
         started = time.perf_counter()
         with torch.inference_mode(), set_forward_context(None, runner.vllm_config, num_tokens=count):
             output = model(**inputs)
             hidden = output[0] if isinstance(output, tuple) else output
+            if not draft and not stage.is_last_rank:  # an earlier stage: no logits
+                hidden = hidden["hidden_states"]
+                _wait_for(hidden)
+                return (time.perf_counter() - started,) * 2
             _wait_for(hidden)
             forwarded = time.perf_counter()
             model.compute_logits(hidden[:count])
@@ -97,6 +123,27 @@ def _forward_timings(runner: Any, rows: list[int], draft: bool) -> ForwardTiming
         return time.perf_counter() - started, forwarded - started
 
     return time_forwards(rows, forward)
+
+
+def _across_pipeline_stages(in_step):
+    """Under pipeline parallelism a verify forward runs every stage's layers in turn: each timed forward's seconds
+    are summed over the stages (alone: as they are)."""
+    from vllm.distributed import get_pp_group
+
+    stages = get_pp_group()
+    if stages.world_size == 1:
+        return in_step
+
+    def across(forward):
+        timed_here = in_step(forward)
+
+        def timed(count: int) -> tuple[float, float]:
+            seconds = torch.tensor(timed_here(count), dtype=torch.float64)
+            torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.SUM, group=stages.cpu_group)
+            return tuple(seconds.tolist())
+        return timed
+
+    return across
 
 
 def _in_step_across_data_parallel_ranks(runner: Any):

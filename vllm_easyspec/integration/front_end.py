@@ -147,11 +147,6 @@ def _validate_tree_engine_config(vllm_config, tree) -> None:
                                   f"forward, {level_rows} rows at --max-num-seqs {scheduler.max_num_seqs}, more "
                                   f"than --max-num-batched-tokens {scheduler.max_num_batched_tokens}; raise "
                                   f"--max-num-batched-tokens to {level_rows} or lower --max-num-seqs")
-    stages = vllm_config.parallel_config.pipeline_parallel_size
-    if stages > 1 and tree.auto is not None:  # its start-up calibration times whole target forwards on one rank
-        raise EasySpecConfigError(f"easyspec.tree.auto measures whole target forwards at start-up, which no stage of "
-                                  f"--pipeline-parallel-size {stages} runs alone; give the tree a fixed size (remove "
-                                  "\"auto\") or use --pipeline-parallel-size 1")
     draft = getattr(vllm_config.speculative_config, "draft_model_config", None)
     dp_size = vllm_config.parallel_config.data_parallel_size
     if dp_size > 1 and vllm_config.model_config.is_moe and draft is not None and draft.is_moe:

@@ -1,23 +1,8 @@
-"""Token trees under pipeline parallelism: what only the last stage knows reaches the scheduler and the earlier
-stages (docs/design.md, "Trees under pipeline parallelism").
-
-The drafter, the tree sampler and the target's logits live on the last stage; every stage verifies each tree over its
-own layers and commits the accepted branch in its own layers' KV. Under PP vLLM runs the engine core's batch queue,
-which never asks the workers for drafts at the right time, so the channel is the two messages every step already
-carries:
-
-* **last stage → scheduler** (``ModelRunnerOutput``, pickled by vLLM's message queue, extra attributes included):
-  the step's drafts with each tree's node parents (:data:`OUTPUT_DRAFTS`), and each tree request's accepted nodes
-  that sit out of place (:data:`BRANCH_MOVES`). The seam on ``Scheduler.update_from_output`` applies the drafts as
-  vLLM's ``post_step`` would and keeps each request's moves on it.
-* **scheduler → every stage** (``SchedulerOutput``): the seam on ``Scheduler.schedule`` hands over the parents of the
-  drafts it scheduled (:data:`SCHEDULED_PARENTS`, cut to the scheduled count: a prefix of a tree is a tree) and the
-  moves of each request scheduled again (:data:`BRANCH_MOVES`). An earlier stage keeps a tree forward's K/V until
-  its requests' moves arrive (:class:`UncommittedTrees`), which is before their next forward: under PP a request is
-  scheduled again only once its last step's output is in.
-
-A draft model runs under a pipeline group of the last rank alone (:func:`single_stage_pipeline`): it holds all its
-layers there and embeds its own tokens.
+"""Token trees under pipeline parallelism (docs/design.md, "Trees under pipeline parallelism"): what only the last
+stage knows (drafts, tree parents, accepted nodes out of place) travels on the step's ``ModelRunnerOutput`` to the
+scheduler (seam: ``Scheduler.update_from_output``) and on the ``SchedulerOutput`` to every stage (seam:
+``Scheduler.schedule``); an earlier stage keeps a tree forward's K/V (:class:`UncommittedTrees`) until its requests'
+moves arrive, before their next forward. A drafter runs whole on the last stage (:func:`single_stage_pipeline`).
 
 Invariant: without pipeline parallelism nothing here runs, and every message is what vLLM sends.
 """
@@ -47,12 +32,6 @@ Moves = list[tuple[int, int]]  # (source column, depth) of each accepted node ou
 
 def pipeline_stages(vllm_config) -> int:
     return vllm_config.parallel_config.pipeline_parallel_size
-
-
-def is_last_stage() -> bool:
-    from vllm.distributed import get_pp_group
-
-    return get_pp_group().is_last_rank
 
 
 @dataclass(frozen=True)

@@ -6,13 +6,14 @@ through the seams").
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
 
 from vllm_easyspec.easyspec.config import EasySpecConfigError
 from vllm_easyspec.instruments.step_trace import step_trace_path, trace_tree_step
-from vllm_easyspec.integration.auto_calibration import start_auto_budget
+from vllm_easyspec.integration.auto_calibration import start_auto_budget, time_target_verify
 from vllm_easyspec.integration.compat import plugin_logger
 from vllm_easyspec.integration.node_policy import TreeBudget, VerifyShape
 from vllm_easyspec.integration.options import easyspec_options
@@ -105,24 +106,33 @@ class TreeRunnerMixin:
     def initialize_kv_cache(self, *args, **kwargs):
         if self.tree_verifier is not None:
             refuse_layers_without_tree_attention(self.vllm_config)
-        if self._drafterless_stage:
-            # A pipeline stage before the last has no drafter, but vLLM reads one wherever speculative_config is set:
-            # hidden from GPUModelRunner.initialize_metadata_builders, _check_and_update_cudagraph_mode and
-            # initialize_kv_cache_tensors, and None from here on (its step's reads, _build_attention_metadata's
-            # isinstance checks, take it for a proposer of none of vLLM's kinds).
-            spec, self.speculative_config = self.speculative_config, None
-            try:
-                return super().initialize_kv_cache(*args, **kwargs)
-            finally:
-                self.speculative_config = spec
-                self.drafter = None
-        result = super().initialize_kv_cache(*args, **kwargs)
+        with self._drafter_hidden():
+            result = super().initialize_kv_cache(*args, **kwargs)
         mark_target_builders(getattr(self, "attn_groups", ()),
                              getattr(getattr(self, "drafter", None), "_draft_attn_layer_names", None) or ())
         tree = None if self.tree_verifier is None else easyspec_options(self.vllm_config).tree
         if tree is not None and tree.auto is not None:
-            self.tree_verifier.policy = start_auto_budget(self, tree)
+            if self.uncommitted_trees is not None:  # a stage before the last: its layers' part of each verify timed
+                time_target_verify(self, tree)
+            else:
+                self.tree_verifier.policy = start_auto_budget(self, tree)
         return result
+
+    @contextlib.contextmanager
+    def _drafter_hidden(self):
+        """A pipeline stage before the last has no drafter, but vLLM reads one wherever speculative_config is set:
+        inside, the config is hidden (GPUModelRunner.initialize_metadata_builders, _check_and_update_cudagraph_mode,
+        initialize_kv_cache_tensors); after, ``drafter`` is None (its step's reads, _build_attention_metadata's
+        isinstance checks, take it for a proposer of none of vLLM's kinds)."""
+        if not self._drafterless_stage:
+            yield
+            return
+        spec, self.speculative_config = self.speculative_config, None
+        try:
+            yield
+        finally:
+            self.speculative_config = spec
+            self.drafter = None
 
     # Extends GPUModelRunner._update_states: a stage before the last first learns the drafts its requests accepted.
     def _update_states(self, scheduler_output):
