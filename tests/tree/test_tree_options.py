@@ -236,3 +236,21 @@ def test_levels_wider_than_the_drafters_buffers_are_refused(tiny_llama_dir, tiny
         args.create_engine_config()
     args.max_num_seqs = 64
     args.create_engine_config()
+
+
+def test_an_eagle_head_under_pipeline_parallelism_needs_the_targets_embedding_on_the_last_stage():
+    """vLLM loads the target's embedding on the last stage only for Llama and Qwen2 targets (under EAGLE methods);
+    with any other target the head would embed through a missing layer, so it is refused before it loads."""
+    import types
+
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    from vllm_easyspec.integration.proposers import EasySpecEagleProposer
+
+    proposer = object.__new__(EasySpecEagleProposer)
+    proposer.method = "eagle3"
+    proposer.vllm_config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(pipeline_parallel_size=2))
+    target = types.SimpleNamespace(model=types.SimpleNamespace(embed_tokens=PPMissingLayer()))
+    with pytest.raises(EasySpecConfigError, match="easyspec.tree with an eagle3 head at --pipeline-parallel-size 2 "
+                                                  "needs the target's embedding on the last stage"):
+        proposer.load_model(target)
