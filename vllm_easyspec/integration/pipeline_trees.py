@@ -145,6 +145,8 @@ def _update_from_output(original):
 
     @functools.wraps(original)
     def update_from_output(self, scheduler_output, model_runner_output):
+        if self.vllm_config.parallel_config.pipeline_parallel_size == 1:
+            return original(self, scheduler_output, model_runner_output)
         stale = {req_id for req_id in scheduler_output.num_scheduled_tokens  # preempted while in flight
                  if getattr(self.requests.get(req_id), "num_stale_output_tokens", 0) > 0}
         outputs = original(self, scheduler_output, model_runner_output)
