@@ -9,16 +9,12 @@ from __future__ import annotations
 import pytest
 
 from tests.request_batches import MIXED, SINGLE, generate
+from tests.tree.test_engine_tree_tp import TP2_ENV, two_rank_tree_engine
 from vllm_easyspec.instruments.worker_extension import read_tree_stats
-
-PP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 def pp2_tree_engine(llm_pool, monkeypatch, target, speculative_config: dict, tree: dict):
-    for key, value in PP2_ENV.items():
-        monkeypatch.setenv(key, value)
-    return llm_pool.get(target, speculative_config=speculative_config, additional_config={"easyspec": {"tree": tree}},
-                        pipeline_parallel_size=2, distributed_executor_backend="mp", multiprocess=True)
+    return two_rank_tree_engine(llm_pool, monkeypatch, target, speculative_config, tree, pipeline_parallel_size=2)
 
 
 def assert_both_stages_verified_trees(llm) -> dict:
@@ -111,7 +107,7 @@ def test_trees_at_pp2_through_the_server_equal_vanilla(tmp_path, llm_pool, tree_
                                                                                       "budget": 8}}}))
     model = str(tree_llama_dir)
     bodies = [{"model": model, "prompt": prompt, "temperature": 0.0} | options for prompt, options in MIXED]
-    with serving(command, port, tmp_path / "serve.log", env=os.environ | PP2_ENV):
+    with serving(command, port, tmp_path / "serve.log", env=os.environ | TP2_ENV):
         with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
             completions = list(pool.map(lambda body: post(port, "/v1/completions", body), bodies))
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
@@ -130,7 +126,7 @@ def test_preempted_and_truncated_trees_at_pp2_keep_outputs_exact(llm_pool, monke
     short (the earlier stage gets the cut parents)."""
     vanilla = llm_pool.get(tree_llama_dir)
     expected = generate(vanilla, MIXED)
-    for key, value in PP2_ENV.items():
+    for key, value in TP2_ENV.items():
         monkeypatch.setenv(key, value)
     llm = llm_pool.get(tree_llama_dir, speculative_config={"method": "draft_model", "model": str(tiny_llama_draft_dir)},
                        additional_config={"easyspec": {"tree": {"top_k": 3, "depth": 3, "budget": 8}}},

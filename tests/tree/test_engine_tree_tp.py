@@ -19,11 +19,17 @@ SOURCES = {
 }
 
 
-def tp2_tree_engine(llm_pool, monkeypatch, target, speculative_config: dict, tree: dict):
+def two_rank_tree_engine(llm_pool, monkeypatch, target, speculative_config: dict, tree: dict, **layout):
+    """A tree engine whose two ranks (``layout``: tensor_parallel_size or pipeline_parallel_size 2) run in processes
+    of their own, one core each."""
     for key, value in TP2_ENV.items():
         monkeypatch.setenv(key, value)
     return llm_pool.get(target, speculative_config=speculative_config, additional_config={"easyspec": {"tree": tree}},
-                        tensor_parallel_size=2, distributed_executor_backend="mp", multiprocess=True)
+                        distributed_executor_backend="mp", multiprocess=True, **layout)
+
+
+def tp2_tree_engine(llm_pool, monkeypatch, target, speculative_config: dict, tree: dict):
+    return two_rank_tree_engine(llm_pool, monkeypatch, target, speculative_config, tree, tensor_parallel_size=2)
 
 
 def assert_both_ranks_verified_trees(llm) -> None:

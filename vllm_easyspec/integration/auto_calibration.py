@@ -32,12 +32,12 @@ def start_auto_budget(runner: Any, tree: TreeConfig) -> AutoBudget:
     that uses it, publishing its figures to vLLM's metrics from tensor-parallel rank 0."""
     from vllm.distributed import get_tensor_model_parallel_rank
 
-    from vllm_easyspec.integration.pipeline_trees import single_stage_pipeline
+    from vllm_easyspec.integration.pipeline_trees import pipeline_stages, single_stage_pipeline
 
     started = time.perf_counter()
     level_width, max_nodes = _tree_shape(tree)
     verify = time_target_verify(runner, tree)
-    with single_stage_pipeline(runner.vllm_config.parallel_config.pipeline_parallel_size > 1):  # the draft, whole
+    with single_stage_pipeline(pipeline_stages(runner.vllm_config) > 1):  # the draft, whole
         level = _forward_timings(runner, calibration_rows(
             min(runner.scheduler_config.max_num_seqs * level_width, runner.max_num_tokens)), draft=True)
     cost = StepCostModel(
@@ -96,6 +96,7 @@ def _forward_timings(runner: Any, rows: list[int], draft: bool) -> ForwardTiming
     drafter = runner.drafter
     model = drafter.model if draft else runner.model
     stage = get_pp_group()
+    first_stage, last_stage = draft or stage.is_first_rank, draft or stage.is_last_rank  # the draft runs whole
     in_step = _in_step_across_data_parallel_ranks(runner)
     if not draft:
         in_step = _across_pipeline_stages(in_step)
@@ -106,13 +107,13 @@ def _forward_timings(runner: Any, rows: list[int], draft: bool) -> ForwardTiming
         if draft and drafter.pass_hidden_states_to_model:  # an EAGLE head reads a hidden state per row
             inputs["hidden_states"] = torch.zeros(count, drafter.hidden_size, dtype=runner.dtype,
                                                   device=runner.device)
-        if not draft and not stage.is_first_rank:  # a later stage's input: the earlier stage's tensors
+        if not first_stage:  # a later stage's input: the earlier stage's tensors
             inputs["intermediate_tensors"] = runner.sync_and_gather_intermediate_tensors(count, None, False)
         started = time.perf_counter()
         with torch.inference_mode(), set_forward_context(None, runner.vllm_config, num_tokens=count):
             output = model(**inputs)
             hidden = output[0] if isinstance(output, tuple) else output
-            if not draft and not stage.is_last_rank:  # an earlier stage: no logits
+            if not last_stage:  # an earlier stage: no logits
                 hidden = hidden["hidden_states"]
                 _wait_for(hidden)
                 return (time.perf_counter() - started,) * 2

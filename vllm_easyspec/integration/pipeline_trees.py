@@ -105,7 +105,7 @@ class UncommittedTrees:
 
     def commit(self, scheduler_output, write: Callable[[TreeVerifyForward, AcceptedBranch], None]) -> None:
         """Before a stage's forward: the moves that came with ``scheduler_output`` committed through ``write``;
-        requests scheduled again, finished or (re)started forget their kept forward."""
+        requests scheduled again (restarted ones included) or finished forget their kept forward."""
         moves: dict[str, Moves] = getattr(scheduler_output, BRANCH_MOVES, None) or {}
         by_forward: dict[int, tuple[TreeVerifyForward, list[tuple[int, int, int]]]] = {}
         for req_id, request_moves in moves.items():
@@ -119,9 +119,7 @@ class UncommittedTrees:
             index, column, depth = (torch.tensor(values, dtype=torch.long) for values in zip(*entries, strict=True))
             write(forward, AcceptedBranch(index, column, forward.step.prefix_lens[index] + depth,
                                           torch.zeros_like(index)))
-        new = {request.req_id for request in scheduler_output.scheduled_new_reqs}
-        done = (set(scheduler_output.num_scheduled_tokens) | scheduler_output.finished_req_ids | new
-                | set(scheduler_output.scheduled_cached_reqs.resumed_req_ids))
+        done = set(scheduler_output.num_scheduled_tokens) | scheduler_output.finished_req_ids
         for req_id in done & set(self.forwards):
             del self.forwards[req_id]
 
@@ -145,7 +143,7 @@ def _update_from_output(original):
 
     @functools.wraps(original)
     def update_from_output(self, scheduler_output, model_runner_output):
-        if self.vllm_config.parallel_config.pipeline_parallel_size == 1:
+        if pipeline_stages(self.vllm_config) == 1:
             return original(self, scheduler_output, model_runner_output)
         stale = {req_id for req_id in scheduler_output.num_scheduled_tokens  # preempted while in flight
                  if getattr(self.requests.get(req_id), "num_stale_output_tokens", 0) > 0}
@@ -182,7 +180,7 @@ def _schedule(original):
     @functools.wraps(original)
     def schedule(self, *args, **kwargs):
         output = original(self, *args, **kwargs)
-        if self.vllm_config.parallel_config.pipeline_parallel_size == 1:
+        if pipeline_stages(self.vllm_config) == 1:
             return output
         restarted = ({request.req_id for request in output.scheduled_new_reqs}
                      | set(output.scheduled_cached_reqs.resumed_req_ids))

@@ -30,7 +30,11 @@ from vllm_easyspec.instruments.device_clock import DeviceClock, DraftingStats
 from vllm_easyspec.integration.compat import plugin_logger
 from vllm_easyspec.integration.draft_grammar import NO_GRAMMAR
 from vllm_easyspec.integration.options import EasySpecOptions, easyspec_options
-from vllm_easyspec.integration.pipeline_trees import single_stage_pipeline, target_layers_counted_whole
+from vllm_easyspec.integration.pipeline_trees import (
+    pipeline_stages,
+    single_stage_pipeline,
+    target_layers_counted_whole,
+)
 from vllm_easyspec.integration.tree_drafting import TreeDrafting
 
 logger = plugin_logger(__name__)
@@ -113,7 +117,7 @@ class PluginProposerMixin:
     @property
     def _held_whole(self) -> bool:
         """Under pipeline parallelism the drafter lives on the last stage, whole (integration/pipeline_trees.py)."""
-        return self.vllm_config.parallel_config.pipeline_parallel_size > 1
+        return pipeline_stages(self.vllm_config) > 1
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         held_whole = self._held_whole
